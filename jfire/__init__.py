@@ -1,0 +1,3 @@
+"""jfire: an LLM inference engine on JAX/XLA."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,45 @@
+"""`jfire convert SRC DST`: a HF directory or GGUF file into a jfire checkpoint."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from tqdm import tqdm
+
+from jfire.checkpoint import store
+from jfire.checkpoint.load import count_source_tensors, open_source, parse_dtype, read_params
+from jfire.checkpoint.sources import GGUFSource
+from jfire.errors import JfireError
+from jfire.tokenizer import Tokenizer
+
+
+def convert(src: Path, dst: Path, dtype: str = "bfloat16", *, progress: bool = True) -> Path:
+    """Writes the checkpoint into a temporary sibling and renames it into place, so an
+    interrupted conversion never leaves a half-written checkpoint that looks complete."""
+    src, dst = Path(src).expanduser(), Path(dst).expanduser()
+    target = parse_dtype(dtype)
+    if store.is_checkpoint(src):
+        raise JfireError(f"{src} is already a jfire checkpoint; give a HF directory or a .gguf file")
+    if dst.exists() and any(dst.iterdir()):
+        raise JfireError(f"destination {dst} exists and is not empty; choose a new directory or remove it")
+    source = open_source(src)
+    config = source.config
+    bar = tqdm(total=count_source_tensors(config), desc=f"converting {src.name}", unit="tensor", disable=not progress)
+    params = read_params(source, config, target, progress=lambda name: bar.update())
+    bar.close()
+    tokenizer = Tokenizer.from_gguf(source.reader) if isinstance(source, GGUFSource) else Tokenizer.from_dir(src)
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+    try:
+        store.save(staging, config, params, dtype)
+        if tokenizer is not None:
+            tokenizer.save(staging)
+        if dst.exists():
+            dst.rmdir()
+        staging.rename(dst)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return dst

@@ -1,0 +1,101 @@
+"""Turning `--model` into a config, weights on the device, and a tokenizer.
+
+`--model` is a HF directory, a .gguf file, a jfire checkpoint directory, or `default`
+(the embedded SmolLM2-135M-Instruct, converted once into checkpoints/ on first use).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jfire.checkpoint import store
+from jfire.checkpoint.sources import GGUFSource, HFDirSource
+from jfire.errors import JfireError
+from jfire.models.llama import LlamaConfig
+from jfire.models.params import set_path
+from jfire.tokenizer import Tokenizer
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    config: LlamaConfig
+    params: dict
+    tokenizer: Tokenizer | None
+    name: str  # what the user asked for, for messages and /v1/models
+    dtype: str
+
+
+def parse_dtype(name: str):
+    if name not in DTYPES:
+        raise JfireError(f"unknown dtype {name!r}; use one of: {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def open_source(path: Path):
+    """The weight source for a HF directory or a GGUF file, with a clear error otherwise."""
+    if not path.exists():
+        raise JfireError(f"model path {str(path)!r} does not exist (give a HF directory, a .gguf file, a jfire checkpoint or 'default')")
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise JfireError(f"{path} is a file but not a .gguf; give a .gguf file or a model directory")
+        return GGUFSource(path)
+    return HFDirSource(path)
+
+
+def read_params(source, config: LlamaConfig, dtype, progress: Callable | None = None) -> dict:
+    """Reads every declared parameter from `source` (HF names and layout), checked and cast.
+
+    Arrays are assembled on the host in the target dtype and placed once, so a float32
+    source never sits on the device beside its bf16 copy.
+    """
+    np_dtype = np.dtype(dtype)
+    params: dict = {}
+    for spec in config.param_specs():
+        layers = range(config.num_layers) if spec.per_layer else [None]
+        slices = []
+        for i in layers:
+            name = spec.hf.format(i=i) if i is not None else spec.hf
+            tensor = source.get(name, spec)
+            if tuple(tensor.shape) != spec.source_shape:
+                raise JfireError(
+                    f"tensor '{name}' has shape {tuple(tensor.shape)} but the config implies {spec.source_shape}"
+                )
+            slices.append(spec.from_source(np.asarray(tensor)).astype(np_dtype))
+            if progress:
+                progress(name)
+        value = np.stack(slices) if spec.per_layer else slices[0]
+        set_path(params, spec.name, jax.device_put(value))
+    return params
+
+
+def count_source_tensors(config: LlamaConfig) -> int:
+    return sum(config.num_layers if s.per_layer else 1 for s in config.param_specs())
+
+
+def load_model(model: str | None, dtype: str = "float32", *, checkpoints_dir: Path | None = None) -> LoadedModel:
+    target = parse_dtype(dtype)
+    if model in (None, "default"):
+        from jfire.checkpoint.default_model import ensure_default_checkpoint
+
+        path = ensure_default_checkpoint(checkpoints_dir)
+        name = "default"
+    else:
+        path = Path(model).expanduser()
+        name = model
+    if store.is_checkpoint(path):
+        config, params = store.restore(path, target)
+        tokenizer = Tokenizer.from_dir(path)
+    else:
+        source = open_source(path)
+        config = source.config
+        params = read_params(source, config, target)
+        tokenizer = Tokenizer.from_gguf(source.reader) if isinstance(source, GGUFSource) else Tokenizer.from_dir(path)
+    return LoadedModel(config=config, params=params, tokenizer=tokenizer, name=name, dtype=dtype)

@@ -1,0 +1,140 @@
+"""Where weights come from: a Hugging Face directory (safetensors) or a GGUF file.
+
+Both sources hand out tensors by their HF name in the HF layout, so one declared table
+(`ParamSpec`) maps either onto the model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from jfire.errors import JfireError
+from jfire.models.llama import LlamaConfig
+from jfire.models.params import ParamSpec
+
+
+class HFDirSource:
+    """A HF model directory: config.json plus model.safetensors or a sharded index."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        config_file = self.path / "config.json"
+        if not config_file.is_file():
+            raise JfireError(f"{self.path} has no config.json; a Hugging Face model directory needs one")
+        try:
+            self.hf_config = json.loads(config_file.read_text())
+        except json.JSONDecodeError as e:
+            raise JfireError(f"{config_file} is not valid JSON: {e}") from None
+        self.config = LlamaConfig.from_hf(self.hf_config)
+        self._file_of = self._index()
+        self._open: dict[Path, object] = {}
+
+    def _index(self) -> dict[str, Path]:
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return {name: self.path / file for name, file in weight_map.items()}
+        single = self.path / "model.safetensors"
+        if single.is_file():
+            return {name: single for name in _safetensors_names(single)}
+        files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            raise JfireError(
+                f"{self.path} has no *.safetensors weights (pytorch .bin files are not read; "
+                "convert them to safetensors first)"
+            )
+        return {name: f for f in files for name in _safetensors_names(f)}
+
+    def describe(self) -> str:
+        return str(self.path)
+
+    def get(self, name: str, spec: ParamSpec) -> np.ndarray:
+        file = self._file_of.get(name)
+        if file is None:
+            raise JfireError(f"{self.path}: tensor '{name}' is missing (expected shape {spec.source_shape})")
+        try:
+            from safetensors import safe_open
+
+            if file not in self._open:
+                self._open[file] = safe_open(file, framework="numpy")
+            return self._open[file].get_tensor(name)
+        except JfireError:
+            raise
+        except Exception as e:  # safetensors reports truncation as a bare error string
+            raise JfireError(
+                f"{file.name}: cannot read tensor '{name}' ({e}); the file may be truncated or corrupt"
+            ) from None
+
+
+def _safetensors_names(file: Path) -> list[str]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(file, framework="numpy") as f:
+            return list(f.keys())
+    except Exception as e:
+        raise JfireError(f"{file} is not a readable safetensors file ({e})") from None
+
+
+class GGUFSource:
+    """A GGUF file, dequantized to float32 with the `gguf` package."""
+
+    def __init__(self, path: Path):
+        import gguf
+
+        self.path = Path(path)
+        try:
+            self.reader = gguf.GGUFReader(self.path)
+        except Exception as e:
+            raise JfireError(f"{self.path} is not a readable GGUF file ({e})") from None
+        self.metadata = gguf_metadata(self.reader)
+        self._tensors = {t.name: t for t in self.reader.tensors}
+        self.config = LlamaConfig.from_gguf(self.metadata, has_output_tensor="output.weight" in self._tensors)
+        # llama.cpp's converter interleaves the rotary halves of Q and K for the 'llama' arch.
+        self._permuted = self.metadata["general.architecture"] == "llama"
+
+    def describe(self) -> str:
+        return str(self.path)
+
+    def get(self, name: str, spec: ParamSpec) -> np.ndarray:
+        import gguf
+
+        gguf_name = _gguf_name(name, spec)
+        tensor = self._tensors.get(gguf_name)
+        if tensor is None:
+            raise JfireError(f"{self.path.name}: tensor '{gguf_name}' is missing (expected shape {spec.source_shape})")
+        data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        data = np.asarray(data, dtype=np.float32).reshape(tuple(reversed([int(n) for n in tensor.shape])))
+        if self._permuted and spec.name in ("layers.wq", "layers.wk"):
+            heads = self.config.num_heads if spec.name == "layers.wq" else self.config.num_kv_heads
+            data = _unpermute_rotary(data, heads)
+        return data
+
+
+def _gguf_name(hf_name: str, spec: ParamSpec) -> str:
+    if not spec.per_layer:
+        return spec.gguf
+    layer = hf_name.split(".")[2]  # model.layers.{i}.…
+    return spec.gguf.format(i=layer)
+
+
+def _unpermute_rotary(w: np.ndarray, heads: int) -> np.ndarray:
+    # Inverse of llama.cpp's permute: per head, rows (pairs, 2) -> (2, pairs).
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_metadata(reader) -> dict:
+    """GGUF key-value metadata as plain Python values (strings decoded, arrays as lists)."""
+    meta = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            meta[key] = field.contents()
+        except Exception:  # a value type this gguf version cannot decode: not one we read
+            continue
+    return meta

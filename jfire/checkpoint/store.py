@@ -1,0 +1,80 @@
+"""The jfire checkpoint directory: orbax-checkpoint weights, the model config, the tokenizer.
+
+  DST/jfire.json          {"format": 1, "family": "llama", "dtype": ..., "config": {...}}
+  DST/params/             orbax-checkpoint (StandardCheckpointer) of the params tree
+  DST/tokenizer.json, tokenizer_config.json   when the source had a tokenizer
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import jax
+
+from jfire.errors import JfireError
+from jfire.models.llama import LlamaConfig
+from jfire.models.params import abstract_params
+
+FORMAT_VERSION = 1
+MANIFEST = "jfire.json"
+
+
+def is_checkpoint(path: Path) -> bool:
+    return (Path(path) / MANIFEST).is_file()
+
+
+def save(dst: Path, config: LlamaConfig, params: dict, dtype_name: str) -> None:
+    import orbax.checkpoint as ocp
+
+    dst = Path(dst).absolute()
+    dst.mkdir(parents=True, exist_ok=True)
+    _quiet_orbax()
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(dst / "params", params, force=True)
+        ckptr.wait_until_finished()
+    manifest = {"format": FORMAT_VERSION, "family": "llama", "dtype": dtype_name, "config": config.to_dict()}
+    (dst / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def read_manifest(path: Path) -> dict:
+    try:
+        manifest = json.loads((Path(path) / MANIFEST).read_text())
+    except json.JSONDecodeError as e:
+        raise JfireError(f"{path}/{MANIFEST} is not valid JSON: {e}") from None
+    if manifest.get("format") != FORMAT_VERSION:
+        raise JfireError(
+            f"{path} is a jfire checkpoint of format {manifest.get('format')!r}; this jfire reads format "
+            f"{FORMAT_VERSION} (convert the model again)"
+        )
+    return manifest
+
+
+def restore(path: Path, dtype) -> tuple[LlamaConfig, dict]:
+    """Config and params from a checkpoint, cast to `dtype` as they are read."""
+    import orbax.checkpoint as ocp
+
+    path = Path(path).absolute()
+    manifest = read_manifest(path)
+    config = LlamaConfig.from_dict(manifest["config"])
+    target = abstract_params(config.param_specs(), dtype)
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), target)
+    _quiet_orbax()
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            params = ckptr.restore(path / "params", target)
+    except Exception as e:
+        raise JfireError(f"cannot restore the weights in {path}/params: {_first_line(e)}") from None
+    return config, params
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+def _quiet_orbax() -> None:
+    # orbax logs every save/restore step at INFO through absl; users want the progress bar only.
+    logging.getLogger("absl").setLevel(logging.WARNING)

@@ -1,0 +1,136 @@
+"""The `jfire` command: generate, convert.
+
+Every user-facing failure is a JfireError, printed as one line with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from jfire.errors import JfireError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage mistake as one line (and exits 2), like every other error."""
+
+    def error(self, message):
+        raise JfireError(f"{message} (see '{self.prog} --help')")
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default",
+                   help="HF model directory, .gguf file, jfire checkpoint directory, or 'default' "
+                        "(SmolLM2-135M-Instruct, converted into checkpoints/ on first use)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="dtype of weights and activations (default: float32)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="jfire", description="jfire: an LLM inference engine on JAX/XLA")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    g = sub.add_parser("generate", help="generate a completion for one prompt")
+    _add_model_args(g)
+    source = g.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="plain text prompt")
+    source.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3 (works without a tokenizer)")
+    source.add_argument("--chat", help="a user message, rendered with the model's chat template")
+    g.add_argument("--system", help="system message for --chat")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 (the default) is off")
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    g.add_argument("--max-context", type=int, default=None, help="cap the context below the model's own")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+
+    c = sub.add_parser("convert", help="convert a HF directory or .gguf file into a jfire checkpoint")
+    c.add_argument("src", help="HF model directory or .gguf file")
+    c.add_argument("dst", nargs="?", help="destination directory (default: checkpoints/<name>)")
+    c.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
+                   help="dtype the weights are stored in (default: bfloat16)")
+    c.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def _prompt_ids(args, tokenizer) -> list[int]:
+    if args.prompt_ids is not None:
+        try:
+            return [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+        except ValueError:
+            raise JfireError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
+    if tokenizer is None:
+        raise JfireError("this model has no tokenizer (no tokenizer.json); pass --prompt-ids instead of text")
+    if args.chat is not None:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages.append({"role": "user", "content": args.chat})
+        return tokenizer.encode_chat(messages, add_generation_prompt=True)
+    return tokenizer.encode(args.prompt)
+
+
+def cmd_generate(args) -> int:
+    from jfire.checkpoint.load import load_model
+    from jfire.generate import Generator
+    from jfire.sampling import SamplingParams
+
+    sampling = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        max_tokens=args.max_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+    )
+    model = load_model(args.model, args.dtype)
+    generator = Generator(model, max_context=args.max_context)
+    prompt_ids = _prompt_ids(args, model.tokenizer)
+    stream_text = None if args.json or model.tokenizer is None else (lambda s: print(s, end="", flush=True))
+    start = time.perf_counter()
+    result = generator.complete(prompt_ids, sampling, on_text=stream_text)
+    elapsed = time.perf_counter() - start
+    if args.json:
+        print(json.dumps({
+            "model": model.name,
+            "prompt_ids": result.prompt_ids,
+            "token_ids": result.token_ids,
+            "text": result.text,
+            "finish_reason": result.finish_reason,
+            "seconds": round(elapsed, 4),
+        }))
+    elif model.tokenizer is None:
+        print(",".join(map(str, result.token_ids)))
+    else:
+        print()
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from jfire.checkpoint.convert import convert
+    from jfire.checkpoint.default_model import default_checkpoints_dir
+
+    src = Path(args.src)
+    dst = Path(args.dst) if args.dst else default_checkpoints_dir() / src.name.removesuffix(".gguf")
+    out = convert(src, dst, args.dtype, progress=not args.no_progress)
+    print(f"wrote {out}")
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "convert": cmd_convert}
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return COMMANDS[args.command](args)
+    except JfireError as e:
+        print(f"jfire: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("jfire: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

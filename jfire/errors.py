@@ -1,0 +1,5 @@
+"""The one exception type users see: its message is printed as a single line, no traceback."""
+
+
+class JfireError(Exception):
+    """A problem with the user's input or environment, stated as what is wrong and what would be right."""

@@ -1,0 +1,87 @@
+"""The declaration every parameter is read from: shape, logical axes, source names, init.
+
+Init, `eval_shape`, loading, conversion and sharding all walk the same `ParamSpec` tuple a
+model config returns, so a new tensor is declared in exactly one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    name: str  # dotted path in the params tree, e.g. "layers.wq"
+    shape: tuple[int, ...]
+    axes: tuple[str, ...]  # logical axis names, one per dim
+    hf: str | None  # name in a HF checkpoint ({i} = layer) — stored [out, in] for linears
+    gguf: str | None  # name in a GGUF file ({i} = layer)
+    n_in: int | None = None  # linear layers: how many leading (per-layer) dims are inputs
+    init: str = "normal"  # "normal", "ones" or "zeros"
+    flat_source: bool = True  # non-linears (norms, biases) are vectors in HF; the embedding is not
+
+    @property
+    def per_layer(self) -> bool:
+        return self.axes[0] == "layers"
+
+    @property
+    def source_shape(self) -> tuple[int, ...]:
+        """The shape of one source tensor (one layer's slice) as HF stores it."""
+        shape = self.shape[1:] if self.per_layer else self.shape
+        if self.n_in is None:
+            return (math.prod(shape),) if self.flat_source else shape
+        return (math.prod(shape[self.n_in:]), math.prod(shape[: self.n_in]))
+
+    def from_source(self, tensor: np.ndarray) -> np.ndarray:
+        """One source tensor (already shape-checked) in this param's per-layer layout."""
+        shape = self.shape[1:] if self.per_layer else self.shape
+        if self.n_in is not None:
+            tensor = tensor.T
+        return tensor.reshape(shape)
+
+    def to_source(self, array: np.ndarray) -> np.ndarray:
+        """Inverse of from_source: one layer's slice back in the HF layout."""
+        if self.n_in is None:
+            return array.reshape(self.source_shape)
+        shape = self.shape[1:] if self.per_layer else self.shape
+        return array.reshape(math.prod(shape[: self.n_in]), -1).T
+
+
+def set_path(tree: dict, dotted: str, value) -> None:
+    *parents, leaf = dotted.split(".")
+    for p in parents:
+        tree = tree.setdefault(p, {})
+    tree[leaf] = value
+
+
+def get_path(tree: dict, dotted: str):
+    for p in dotted.split("."):
+        tree = tree[p]
+    return tree
+
+
+def abstract_params(specs, dtype) -> dict:
+    """A tree of ShapeDtypeStructs: what restore and AOT compilation need without any weights."""
+    tree: dict = {}
+    for s in specs:
+        set_path(tree, s.name, jax.ShapeDtypeStruct(s.shape, dtype))
+    return tree
+
+
+def init_params(specs, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> dict:
+    """Random weights for tests and benchmarks (normal(0, scale) matrices, unit norms)."""
+    tree: dict = {}
+    for i, s in enumerate(specs):
+        if s.init == "ones":
+            value = jnp.ones(s.shape, dtype)
+        elif s.init == "zeros":
+            value = jnp.zeros(s.shape, dtype)
+        else:
+            value = (scale * jax.random.normal(jax.random.fold_in(key, i), s.shape, jnp.float32)).astype(dtype)
+        set_path(tree, s.name, value)
+    return tree
