@@ -1,0 +1,36 @@
+"""Shared fixtures: tiny random HF models saved to disk by the tests themselves, and the
+default model (converted once into checkpoints/, as users get it)."""
+
+from __future__ import annotations
+
+import os
+
+# Tests run on the CPU; keep XLA from grabbing every core for one tiny matmul.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest
+
+from tests.tiny_models import save_tiny_hf_model
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dir(tmp_path_factory):
+    """Returns a function family -> path of a saved tiny random HF model (cached per session)."""
+    made = {}
+
+    def make(family: str, **kwargs):
+        key = (family, tuple(sorted(kwargs.items())))
+        if key not in made:
+            path = tmp_path_factory.mktemp(family)
+            save_tiny_hf_model(family, path, **kwargs)
+            made[key] = path
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def default_checkpoint():
+    from jfire.checkpoint.default_model import ensure_default_checkpoint
+
+    return ensure_default_checkpoint()
