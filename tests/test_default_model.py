@@ -1,0 +1,65 @@
+"""The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) in float32 against transformers
+loading the same GGUF: identical greedy tokens for 32 steps, plain and chat prompts."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jfire.checkpoint.default_model import GGUF_NAME, default_gguf_path
+from jfire.checkpoint.load import load_model
+from jfire.generate import Generator
+from jfire.sampling import SamplingParams
+
+STEPS = 32
+
+
+@pytest.fixture(scope="module")
+def reference():
+    path = default_gguf_path()
+    tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=GGUF_NAME)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=GGUF_NAME, dtype=torch.float32)
+    return tok, model.eval()
+
+
+@pytest.fixture(scope="module")
+def jfire_model(default_checkpoint):
+    return load_model("default", "float32")
+
+
+def hf_greedy(model, prompt_ids: list[int], steps: int) -> list[int]:
+    """A plain cached greedy loop in transformers, no EOS handling: 32 ids, always."""
+    out = []
+    with torch.no_grad():
+        result = model(torch.tensor([prompt_ids]), use_cache=True)
+        for _ in range(steps):
+            token = int(result.logits[0, -1].argmax())
+            out.append(token)
+            result = model(torch.tensor([[token]]), past_key_values=result.past_key_values, use_cache=True)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["plain", "chat"])
+def test_default_model_greedy_matches_transformers(kind, reference, jfire_model):
+    tok, model = reference
+    if kind == "plain":
+        ids = tok("The three most important inventions in history are", add_special_tokens=True)["input_ids"]
+        assert ids == jfire_model.tokenizer.encode("The three most important inventions in history are")
+    else:
+        messages = [{"role": "user", "content": "Write a haiku about the sea."}]
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        assert ids == jfire_model.tokenizer.encode_chat(messages)
+    expected = hf_greedy(model, ids, STEPS)
+    got = Generator(jfire_model).complete(ids, SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True))
+    assert got.token_ids == expected
+
+
+def test_checkpoint_holds_the_gguf_weights_exactly(jfire_model):
+    """The converted checkpoint restores bit-for-bit what reading the GGUF directly gives."""
+    direct = load_model(str(default_gguf_path()), "float32")
+    assert direct.config == jfire_model.config
+    equal = jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), direct.params, jfire_model.params)
+    assert all(jax.tree.leaves(equal))
