@@ -29,6 +29,32 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="dtype of weights and activations (default: float32)")
 
 
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-batch", type=int, default=None, help="most sequences decoding at once (default 64)")
+    p.add_argument("--kv-cache-gb", type=float, default=1.0, help="device memory for the paged KV cache (default 1)")
+    p.add_argument("--attention", default="reference", choices=["reference", "pallas", "pallas-interpret"],
+                   help="decode attention: plain jnp, or the Pallas kernel (GPU; -interpret runs it on CPU)")
+    p.add_argument("--compile-cache", default=None,
+                   help="JAX persistent compilation cache directory (default ~/.cache/jfire/xla; 'off' disables)")
+
+
+def engine_config(args, *, single: bool):
+    from jfire.engine import EngineConfig, default_compilation_cache_dir
+
+    cache = args.compile_cache or default_compilation_cache_dir()
+    limits = dict(max_batch=1, max_prefill_rows=1, aot=False) if single else {}
+    if args.max_batch is not None:
+        if args.max_batch < 1:
+            raise JfireError(f"--max-batch must be >= 1, got {args.max_batch}")
+        limits["max_batch"] = args.max_batch
+    if not args.kv_cache_gb > 0:
+        raise JfireError(f"--kv-cache-gb must be > 0, got {args.kv_cache_gb}")
+    return EngineConfig(
+        kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), attention=args.attention,
+        max_model_len=getattr(args, "max_context", None),
+        compilation_cache_dir=None if cache == "off" else cache, **limits)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="jfire", description="jfire: an LLM inference engine on JAX/XLA")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -36,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate a completion for one prompt")
     _add_model_args(g)
     source = g.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompts-file", help="JSONL file of prompts to run together through the batching engine")
     source.add_argument("--prompt", help="plain text prompt")
     source.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3 (works without a tokenizer)")
     source.add_argument("--chat", help="a user message, rendered with the model's chat template")
@@ -47,8 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
-    g.add_argument("--max-context", type=int, default=None, help="cap the context below the model's own")
+    g.add_argument("--max-context", type=int, default=None,
+                   help="cap the context below the model's own (default: the model's, at most 4096)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g.add_argument("--output", help="with --prompts-file: write JSONL results here (default: stdout)")
+    _add_engine_args(g)
 
     c = sub.add_parser("convert", help="convert a HF directory or .gguf file into a jfire checkpoint")
     c.add_argument("src", help="HF model directory or .gguf file")
@@ -76,20 +106,30 @@ def _prompt_ids(args, tokenizer) -> list[int]:
 
 def cmd_generate(args) -> int:
     from jfire.checkpoint.load import load_model
-    from jfire.generate import Generator
+    from jfire.engine import Engine
     from jfire.sampling import SamplingParams
 
     sampling = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         max_tokens=args.max_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
     )
+    if args.output and not args.prompts_file:
+        raise JfireError("--output goes with --prompts-file")
     model = load_model(args.model, args.dtype)
-    generator = Generator(model, max_context=args.max_context)
+    if args.prompts_file:
+        return _generate_batch(args, model, sampling)
     prompt_ids = _prompt_ids(args, model.tokenizer)
-    stream_text = None if args.json or model.tokenizer is None else (lambda s: print(s, end="", flush=True))
-    start = time.perf_counter()
-    result = generator.complete(prompt_ids, sampling, on_text=stream_text)
-    elapsed = time.perf_counter() - start
+    with Engine(model, engine_config(args, single=True)) as engine:
+        handle = engine.submit(prompt_ids, sampling)
+        if args.json or model.tokenizer is None:
+            result = handle.result()
+        else:
+            for out in handle:
+                print(out.text, end="", flush=True)
+                if out.finished and out.finish_reason == "error":
+                    raise JfireError(out.error)
+            print()
+            return 0
     if args.json:
         print(json.dumps({
             "model": model.name,
@@ -97,12 +137,28 @@ def cmd_generate(args) -> int:
             "token_ids": result.token_ids,
             "text": result.text,
             "finish_reason": result.finish_reason,
-            "seconds": round(elapsed, 4),
+            "ttft_s": round(result.ttft_s, 4),
+            "seconds": round(result.latency_s, 4),
         }))
-    elif model.tokenizer is None:
-        print(",".join(map(str, result.token_ids)))
     else:
-        print()
+        print(",".join(map(str, result.token_ids)))
+    return 0
+
+
+def _generate_batch(args, model, sampling) -> int:
+    from jfire.batch import run_batch
+    from jfire.engine import Engine
+
+    out = open(args.output, "w") if args.output else sys.stdout
+    try:
+        with Engine(model, engine_config(args, single=False)) as engine:
+            count = run_batch(engine, Path(args.prompts_file), sampling,
+                              lambda row: print(json.dumps(row), file=out, flush=True))
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    if args.output:
+        print(f"wrote {count} results to {args.output}", file=sys.stderr)
     return 0
 
 

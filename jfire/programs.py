@@ -1,36 +1,179 @@
 """The compiled programs: prefill and decode, each a pure function jitted on its own.
 
-Prefill is compute-bound (a chunk of prompt tokens in one pass); decode is memory-bound
-(one token per sequence, reading the whole cache). Both write the cache they are given,
-which is donated so XLA updates it in place, and both sample on the device so only the
-new ids cross back to the host.
+Prefill is compute-bound (chunks of prompt tokens in one pass); decode is memory-bound (one
+token per sequence, reading its cache). Both write the paged cache they are given, which is
+donated so XLA updates it in place, and both sample on the device so only the new ids cross
+back to the host.
+
+`attention` is "reference" (plain jnp, the CPU default) or "pallas" / "pallas-interpret"
+(the Pallas decode kernel; prefill chunks always use the reference).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
+from jfire.kernels.paged_attention import paged_attention
 from jfire.models.llama import LlamaConfig, decoder, logits_from_hidden
 from jfire.sampling import sample
 
+ATTENTION_IMPLS = ("reference", "pallas", "pallas-interpret")
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def prefill(params, cache, tokens, positions, last_index, seeds, temperature, top_k, top_p, *, cfg: LlamaConfig):
-    """tokens/positions [b, t] (position -1 = padding); last_index [b] picks each row's last
-    real token. Returns (next ids [b], their logits [b, v], cache)."""
-    hidden, cache = decoder(params, cfg, tokens, positions, cache)
+
+def _decode_attention(attention: str, cfg: LlamaConfig):
+    if attention == "reference":
+        return None
+
+    def kernel(q, k_pages, v_pages, layer, page_table, positions):
+        out = paged_attention(q[:, 0], k_pages, v_pages, layer, page_table, positions[:, 0] + 1,
+                              sliding_window=cfg.sliding_window, interpret=attention == "pallas-interpret")
+        return out[:, None]
+
+    return kernel
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    """The padded shapes programs are compiled for. Widths are pages per row (the page-table
+    width), which bounds how much cache each row's attention reads."""
+
+    decode_batches: tuple[int, ...]
+    prefill_shapes: tuple[tuple[int, int], ...]  # (rows, tokens per row)
+    widths: tuple[int, ...]
+
+    @classmethod
+    def for_limits(cls, *, max_batch: int, prefill_budget: int, max_prefill_rows: int, max_pages_per_row: int,
+                   page_size: int) -> "Buckets":
+        decode = _powers(1, max_batch, 2)
+        tokens = sorted({*_powers(16, prefill_budget, 4), prefill_budget})
+        rows = _powers(1, max_prefill_rows, 4)
+        shapes = tuple((r, t) for t in tokens for r in rows if r * t <= max(prefill_budget, t))
+        widths = sorted({*(w for w in _powers(256 // page_size or 1, max_pages_per_row, 4)), max_pages_per_row})
+        return cls(tuple(decode), shapes, tuple(widths))
+
+    def decode_batch(self, n: int) -> int:
+        return _smallest_at_least(self.decode_batches, n, "decode batch")
+
+    def width(self, pages: int) -> int:
+        return _smallest_at_least(self.widths, pages, "pages per row")
+
+    def prefill_token_buckets(self) -> list[int]:
+        return sorted({t for _, t in self.prefill_shapes})
+
+    def max_rows_for(self, tokens: int) -> int:
+        return max(r for r, t in self.prefill_shapes if t == tokens)
+
+    def prefill_rows(self, tokens: int, n: int) -> int:
+        return _smallest_at_least(sorted(r for r, t in self.prefill_shapes if t == tokens), n, "prefill rows")
+
+
+def _powers(lo: int, hi: int, base: int) -> list[int]:
+    out, x = [], lo
+    while x < hi:
+        out.append(x)
+        x *= base
+    return out + [hi]
+
+
+def _smallest_at_least(options, n: int, what: str) -> int:
+    for x in options:
+        if x >= n:
+            return x
+    raise ValueError(f"{what} {n} exceeds the largest compiled bucket {max(options)}")
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("pages",))
+def prefill(params, pages, tokens, positions, page_table, last_index, seeds, temperature, top_k, top_p, *,
+            cfg: LlamaConfig):
+    """Chunks of prompts: tokens/positions [b, t] (position -1 = padding), page_table [b, w];
+    last_index [b] picks the token whose next-token logits are wanted.
+    Returns (next ids [b], their logits [b, v], pages)."""
+    hidden, pages = decoder(params, cfg, tokens, positions, pages, page_table)
     rows = jnp.arange(tokens.shape[0])
     logits = logits_from_hidden(params, cfg, hidden[rows, last_index])
     steps = positions[rows, last_index].astype(jnp.uint32)
-    return sample(logits, seeds, steps, temperature, top_k, top_p), logits, cache
+    return sample(logits, seeds, steps, temperature, top_k, top_p), logits, pages
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def decode(params, cache, tokens, positions, seeds, temperature, top_k, top_p, *, cfg: LlamaConfig):
-    """One token per row: tokens/positions [b]. Returns (next ids [b], logits [b, v], cache)."""
-    hidden, cache = decoder(params, cfg, tokens[:, None], positions[:, None], cache)
+@functools.partial(jax.jit, static_argnames=("cfg", "attention"), donate_argnames=("pages",))
+def decode(params, pages, tokens, positions, page_table, seeds, temperature, top_k, top_p, *,
+           cfg: LlamaConfig, attention: str = "reference"):
+    """One token per row: tokens/positions [b] (position -1 = an empty row), page_table [b, w].
+    Returns (next ids [b], logits [b, v], pages)."""
+    hidden, pages = decoder(params, cfg, tokens[:, None], positions[:, None], pages, page_table,
+                            attention_impl=_decode_attention(attention, cfg))
     logits = logits_from_hidden(params, cfg, hidden[:, 0])
-    return sample(logits, seeds, positions.astype(jnp.uint32), temperature, top_k, top_p), logits, cache
+    return sample(logits, seeds, positions.astype(jnp.uint32), temperature, top_k, top_p), logits, pages
+
+
+class CompiledPrograms:
+    """Every bucket of prefill and decode, compiled ahead of time (`lower(...).compile()`).
+
+    Serving only ever calls these executables, so a shape outside the table is an error,
+    never a silent compilation in the middle of traffic.
+    """
+
+    def __init__(self, cfg: LlamaConfig, params, pages, buckets: Buckets, attention: str = "reference",
+                 lazy: bool = False):
+        self.cfg = cfg
+        # lazy: compile a bucket on its first use instead (one-shot CLI runs use two shapes).
+        self.lazy = lazy
+        self.buckets = buckets
+        self.attention = attention
+        self._params = jax.tree.map(_abstract, params)
+        self._pages = jax.tree.map(_abstract, pages)
+        self._decode: dict[tuple[int, int], object] = {}
+        self._prefill: dict[tuple[int, int, int], object] = {}
+
+    @property
+    def num_compiled(self) -> int:
+        return len(self._decode) + len(self._prefill)
+
+    def shapes(self) -> list[tuple]:
+        b = self.buckets
+        return ([("decode", n, w) for w in b.widths for n in b.decode_batches]
+                + [("prefill", r, t, w) for w in b.widths for r, t in b.prefill_shapes])
+
+    def compile_all(self, workers: int = 1, progress=None) -> None:
+        """Compiles every bucket; XLA compiles outside the GIL, so threads overlap."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        shapes = self.shapes()
+        with ThreadPoolExecutor(max(1, workers)) as pool:
+            for i, _ in enumerate(pool.map(self._compile, shapes)):
+                if progress:
+                    progress(i + 1, len(shapes))
+
+    def _compile(self, shape: tuple) -> None:
+        i32, u32, f32 = jnp.int32, jnp.uint32, jnp.float32
+        s = jax.ShapeDtypeStruct
+        if shape[0] == "decode":
+            _, n, w = shape
+            self._decode[(n, w)] = decode.lower(
+                self._params, self._pages, s((n,), i32), s((n,), i32), s((n, w), i32),
+                s((n,), u32), s((n,), f32), s((n,), i32), s((n,), f32), cfg=self.cfg, attention=self.attention,
+            ).compile()
+        else:
+            _, r, t, w = shape
+            self._prefill[(r, t, w)] = prefill.lower(
+                self._params, self._pages, s((r, t), i32), s((r, t), i32), s((r, w), i32), s((r,), i32),
+                s((r,), u32), s((r,), f32), s((r,), i32), s((r,), f32), cfg=self.cfg,
+            ).compile()
+
+    def decode(self, rows: int, width: int):
+        if self.lazy and (rows, width) not in self._decode:
+            self._compile(("decode", rows, width))
+        return self._decode[(rows, width)]
+
+    def prefill(self, rows: int, tokens: int, width: int):
+        if self.lazy and (rows, tokens, width) not in self._prefill:
+            self._compile(("prefill", rows, tokens, width))
+        return self._prefill[(rows, tokens, width)]
+
+
+def _abstract(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))

@@ -11,7 +11,7 @@ import transformers
 
 from jfire.checkpoint.default_model import GGUF_NAME, default_gguf_path
 from jfire.checkpoint.load import load_model
-from jfire.generate import Generator
+from jfire.engine import Engine, EngineConfig
 from jfire.sampling import SamplingParams
 
 STEPS = 32
@@ -53,7 +53,8 @@ def test_default_model_greedy_matches_transformers(kind, reference, jfire_model)
         ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         assert ids == jfire_model.tokenizer.encode_chat(messages)
     expected = hf_greedy(model, ids, STEPS)
-    got = Generator(jfire_model).complete(ids, SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True))
+    with Engine(jfire_model, EngineConfig(max_batch=1, max_prefill_rows=1, aot=False)) as engine:
+        got = engine.generate([(ids, SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True))])[0]
     assert got.token_ids == expected
 
 

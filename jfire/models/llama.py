@@ -15,6 +15,7 @@ Parameters are stacked over layers (leading `layers` axis) so the layer loop is 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Mapping
 
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jfire.errors import JfireError
+from jfire.kernels.paged_attention import paged_attention_reference
 from jfire.models.params import ParamSpec
 
 # HF `architectures[0]` -> the name GGUF files use for the same family.
@@ -298,58 +300,49 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
-def attention(q, k_cache, v_cache, positions, cfg: LlamaConfig):
-    """Grouped-query attention of new queries over the whole cache.
-
-    q [b, t, h, d]; k_cache/v_cache [b, s, k, d]; positions [b, t] (absolute, -1 = padding).
-    Slot j of the cache holds position j, so causality is `j <= position`.
-    """
-    b, t, h, d = q.shape
-    kvh = k_cache.shape[2]
-    q = q.reshape(b, t, kvh, h // kvh, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k_cache, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(d)
-    slots = jnp.arange(k_cache.shape[1])
-    visible = slots[None, None, :] <= positions[:, :, None]  # [b, t, s]
-    if cfg.sliding_window is not None:
-        visible &= slots[None, None, :] > positions[:, :, None] - cfg.sliding_window
-    scores = jnp.where(visible[:, None, None, :, :], scores, -jnp.inf)
-    # A padding query sees nothing; keep its row finite so no NaN leaks into the cache.
-    scores = jnp.where(jnp.any(visible, axis=-1)[:, None, None, :, None], scores, 0.0)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_cache, preferred_element_type=jnp.float32)
-    return out.reshape(b, t, h, d).astype(q.dtype)
-
-
-def init_cache(cfg: LlamaConfig, batch: int, max_len: int, dtype) -> dict:
-    """A contiguous KV cache: slot j of row b holds position j of sequence b."""
-    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
-    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+def init_cache(cfg: LlamaConfig, batch: int, max_len: int, dtype, page_size: int = 16) -> dict:
+    """A fresh cache for `batch` rows of up to `max_len` positions, each row owning its own
+    consecutive pages: the contiguous layout, expressed as pages and a page table."""
+    per_row = -(-max_len // page_size)
+    shape = (cfg.num_layers, cfg.num_kv_heads, batch * per_row, page_size, cfg.head_dim)
+    return {
+        "k": jnp.zeros(shape, dtype),
+        "v": jnp.zeros(shape, dtype),
+        "page_table": jnp.arange(batch * per_row, dtype=jnp.int32).reshape(batch, per_row),
+    }
 
 
 def forward(params: dict, cfg: LlamaConfig, tokens: jax.Array, positions: jax.Array, cache: dict):
-    """Logits [b, t, v] (float32) for every token, and the updated cache."""
-    hidden, cache = decoder(params, cfg, tokens, positions, cache)
-    return logits_from_hidden(params, cfg, hidden), cache
+    """Logits [b, t, v] (float32) for every token, and the updated cache (from `init_cache`)."""
+    pages = {"k": cache["k"], "v": cache["v"]}
+    hidden, pages = decoder(params, cfg, tokens, positions, pages, cache["page_table"])
+    return logits_from_hidden(params, cfg, hidden), {**pages, "page_table": cache["page_table"]}
 
 
-def decoder(params: dict, cfg: LlamaConfig, tokens: jax.Array, positions: jax.Array, cache: dict):
-    """Runs tokens [b, t] at `positions` [b, t] against the cache; returns (hidden [b, t, e], cache).
+def decoder(params: dict, cfg: LlamaConfig, tokens, positions, pages: dict, page_table, *, attention_impl=None):
+    """Runs tokens [b, t] at `positions` [b, t] against the paged cache; returns (hidden [b, t, e], pages).
 
-    New keys and values are written into the cache at their positions before attention, so
-    the same function serves prefill (t = prompt chunk) and decode (t = 1). Padding tokens
-    carry position -1: their writes are dropped and their logits are meaningless.
+    pages: {"k", "v"} [layers, kv_heads, num_pages, page_size, d]; page_table [b, w].
+    New keys and values are written into their slots before attention, so the same function
+    serves prefill (t = a prompt chunk) and decode (t = 1). Padding tokens carry position -1:
+    their writes are dropped. `attention_impl(q, k_pages, v_pages, layer, page_table,
+    positions)` replaces the reference attention (the Pallas decode kernel plugs in here).
     """
     x = params["embed"][tokens]  # [b, t, e]
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [b, t, d/2]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
+    num_pages, page_size = pages["k"].shape[2], pages["k"].shape[3]
     rows = jnp.arange(tokens.shape[0])[:, None]
-    # Out-of-range slots make the scatter drop the write (padding must not clobber slot 0..).
-    write_at = jnp.where(positions >= 0, positions, cache["k"].shape[2])
+    # Padding writes go to page `num_pages` (out of range), which the scatter drops.
+    valid = positions >= 0
+    write_page = jnp.where(valid, page_table[rows, jnp.where(valid, positions, 0) // page_size], num_pages)
+    write_slot = jnp.where(valid, positions, 0) % page_size
+    attend = attention_impl or functools.partial(paged_attention_reference, sliding_window=cfg.sliding_window)
 
-    def layer(x, xs):
-        p, k_cache, v_cache = xs
+    def layer(carry, xs):
+        x, k_pages, v_pages = carry
+        p, i = xs
         with jax.named_scope("attention"):
             h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
             q = jnp.einsum("bte,ehd->bthd", h, p["wq"])
@@ -361,9 +354,10 @@ def decoder(params: dict, cfg: LlamaConfig, tokens: jax.Array, positions: jax.Ar
                 q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
                 k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            k_cache = k_cache.at[rows, write_at].set(k.astype(k_cache.dtype), mode="drop")
-            v_cache = v_cache.at[rows, write_at].set(v.astype(v_cache.dtype), mode="drop")
-            out = attention(q, k_cache, v_cache, positions, cfg)
+            # Indexed [layer, :, page, slot] the update is [b, t, k, d]: k's own layout.
+            k_pages = k_pages.at[i, :, write_page, write_slot].set(k.astype(k_pages.dtype), mode="drop")
+            v_pages = v_pages.at[i, :, write_page, write_slot].set(v.astype(v_pages.dtype), mode="drop")
+            out = attend(q, k_pages, v_pages, i, page_table, positions)
             x = x + jnp.einsum("bthd,hde->bte", out, p["wo"])
             if cfg.o_bias:
                 x = x + p["bo"]
@@ -372,9 +366,12 @@ def decoder(params: dict, cfg: LlamaConfig, tokens: jax.Array, positions: jax.Ar
             gate = jax.nn.silu(jnp.einsum("bte,ef->btf", h, p["w_gate"]))
             up = jnp.einsum("bte,ef->btf", h, p["w_up"])
             x = x + jnp.einsum("btf,fe->bte", gate * up, p["w_down"])
-        return x, (k_cache, v_cache)
+        return (x, k_pages, v_pages), None
 
-    x, (k, v) = jax.lax.scan(layer, x, (params["layers"], cache["k"], cache["v"]))
+    # The whole cache rides in the carry so each layer updates it in place (a scanned-over
+    # output would be a second full copy of the pool).
+    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (x, k, v), _ = jax.lax.scan(layer, (x, pages["k"], pages["v"]), (params["layers"], layer_ids))
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), {"k": k, "v": v}
 
 

@@ -15,7 +15,7 @@ import transformers
 
 from jfire import programs
 from jfire.checkpoint.load import load_model
-from jfire.generate import Generator
+from jfire.engine import Engine, EngineConfig
 from jfire.models.llama import forward, init_cache
 from jfire.sampling import SamplingParams
 from tests.tiny_models import FAMILIES
@@ -64,8 +64,9 @@ def test_prefill_and_decode_logits_match_transformers(family, tiny_hf_dir):
     tokens[0, :PROMPT_LEN] = prompt
     positions = np.full((1, 16), -1, np.int32)
     positions[0, :PROMPT_LEN] = np.arange(PROMPT_LEN)
+    table = cache.pop("page_table")
     ids, step_logits, cache = programs.prefill(
-        params, cache, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray([PROMPT_LEN - 1]),
+        params, cache, jnp.asarray(tokens), jnp.asarray(positions), table, jnp.asarray([PROMPT_LEN - 1]),
         seeds, temperature, top_k, top_p, cfg=cfg)
     seq = list(prompt)
     for step in range(DECODE_STEPS):
@@ -74,7 +75,8 @@ def test_prefill_and_decode_logits_match_transformers(family, tiny_hf_dir):
         assert int(ids[0]) == int(np.argmax(ref))
         seq.append(int(ids[0]))
         ids, step_logits, cache = programs.decode(
-            params, cache, ids, jnp.asarray([len(seq) - 1], jnp.int32), seeds, temperature, top_k, top_p, cfg=cfg)
+            params, cache, ids, jnp.asarray([len(seq) - 1], jnp.int32), table, seeds, temperature, top_k, top_p,
+            cfg=cfg)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -86,7 +88,8 @@ def test_greedy_tokens_match_transformers_generate(family, tiny_hf_dir):
     with torch.no_grad():
         out = ref_model.generate(torch.tensor([prompt]), max_new_tokens=GREEDY_STEPS, do_sample=False)
     expected = out[0, len(prompt):].tolist()
-    got = Generator(model).complete(prompt, SamplingParams(temperature=0.0, max_tokens=GREEDY_STEPS))
+    with Engine(model, EngineConfig(max_batch=1, max_prefill_rows=1, aot=False)) as engine:
+        got = engine.generate([(prompt, SamplingParams(temperature=0.0, max_tokens=GREEDY_STEPS))])[0]
     assert got.token_ids == expected
     # These seeds never sample EOS, so all 16 steps are compared.
     assert len(got.token_ids) == GREEDY_STEPS and got.finish_reason == "length"

@@ -1,0 +1,416 @@
+"""The serving engine: continuous batching over AOT-compiled prefill and decode programs.
+
+One thread owns the device state (params, the paged cache) and the scheduler. Callers talk
+to it through `submit` / `cancel` / `stats`, which only enqueue commands or read snapshots,
+so an HTTP handler never blocks a step and a step never waits on a client.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jfire.checkpoint.load import LoadedModel
+from jfire.errors import JfireError
+from jfire.kv_cache import BlockPool, init_pages, page_bytes
+from jfire.programs import ATTENTION_IMPLS, Buckets, CompiledPrograms
+from jfire.sampling import SamplingParams
+from jfire.scheduler import Chunk, Phase, Scheduler, Sequence
+from jfire.tokenizer import find_stop, holdback
+
+
+def default_compilation_cache_dir() -> str:
+    return str(Path.home() / ".cache" / "jfire" / "xla")
+
+
+def enable_compilation_cache(path: str) -> None:
+    """JAX's persistent compilation cache: a second start-up loads programs instead of compiling."""
+    Path(path).mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+class QueueFull(JfireError):
+    """The waiting queue is at its bound; retry later."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    page_size: int = 16
+    num_pages: int | None = None  # default: as many as kv_cache_bytes holds
+    kv_cache_bytes: int = 1 << 30
+    max_batch: int = 64
+    prefill_budget: int = 256  # prompt tokens per step: bounds how long a step stalls decodes
+    max_prefill_rows: int = 16
+    max_model_len: int | None = None  # default: the model's context, capped at 4096
+    max_waiting: int = 1024
+    prefix_caching: bool = True
+    attention: str = "reference"
+    compile_workers: int = 2
+    aot: bool = True  # compile every bucket at start-up; False compiles each on first use
+    compilation_cache_dir: str | None = None  # JAX's persistent cache; None = off
+
+    def __post_init__(self):
+        if self.attention not in ATTENTION_IMPLS:
+            raise JfireError(f"unknown attention {self.attention!r}; use one of {', '.join(ATTENTION_IMPLS)}")
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    token_ids: list[int]  # new ids since the last output
+    text: str  # new text since the last output ("" without a tokenizer)
+    finished: bool = False
+    finish_reason: str | None = None  # "stop", "length", "cancelled" or "error"
+    error: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    prefix_hit_tokens: int = 0
+
+
+@dataclasses.dataclass
+class Completion:
+    prompt_ids: list[int]
+    token_ids: list[int]  # generated ids, including an EOS that ended the sequence
+    text: str | None  # None when the model has no tokenizer
+    finish_reason: str
+    ttft_s: float = 0.0
+    latency_s: float = 0.0
+
+
+class RequestHandle:
+    """The caller's end of a request: iterate outputs as they arrive, or wait for the result."""
+
+    def __init__(self, engine: "Engine", request_id: str, prompt_ids: list[int], has_tokenizer: bool):
+        self.engine = engine
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.outputs: queue.Queue[RequestOutput] = queue.Queue()
+        self._has_tokenizer = has_tokenizer
+        self.submitted_at = time.perf_counter()
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        while True:
+            out = self.outputs.get()
+            yield out
+            if out.finished:
+                return
+
+    def cancel(self) -> None:
+        self.engine.cancel(self.request_id)
+
+    def result(self) -> Completion:
+        ids, text, first = [], [], None
+        for out in self:
+            if first is None and out.token_ids:
+                first = time.perf_counter()
+            ids += out.token_ids
+            text.append(out.text)
+            if out.finished and out.finish_reason == "error":
+                raise JfireError(out.error or "request failed")
+        end = time.perf_counter()
+        return Completion(self.prompt_ids, ids, "".join(text) if self._has_tokenizer else None, out.finish_reason,
+                          ttft_s=(first or end) - self.submitted_at, latency_s=end - self.submitted_at)
+
+
+@dataclasses.dataclass
+class _Live:
+    """Engine-side state of one request beyond scheduling: its output stream and text."""
+
+    seq: Sequence
+    handle: RequestHandle
+    on_output: Callable[[RequestOutput], None]
+    decoder: object | None
+    text: str = ""
+    emitted: int = 0  # characters of `text` already sent
+
+
+class Engine:
+    def __init__(self, model: LoadedModel, config: EngineConfig = EngineConfig()):
+        self.model = model
+        self.cfg = model.config
+        self.config = config
+        self.max_model_len = min(config.max_model_len or min(self.cfg.max_position_embeddings, 4096),
+                                 self.cfg.max_position_embeddings)
+        dtype = model.params["embed"].dtype
+        num_pages = config.num_pages or max(1, config.kv_cache_bytes // page_bytes(self.cfg, config.page_size, dtype))
+        self.pool = BlockPool(num_pages, config.page_size)
+        self.pages = init_pages(self.cfg, num_pages, config.page_size, dtype)
+        max_pages_per_row = -(-self.max_model_len // config.page_size)
+        self.buckets = Buckets.for_limits(
+            max_batch=config.max_batch, prefill_budget=config.prefill_budget,
+            max_prefill_rows=config.max_prefill_rows, max_pages_per_row=max_pages_per_row,
+            page_size=config.page_size)
+        self.scheduler = Scheduler(self.pool, max_batch=config.max_batch, prefill_budget=config.prefill_budget,
+                                   max_prefill_rows=config.max_prefill_rows, max_model_len=self.max_model_len,
+                                   prefix_caching=config.prefix_caching)
+        self.programs = CompiledPrograms(self.cfg, model.params, self.pages, self.buckets, config.attention,
+                                         lazy=not config.aot)
+        self.eos_ids = frozenset(self.cfg.eos_token_ids) | (model.tokenizer.eos_ids if model.tokenizer else frozenset())
+        self._commands: queue.Queue = queue.Queue()
+        self._live: dict[str, _Live] = {}
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._stats = {}
+        self._tokens_generated = 0
+        self._recent: list[tuple[float, int]] = []  # (time, tokens) of recent steps, for tokens/s
+        self.ready = threading.Event()
+        self.startup_s: float | None = None
+        self.error: BaseException | None = None
+
+    # -- life cycle ----------------------------------------------------------------------------
+
+    def start(self, compile_progress: Callable[[int, int], None] | None = None) -> "Engine":
+        """Compiles every program bucket ahead of time, then starts the engine thread."""
+        t0 = time.perf_counter()
+        if self.config.compilation_cache_dir:
+            enable_compilation_cache(self.config.compilation_cache_dir)
+        if self.config.aot:
+            self.programs.compile_all(workers=self.config.compile_workers, progress=compile_progress)
+        self.startup_s = time.perf_counter() - t0
+        self._publish_stats()
+        self._thread = threading.Thread(target=self._run, name="jfire-engine", daemon=True)
+        self._thread.start()
+        self.ready.set()
+        return self
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._commands.put(("wake", None))
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def __enter__(self):
+        return self.start() if not self.ready.is_set() else self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    # -- the API -------------------------------------------------------------------------------
+
+    def validate(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
+        """Raises JfireError when this request can never run; nothing is queued."""
+        if not prompt_ids:
+            raise JfireError("the prompt is empty; give at least one token")
+        bad = [i for i in prompt_ids if not 0 <= i < self.cfg.vocab_size]
+        if bad:
+            raise JfireError(f"token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        n, limit = len(prompt_ids), self.max_model_len
+        if n >= limit:
+            raise JfireError(f"the prompt has {n} tokens but the context holds {limit}; "
+                             f"shorten the prompt to at most {limit - 1} tokens")
+        if n + sampling.max_tokens > limit:
+            raise JfireError(f"prompt ({n} tokens) + max_tokens ({sampling.max_tokens}) exceeds the context of "
+                             f"{limit}; use max_tokens <= {limit - n}")
+        if self.scheduler.pages_needed(n + sampling.max_tokens) > self.pool.num_pages:
+            raise JfireError(f"this request needs {self.scheduler.pages_needed(n + sampling.max_tokens)} KV pages "
+                             f"but the pool has {self.pool.num_pages}; lower max_tokens or enlarge the KV cache")
+        if sampling.stop and self.model.tokenizer is None:
+            raise JfireError("stop strings need a tokenizer; this model has none (use EOS or max_tokens)")
+
+    def submit(self, prompt_ids: list[int], sampling: SamplingParams, *, request_id: str | None = None,
+               on_output: Callable[[RequestOutput], None] | None = None) -> RequestHandle:
+        """Queues a request; outputs go to the handle's queue, or to `on_output` (called on the
+        engine thread: it must not block)."""
+        if self.error is not None:
+            raise JfireError(f"the engine has stopped after an error: {self.error}")
+        prompt_ids = [int(i) for i in prompt_ids]
+        self.validate(prompt_ids, sampling)
+        if len(self.scheduler.waiting) + self._commands.qsize() >= self.config.max_waiting:
+            raise QueueFull(f"the waiting queue is full ({self.config.max_waiting} requests); retry later")
+        request_id = request_id or f"req-{next(self._ids)}"
+        handle = RequestHandle(self, request_id, prompt_ids, self.model.tokenizer is not None)
+        seq = Sequence(request_id, prompt_ids, sampling, sampling.resolved_seed())
+        decoder = self.model.tokenizer.stream_decoder() if self.model.tokenizer else None
+        self._commands.put(("submit", _Live(seq, handle, on_output or handle.outputs.put, decoder)))
+        return handle
+
+    def cancel(self, request_id: str) -> None:
+        self._commands.put(("cancel", request_id))
+
+    def generate(self, requests: list[tuple[list[int], SamplingParams]]) -> list[Completion]:
+        """Runs many requests through the batching engine together and waits for them all."""
+        handles = [self.submit(ids, sp) for ids, sp in requests]
+        return [h.result() for h in handles]
+
+    def stats(self) -> dict:
+        return dict(self._stats)
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_commands(block=not self._live)
+                if self._stop.is_set():
+                    break
+                step = self.scheduler.schedule()
+                if step.empty:
+                    self._publish_stats()
+                    continue
+                self._execute(step)
+                self._publish_stats()
+        except BaseException as e:  # a bug or a device failure: fail every request loudly
+            self.error = e
+            for live in list(self._live.values()):
+                self._finish(live, "error", error=f"engine failure: {e}")
+            raise
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, arg = command
+            if kind == "submit":
+                self._live[arg.seq.request_id] = arg
+                self.scheduler.add(arg.seq)
+            elif kind == "cancel" and arg in self._live:
+                self._finish(self._live[arg], "cancelled")
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _execute(self, step) -> None:
+        new_ids: dict[Sequence, int] = {}
+        if step.decode:
+            ids = self._run_decode(step.decode)
+            new_ids.update(zip(step.decode, ids))
+        for group in self._prefill_groups(step.prefill):
+            ids = self._run_prefill(group)
+            new_ids.update((c.seq, i) for c, i in zip(group, ids) if c.completes_prompt)
+        self.scheduler.on_step_done(step)
+        now = time.perf_counter()
+        self._recent.append((now, len(new_ids)))
+        for seq, token in new_ids.items():
+            self._append(self._live[seq.request_id], int(token))
+
+    def _row_table(self, seqs: list[Sequence], rows: int, width: int) -> np.ndarray:
+        table = np.zeros((rows, width), np.int32)
+        for r, seq in enumerate(seqs):
+            table[r, : len(seq.pages)] = seq.pages
+        return table
+
+    def _sampling_rows(self, seqs: list[Sequence], rows: int):
+        seeds = np.zeros(rows, np.uint32)
+        temperature = np.zeros(rows, np.float32)
+        top_k = np.zeros(rows, np.int32)
+        top_p = np.ones(rows, np.float32)
+        for r, seq in enumerate(seqs):
+            sp = seq.sampling
+            seeds[r], temperature[r], top_k[r], top_p[r] = seq.seed, sp.temperature, sp.top_k, sp.top_p
+        return seeds, temperature, top_k, top_p
+
+    def _run_decode(self, seqs: list[Sequence]) -> np.ndarray:
+        rows = self.buckets.decode_batch(len(seqs))
+        width = self.buckets.width(max(len(s.pages) for s in seqs))
+        tokens = np.zeros(rows, np.int32)
+        positions = np.full(rows, -1, np.int32)
+        for r, seq in enumerate(seqs):
+            tokens[r], positions[r] = seq.tokens[-1], len(seq.tokens) - 1
+        program = self.programs.decode(rows, width)
+        ids, _, self.pages = program(self.model.params, self.pages, tokens, positions,
+                                     self._row_table(seqs, rows, width), *self._sampling_rows(seqs, rows))
+        return np.asarray(ids)[: len(seqs)]
+
+    def _prefill_groups(self, chunks: list[Chunk]) -> list[list[Chunk]]:
+        """Splits a step's chunks into batches that each fit a compiled (rows, tokens) shape."""
+        groups, pending = [], sorted(chunks, key=lambda c: -c.length)
+        token_buckets = self.buckets.prefill_token_buckets()
+        while pending:
+            t = next(b for b in token_buckets if b >= pending[0].length)
+            take = self.buckets.max_rows_for(t)
+            groups.append(pending[:take])
+            pending = pending[take:]
+        return groups
+
+    def _run_prefill(self, chunks: list[Chunk]) -> np.ndarray:
+        t = next(b for b in self.buckets.prefill_token_buckets() if b >= max(c.length for c in chunks))
+        rows = self.buckets.prefill_rows(t, len(chunks))
+        width = self.buckets.width(max(len(c.seq.pages) for c in chunks))
+        tokens = np.zeros((rows, t), np.int32)
+        positions = np.full((rows, t), -1, np.int32)
+        last = np.zeros(rows, np.int32)
+        for r, c in enumerate(chunks):
+            tokens[r, : c.length] = c.seq.tokens[c.start: c.start + c.length]
+            positions[r, : c.length] = np.arange(c.start, c.start + c.length)
+            last[r] = c.length - 1
+        seqs = [c.seq for c in chunks]
+        program = self.programs.prefill(rows, t, width)
+        ids, _, self.pages = program(self.model.params, self.pages, tokens, positions,
+                                     self._row_table(seqs, rows, width), last, *self._sampling_rows(seqs, rows))
+        return np.asarray(ids)[: len(chunks)]
+
+    # -- outputs -------------------------------------------------------------------------------
+
+    def _append(self, live: _Live, token: int) -> None:
+        seq, sp = live.seq, live.seq.sampling
+        seq.tokens.append(token)
+        self._tokens_generated += 1
+        finish = None
+        if token in self.eos_ids and not sp.ignore_eos:
+            finish = "stop"
+        elif seq.num_generated >= sp.max_tokens or len(seq.tokens) >= self.max_model_len:
+            finish = "length"
+        delta = ""
+        if live.decoder is not None and not (finish == "stop"):
+            live.text += live.decoder.push(token)
+            if finish is not None:
+                live.text += live.decoder.flush()
+            cut = find_stop(live.text, sp.stop) if sp.stop else None
+            if cut is not None:
+                live.text, finish = live.text[:cut], "stop"
+            safe = len(live.text) if finish or not sp.stop else len(live.text) - holdback(live.text, sp.stop)
+            delta, live.emitted = live.text[live.emitted: safe], max(live.emitted, safe)
+        elif live.decoder is not None:
+            live.text += live.decoder.flush()
+            delta, live.emitted = live.text[live.emitted:], len(live.text)
+        out = RequestOutput(seq.request_id, [token], delta, prompt_tokens=len(seq.prompt_ids),
+                            completion_tokens=seq.num_generated, prefix_hit_tokens=seq.prefix_hit_tokens)
+        if finish is not None:
+            self._finish(live, finish, last=out)
+        else:
+            live.on_output(out)
+
+    def _finish(self, live: _Live, reason: str, *, last: RequestOutput | None = None, error: str | None = None):
+        seq = live.seq
+        if seq.phase is not Phase.FINISHED:
+            self.scheduler.finish(seq)
+        self._live.pop(seq.request_id, None)
+        out = last or RequestOutput(seq.request_id, [], "", prompt_tokens=len(seq.prompt_ids),
+                                    completion_tokens=seq.num_generated, prefix_hit_tokens=seq.prefix_hit_tokens)
+        out.finished, out.finish_reason, out.error = True, reason, error
+        live.on_output(out)
+
+    def _publish_stats(self) -> None:
+        now = time.perf_counter()
+        self._recent = [(t, n) for t, n in self._recent if now - t < 10.0]
+        window = (now - self._recent[0][0]) if len(self._recent) > 1 else 0.0
+        pool = self.pool.stats()
+        self._stats = {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting) + self._commands.qsize(),
+            "pages_total": pool.total,
+            "pages_used": pool.used,
+            "pages_free": pool.free,
+            "pages_cached": pool.cached,
+            "prefix_hit_tokens": self.scheduler.prefix_hit_tokens,
+            "prompt_tokens": self.scheduler.prompt_tokens,
+            "tokens_generated": self._tokens_generated,
+            "tokens_per_s": (sum(n for _, n in self._recent[1:]) / window) if window > 0 else 0.0,
+            "compiled_programs": self.programs.num_compiled,
+            "startup_s": self.startup_s,
+        }

@@ -1,0 +1,143 @@
+"""Attention over the paged KV cache: a plain-jnp reference and a Pallas decode kernel.
+
+Cache layout: pages [layers, kv_heads, num_pages, page_size, head_dim]; a row's page table
+[pages_per_row] lists its pages in position order, so position p lives in slot
+p % page_size of page page_table[p // page_size].
+
+Both take the whole stacked cache and a layer index, so the layer loop never copies a
+layer's slice of the pool out before attending to it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+# A large finite negative: exp() of it is 0, and a fully masked block cannot make NaNs.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def attention(q, k, v, positions, sliding_window: int | None = None):
+    """Grouped-query attention over contiguous keys: slot j holds position j.
+
+    q [b, t, h, d]; k/v [b, s, k, d]; positions [b, t] (-1 = padding, which sees nothing).
+    """
+    b, t, h, d = q.shape
+    kvh = k.shape[2]
+    q = q.reshape(b, t, kvh, h // kvh, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) / math.sqrt(d)
+    slots = jnp.arange(k.shape[1])
+    visible = slots[None, None, :] <= positions[:, :, None]  # [b, t, s]
+    if sliding_window is not None:
+        visible &= slots[None, None, :] > positions[:, :, None] - sliding_window
+    scores = jnp.where(visible[:, None, None], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, h, d).astype(q.dtype)
+
+
+def gather_pages(pages, layer, page_table):
+    """One layer's pages of each row, laid out contiguously: [b, pages_per_row * page_size, k, d]."""
+    rows = pages[layer, :, page_table]  # [b, w, k, page_size, d]
+    b, w, kvh, ps, d = rows.shape
+    return rows.transpose(0, 1, 3, 2, 4).reshape(b, w * ps, kvh, d)
+
+
+def paged_attention_reference(q, k_pages, v_pages, layer, page_table, positions, sliding_window=None):
+    """q [b, t, h, d] at positions [b, t]; pages as above; page_table [b, w]. Returns [b, t, h, d]."""
+    k = gather_pages(k_pages, layer, page_table)
+    v = gather_pages(v_pages, layer, page_table)
+    return attention(q, k, v, positions, sliding_window)
+
+
+# -- the Pallas decode kernel ------------------------------------------------------------------
+
+
+def _decode_kernel(layer_ref, table_ref, length_ref, q_ref, k_ref, v_ref, o_ref, *,
+                   page_size: int, pages_per_block: int, num_blocks: int, scale: float,
+                   sliding_window: int | None):
+    """One (row, kv head) pair: online softmax over the row's pages, a block of pages at a time.
+
+    q_ref [g, d] holds the query heads that share this kv head; k_ref/v_ref are the whole
+    stacked cache (left in HBM), read page by page through the row's page table.
+    """
+    row = pl.program_id(0)
+    head = pl.program_id(1)
+    layer = layer_ref[0]
+    length = length_ref[row]
+    q = q_ref[...].astype(jnp.float32) * scale  # [g, d]
+    g, d = q.shape
+    block = pages_per_block * page_size
+    first_visible = 0 if sliding_window is None else jnp.maximum(length - sliding_window, 0)
+
+    def body(i, carry):
+        m, l, acc = carry
+        keys, values = [], []
+        for j in range(pages_per_block):  # static unroll: a block of whole pages
+            page = table_ref[row, i * pages_per_block + j]
+            keys.append(k_ref[layer, head, page, :, :])
+            values.append(v_ref[layer, head, page, :, :])
+        k = jnp.concatenate(keys, axis=0).astype(jnp.float32)  # [block, d]
+        v = jnp.concatenate(values, axis=0).astype(jnp.float32)
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())))  # [g, block]
+        slot = i * block + jax.lax.broadcasted_iota(jnp.int32, (g, block), 1)
+        s = jnp.where((slot < length) & (slot >= first_visible), s, MASK_VALUE)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        p = jnp.exp(s - m_new[:, None])
+        correction = jnp.exp(m - m_new)
+        l = l * correction + p.sum(axis=-1)
+        acc = acc * correction[:, None] + jax.lax.dot(p, v)
+        return m_new, l, acc
+
+    # Only blocks that hold visible positions are read.
+    start = first_visible // block
+    stop = jnp.minimum((length + block - 1) // block, num_blocks)
+    init = (jnp.full((g,), MASK_VALUE, jnp.float32), jnp.zeros((g,), jnp.float32), jnp.zeros((g, d), jnp.float32))
+    m, l, acc = jax.lax.fori_loop(start, stop, body, init)
+    o_ref[...] = (acc / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("sliding_window", "pages_per_block", "interpret"))
+def paged_attention(q, k_pages, v_pages, layer, page_table, lengths, *, sliding_window=None,
+                    pages_per_block: int = 8, interpret: bool = False):
+    """Decode attention with a Pallas kernel: one query per row.
+
+    q [b, h, d]; k/v pages [layers, k, num_pages, page_size, d]; layer a scalar; page_table
+    [b, w]; lengths [b] (the query sits at position length-1 and sees positions < length).
+    Returns [b, h, d].
+    """
+    b, h, d = q.shape
+    _, kvh, _, page_size, _ = k_pages.shape
+    g = h // kvh
+    w = page_table.shape[1]
+    pages_per_block = min(pages_per_block, w)
+    if w % pages_per_block:
+        raise ValueError(f"pages per row ({w}) must be a multiple of pages_per_block ({pages_per_block})")
+    kernel = functools.partial(
+        _decode_kernel, page_size=page_size, pages_per_block=pages_per_block, num_blocks=w // pages_per_block,
+        scale=1.0 / math.sqrt(d), sliding_window=sliding_window,
+    )
+    any_space = pl.BlockSpec(memory_space=pl.ANY)
+    smem = pl.BlockSpec(memory_space=pl.ANY)
+    out = pl.pallas_call(
+        kernel,
+        grid=(b, kvh),
+        in_specs=[
+            smem,  # layer index
+            smem,  # page tables
+            smem,  # lengths
+            pl.BlockSpec((None, None, g, d), lambda i, j: (i, j, 0, 0)),
+            any_space,
+            any_space,
+        ],
+        out_specs=pl.BlockSpec((None, None, g, d), lambda i, j: (i, j, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((b, kvh, g, d), q.dtype),
+        interpret=interpret,
+        name="jfire_paged_decode_attention",
+    )(jnp.reshape(layer, (1,)).astype(jnp.int32), page_table.astype(jnp.int32), lengths.astype(jnp.int32),
+      q.reshape(b, kvh, g, d), k_pages, v_pages)
+    return out.reshape(b, h, d)

@@ -1,0 +1,119 @@
+"""The paged KV cache, in two parts.
+
+Host: `BlockPool` owns page ids: a free list, reference counts, and the hashes of full pages
+so a prompt that shares whole pages with an earlier one reuses them (prefix caching).
+Device: `init_pages` builds the page arrays `[layers, kv_heads, pages, page_size, head_dim]`
+that every program call receives donated and returns updated.
+
+A freed page that holds a full, hashed block stays findable until it is handed out again:
+the free list is least-recently-freed first, so popular prefixes survive longest.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+from typing import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from jfire.models.llama import LlamaConfig
+
+
+def init_pages(cfg: LlamaConfig, num_pages: int, page_size: int, dtype) -> dict:
+    shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+def page_bytes(cfg: LlamaConfig, page_size: int, dtype) -> int:
+    """Bytes one page takes across all layers, keys and values."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * page_size * cfg.head_dim * np.dtype(dtype).itemsize
+
+
+def block_hashes(token_ids: Sequence[int], page_size: int) -> list[bytes]:
+    """Chained hashes of each full page of tokens: a page's hash covers everything before it."""
+    hashes, parent = [], b""
+    for start in range(0, len(token_ids) - page_size + 1, page_size):
+        block = np.asarray(token_ids[start:start + page_size], np.int64).tobytes()
+        parent = hashlib.blake2b(parent + block, digest_size=16).digest()
+        hashes.append(parent)
+    return hashes
+
+
+@dataclasses.dataclass
+class PoolStats:
+    total: int
+    used: int  # referenced by at least one request
+    free: int  # unreferenced (some of them still hold reusable prefixes)
+    cached: int  # free pages still holding a hashed prefix block
+
+
+class BlockPool:
+    """Page ids and their bookkeeping; the engine thread is its only user."""
+
+    def __init__(self, num_pages: int, page_size: int):
+        if num_pages < 1 or page_size < 1:
+            raise ValueError("a block pool needs at least one page of at least one slot")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.ref_count = np.zeros(num_pages, np.int32)
+        # Ordered by when the page was freed: allocation takes the oldest first.
+        self._free: collections.OrderedDict[int, None] = collections.OrderedDict((i, None) for i in range(num_pages))
+        self._page_of_hash: dict[bytes, int] = {}
+        self._hash_of_page: dict[int, bytes] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def stats(self) -> PoolStats:
+        cached = sum(1 for p in self._free if p in self._hash_of_page)
+        return PoolStats(self.num_pages, self.num_pages - self.num_free, self.num_free, cached)
+
+    def allocate(self, n: int) -> list[int] | None:
+        """n fresh pages, or None (and nothing taken) when fewer than n are free."""
+        if n > len(self._free):
+            return None
+        pages = []
+        for _ in range(n):
+            page, _ = self._free.popitem(last=False)
+            self._forget(page)
+            self.ref_count[page] = 1
+            pages.append(page)
+        return pages
+
+    def free(self, pages: Sequence[int]) -> None:
+        # Freed in reverse so a request's tail pages are reused before its prefix pages.
+        for page in reversed(pages):
+            self.ref_count[page] -= 1
+            assert self.ref_count[page] >= 0, f"page {page} freed twice"
+            if self.ref_count[page] == 0:
+                self._free[page] = None
+
+    def lookup_prefix(self, hashes: Sequence[bytes]) -> list[int]:
+        """Pages holding the longest run of these leading blocks, each now referenced once more."""
+        pages = []
+        for h in hashes:
+            page = self._page_of_hash.get(h)
+            if page is None:
+                break
+            pages.append(page)
+        for page in pages:
+            if self.ref_count[page] == 0:
+                del self._free[page]
+            self.ref_count[page] += 1
+        return pages
+
+    def register(self, page: int, block_hash: bytes) -> None:
+        """Marks a page as holding a full block with this hash (its KV has been written)."""
+        if block_hash in self._page_of_hash or page in self._hash_of_page:
+            return
+        self._page_of_hash[block_hash] = page
+        self._hash_of_page[page] = block_hash
+
+    def _forget(self, page: int) -> None:
+        h = self._hash_of_page.pop(page, None)
+        if h is not None:
+            del self._page_of_hash[h]

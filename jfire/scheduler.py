@@ -1,0 +1,228 @@
+"""Continuous batching: which requests decode and which prompt chunks prefill, each step.
+
+The scheduler counts tokens. A sequence has `tokens` (prompt, then what it generated) of
+which `computed` are in the KV cache. Each step:
+  1. every running sequence whose prompt is done decodes one token (it gets a page when it
+     crosses into a new one; if none is free the youngest sequence is preempted: its pages
+     are freed and it is queued again to recompute, keeping what it generated);
+  2. the rest of the step's token budget goes to prompt chunks: unfinished prompts first,
+     then new sequences admitted from the waiting queue while pages and batch slots last.
+Prefill chunks are bounded so a long prompt never stalls running decodes for long.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+from jfire.kv_cache import BlockPool, block_hashes
+from jfire.sampling import SamplingParams
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """One request's scheduling state; the engine adds its output side."""
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    seed: int
+    tokens: list[int] = dataclasses.field(default_factory=list)  # prompt + generated
+    computed: int = 0  # how many of `tokens` have their KV in the cache
+    pages: list[int] = dataclasses.field(default_factory=list)
+    phase: Phase = Phase.WAITING
+    prefix_hit_tokens: int = 0
+    preemptions: int = 0
+    registered_blocks: int = 0  # full prompt blocks whose hashes are in the pool
+
+    def __post_init__(self):
+        if not self.tokens:
+            self.tokens = list(self.prompt_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - len(self.prompt_ids)
+
+    @property
+    def in_decode(self) -> bool:
+        """All tokens but the newest are cached: the next step feeds that one."""
+        return self.phase is Phase.RUNNING and self.computed == len(self.tokens) - 1 and self.num_generated > 0
+
+
+@dataclasses.dataclass
+class Chunk:
+    seq: Sequence
+    start: int  # first position of the chunk
+    length: int
+
+    @property
+    def completes_prompt(self) -> bool:
+        return self.start + self.length == len(self.seq.tokens)
+
+
+@dataclasses.dataclass
+class Step:
+    decode: list[Sequence]
+    prefill: list[Chunk]
+    preempted: list[Sequence]
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, *, max_batch: int, prefill_budget: int, max_prefill_rows: int,
+                 max_model_len: int, prefix_caching: bool = True):
+        self.pool = pool
+        self.max_batch = max_batch
+        self.prefill_budget = prefill_budget
+        self.max_prefill_rows = max_prefill_rows
+        self.max_model_len = max_model_len
+        self.prefix_caching = prefix_caching
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []  # in admission order; the youngest is preempted first
+        self.prefix_hit_tokens = 0
+        self.prompt_tokens = 0
+
+    # -- membership --------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Ends a sequence (done, cancelled or failed) and frees its pages at once."""
+        if seq.phase is Phase.RUNNING:
+            self.running.remove(seq)
+        elif seq.phase is Phase.WAITING:
+            self.waiting.remove(seq)
+        self.pool.free(seq.pages)
+        seq.pages = []
+        seq.phase = Phase.FINISHED
+
+    def pages_needed(self, num_positions: int) -> int:
+        return -(-num_positions // self.pool.page_size)
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def schedule(self) -> Step:
+        preempted: list[Sequence] = []
+        decode = self._schedule_decode(preempted)
+        prefill = self._schedule_prefill(len(decode))
+        return Step(decode, prefill, preempted)
+
+    def _schedule_decode(self, preempted: list[Sequence]) -> list[Sequence]:
+        decode = []
+        for seq in list(self.running):
+            if seq.phase is not Phase.RUNNING or not seq.in_decode or len(decode) == self.max_batch:
+                continue
+            need = self.pages_needed(len(seq.tokens)) - len(seq.pages)
+            while need > 0:
+                pages = self.pool.allocate(need)
+                if pages is not None:
+                    seq.pages += pages
+                    break
+                victim = self._youngest_other_than(seq)
+                if victim is None:  # the pool cannot hold even this one: admission prevents this
+                    raise RuntimeError("KV pool exhausted by a single sequence")
+                self._preempt(victim, preempted)
+                if victim in decode:
+                    decode.remove(victim)
+            decode.append(seq)
+        return decode
+
+    def _schedule_prefill(self, num_decoding: int) -> list[Chunk]:
+        budget, chunks = self.prefill_budget, []
+        # Unfinished prompts first, in admission order.
+        for seq in self.running:
+            if budget == 0 or len(chunks) == self.max_prefill_rows:
+                return chunks
+            if not seq.in_decode and seq.computed < len(seq.tokens):
+                chunk = self._chunk(seq, budget)
+                if chunk is None:
+                    return chunks
+                chunks.append(chunk)
+                budget -= chunk.length
+        while self.waiting and budget > 0 and len(chunks) < self.max_prefill_rows:
+            if len(self.running) >= self.max_batch:
+                break
+            seq = self.waiting[0]
+            self._attach_prefix(seq)
+            chunk = self._chunk(seq, budget)
+            if chunk is None:
+                self.pool.free(seq.pages)  # give back the prefix pages; try again next step
+                seq.pages, seq.computed = [], 0
+                break
+            self.waiting.popleft()
+            seq.phase = Phase.RUNNING
+            self.running.append(seq)
+            self.prompt_tokens += len(seq.tokens)
+            self.prefix_hit_tokens += seq.computed
+            seq.prefix_hit_tokens = seq.computed
+            chunks.append(chunk)
+            budget -= chunk.length
+        return chunks
+
+    def _chunk(self, seq: Sequence, budget: int) -> Chunk | None:
+        """The next chunk of seq's uncached tokens within budget, with pages for it (or None)."""
+        length = min(len(seq.tokens) - seq.computed, budget)
+        need = self.pages_needed(seq.computed + length) - len(seq.pages)
+        if need > 0:
+            pages = self.pool.allocate(need)
+            if pages is None:
+                return None
+            seq.pages += pages
+        return Chunk(seq, seq.computed, length)
+
+    def _attach_prefix(self, seq: Sequence) -> None:
+        """Reuses cached pages for seq's leading full blocks, keeping at least one token to
+        compute (its logits give the next token)."""
+        if not self.prefix_caching or seq.pages:
+            return
+        reusable = (len(seq.tokens) - 1) // self.pool.page_size
+        hashes = block_hashes(seq.tokens[: reusable * self.pool.page_size], self.pool.page_size)
+        seq.pages = self.pool.lookup_prefix(hashes)
+        seq.computed = len(seq.pages) * self.pool.page_size
+        seq.registered_blocks = len(seq.pages)
+
+    def register_computed_blocks(self, seq: Sequence) -> None:
+        """After a chunk ran: make seq's newly completed prompt blocks findable by later prompts."""
+        if not self.prefix_caching:
+            return
+        full = min(seq.computed, len(seq.prompt_ids)) // self.pool.page_size
+        if full <= seq.registered_blocks:
+            return
+        hashes = block_hashes(seq.tokens[: full * self.pool.page_size], self.pool.page_size)
+        for i in range(seq.registered_blocks, full):
+            self.pool.register(seq.pages[i], hashes[i])
+        seq.registered_blocks = full
+
+    def _youngest_other_than(self, seq: Sequence) -> Sequence | None:
+        for other in reversed(self.running):
+            if other is not seq:
+                return other
+        return None
+
+    def _preempt(self, victim: Sequence, preempted: list[Sequence]) -> None:
+        """Frees the victim's pages and queues it first in line to recompute what it had."""
+        self.running.remove(victim)
+        self.pool.free(victim.pages)
+        victim.pages, victim.computed, victim.registered_blocks = [], 0, 0
+        victim.phase = Phase.WAITING
+        victim.preemptions += 1
+        self.waiting.appendleft(victim)
+        preempted.append(victim)
+
+    def on_step_done(self, step: Step) -> None:
+        """Advances the computed counts after the programs ran (before new tokens are appended)."""
+        for seq in step.decode:
+            seq.computed += 1
+        for chunk in step.prefill:
+            chunk.seq.computed += chunk.length
+            self.register_computed_blocks(chunk.seq)
