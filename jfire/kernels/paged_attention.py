@@ -62,13 +62,12 @@ def _decode_kernel(layer_ref, table_ref, length_ref, q_ref, k_ref, v_ref, o_ref,
                    sliding_window: int | None):
     """One (row, kv head) pair: online softmax over the row's pages, a block of pages at a time.
 
-    q_ref [g, d] holds the query heads that share this kv head; k_ref/v_ref are the whole
-    stacked cache (left in HBM), read page by page through the row's page table.
+    q_ref [g, d] holds the query heads sharing this kv head (padded to a dot-friendly count);
+    k_ref/v_ref [layers, pages, page_size, d] are this kv head's whole pool, read page by page
+    through the row's page table (a gather, never a copy of the pool).
     """
-    row = pl.program_id(0)
-    head = pl.program_id(1)
     layer = layer_ref[0]
-    length = length_ref[row]
+    length = length_ref[0]
     q = q_ref[...].astype(jnp.float32) * scale  # [g, d]
     g, d = q.shape
     block = pages_per_block * page_size
@@ -76,13 +75,9 @@ def _decode_kernel(layer_ref, table_ref, length_ref, q_ref, k_ref, v_ref, o_ref,
 
     def body(i, carry):
         m, l, acc = carry
-        keys, values = [], []
-        for j in range(pages_per_block):  # static unroll: a block of whole pages
-            page = table_ref[row, i * pages_per_block + j]
-            keys.append(k_ref[layer, head, page, :, :])
-            values.append(v_ref[layer, head, page, :, :])
-        k = jnp.concatenate(keys, axis=0).astype(jnp.float32)  # [block, d]
-        v = jnp.concatenate(values, axis=0).astype(jnp.float32)
+        pages = table_ref[pl.ds(i * pages_per_block, pages_per_block)]
+        k = k_ref[layer, pages].reshape(block, d).astype(jnp.float32)
+        v = v_ref[layer, pages].reshape(block, d).astype(jnp.float32)
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())))  # [g, block]
         slot = i * block + jax.lax.broadcasted_iota(jnp.int32, (g, block), 1)
         s = jnp.where((slot < length) & (slot >= first_visible), s, MASK_VALUE)
@@ -101,43 +96,48 @@ def _decode_kernel(layer_ref, table_ref, length_ref, q_ref, k_ref, v_ref, o_ref,
     o_ref[...] = (acc / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("sliding_window", "pages_per_block", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sliding_window", "pages_per_block", "interpret", "num_warps"))
 def paged_attention(q, k_pages, v_pages, layer, page_table, lengths, *, sliding_window=None,
-                    pages_per_block: int = 8, interpret: bool = False):
-    """Decode attention with a Pallas kernel: one query per row.
+                    pages_per_block: int = 8, interpret: bool = False, num_warps: int = 4):
+    """Decode attention with a Pallas (Triton-style GPU) kernel: one query per row.
 
     q [b, h, d]; k/v pages [layers, k, num_pages, page_size, d]; layer a scalar; page_table
     [b, w]; lengths [b] (the query sits at position length-1 and sees positions < length).
     Returns [b, h, d].
     """
+    from jax.experimental.pallas import triton as plgpu
+
     b, h, d = q.shape
-    _, kvh, _, page_size, _ = k_pages.shape
+    layers, kvh, num_pages, page_size, _ = k_pages.shape
     g = h // kvh
     w = page_table.shape[1]
     pages_per_block = min(pages_per_block, w)
     if w % pages_per_block:
         raise ValueError(f"pages per row ({w}) must be a multiple of pages_per_block ({pages_per_block})")
+    # GPU dot products want at least 16 rows: pad the query heads of a group.
+    g_pad = max(16, 1 << (g - 1).bit_length())
+    q = jnp.pad(q.reshape(b, kvh, g, d), ((0, 0), (0, 0), (0, g_pad - g), (0, 0)))
     kernel = functools.partial(
         _decode_kernel, page_size=page_size, pages_per_block=pages_per_block, num_blocks=w // pages_per_block,
         scale=1.0 / math.sqrt(d), sliding_window=sliding_window,
     )
-    any_space = pl.BlockSpec(memory_space=pl.ANY)
-    smem = pl.BlockSpec(memory_space=pl.ANY)
+    pool = pl.BlockSpec((layers, None, num_pages, page_size, d), lambda i, j: (0, j, 0, 0, 0))
     out = pl.pallas_call(
         kernel,
         grid=(b, kvh),
         in_specs=[
-            smem,  # layer index
-            smem,  # page tables
-            smem,  # lengths
-            pl.BlockSpec((None, None, g, d), lambda i, j: (i, j, 0, 0)),
-            any_space,
-            any_space,
+            pl.BlockSpec((1,), lambda i, j: (0,)),  # layer
+            pl.BlockSpec((None, w), lambda i, j: (i, 0)),  # this row's page table
+            pl.BlockSpec((1,), lambda i, j: (i,)),  # this row's length
+            pl.BlockSpec((None, None, g_pad, d), lambda i, j: (i, j, 0, 0)),
+            pool,
+            pool,
         ],
-        out_specs=pl.BlockSpec((None, None, g, d), lambda i, j: (i, j, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((b, kvh, g, d), q.dtype),
+        out_specs=pl.BlockSpec((None, None, g_pad, d), lambda i, j: (i, j, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((b, kvh, g_pad, d), q.dtype),
         interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
         name="jfire_paged_decode_attention",
     )(jnp.reshape(layer, (1,)).astype(jnp.int32), page_table.astype(jnp.int32), lengths.astype(jnp.int32),
-      q.reshape(b, kvh, g, d), k_pages, v_pages)
-    return out.reshape(b, h, d)
+      q, k_pages, v_pages)
+    return out[:, :, :g].reshape(b, h, d)
