@@ -159,6 +159,7 @@ class Engine:
         self.eos_ids = frozenset(self.cfg.eos_token_ids) | (model.tokenizer.eos_ids if model.tokenizer else frozenset())
         self._commands: queue.Queue = queue.Queue()
         self._live: dict[str, _Live] = {}
+        self._outbox: list[tuple[_Live, RequestOutput]] = []  # outputs of this step, sent after stats
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -256,15 +257,16 @@ class Engine:
                 if self._stop.is_set():
                     break
                 step = self.scheduler.schedule()
-                if step.empty:
-                    self._publish_stats()
-                    continue
-                self._execute(step)
+                if not step.empty:
+                    self._execute(step)
+                # Stats first, then outputs: whoever sees a request finish sees its pages freed.
                 self._publish_stats()
+                self._deliver()
         except BaseException as e:  # a bug or a device failure: fail every request loudly
             self.error = e
             for live in list(self._live.values()):
                 self._finish(live, "error", error=f"engine failure: {e}")
+            self._deliver()
             raise
 
     def _drain_commands(self, block: bool) -> None:
@@ -383,7 +385,7 @@ class Engine:
         if finish is not None:
             self._finish(live, finish, last=out)
         else:
-            live.on_output(out)
+            self._outbox.append((live, out))
 
     def _finish(self, live: _Live, reason: str, *, last: RequestOutput | None = None, error: str | None = None):
         seq = live.seq
@@ -393,7 +395,12 @@ class Engine:
         out = last or RequestOutput(seq.request_id, [], "", prompt_tokens=len(seq.prompt_ids),
                                     completion_tokens=seq.num_generated, prefix_hit_tokens=seq.prefix_hit_tokens)
         out.finished, out.finish_reason, out.error = True, reason, error
-        live.on_output(out)
+        self._outbox.append((live, out))
+
+    def _deliver(self) -> None:
+        outbox, self._outbox = self._outbox, []
+        for live, out in outbox:
+            live.on_output(out)
 
     def _publish_stats(self) -> None:
         now = time.perf_counter()
@@ -408,6 +415,7 @@ class Engine:
             "pages_free": pool.free,
             "pages_cached": pool.cached,
             "prefix_hit_tokens": self.scheduler.prefix_hit_tokens,
+            "preemptions": self.scheduler.preemptions,
             "prompt_tokens": self.scheduler.prompt_tokens,
             "tokens_generated": self._tokens_generated,
             "tokens_per_s": (sum(n for _, n in self._recent[1:]) / window) if window > 0 else 0.0,

@@ -90,6 +90,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order; the youngest is preempted first
         self.prefix_hit_tokens = 0
         self.prompt_tokens = 0
+        self.preemptions = 0
 
     # -- membership --------------------------------------------------------------------------
 
@@ -216,6 +217,7 @@ class Scheduler:
         victim.pages, victim.computed, victim.registered_blocks = [], 0, 0
         victim.phase = Phase.WAITING
         victim.preemptions += 1
+        self.preemptions += 1
         self.waiting.appendleft(victim)
         preempted.append(victim)
 

@@ -1,0 +1,138 @@
+"""The continuous-batching engine against running each request alone, and its bookkeeping:
+preemption, prefix caching, cancellation, no compilation after warm-up."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from jfire.checkpoint.load import load_model
+from jfire.engine import Engine, EngineConfig, QueueFull
+from jfire.errors import JfireError
+from jfire.sampling import SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village by the sea,",
+    "def quicksort(items):",
+    "The three laws of robotics are",
+    "Photosynthesis is the process by which",
+    "My favourite recipe for pancakes needs",
+    "In 1969, the first humans to walk on the moon",
+    "A haiku about autumn leaves:",
+    "The difference between a list and a tuple in Python is",
+    "To be or not to be,",
+    "The mitochondria is",
+    "Here is a short poem about the ocean:",
+    "The best way to learn a new language is",
+    "SELECT name, age FROM users WHERE",
+    "Water boils at 100 degrees Celsius because",
+    "The quick brown fox",
+]
+
+
+@pytest.fixture(scope="module")
+def default_model(default_checkpoint):
+    return load_model("default", "float32")
+
+
+@pytest.fixture(scope="module")
+def engine(default_model):
+    config = EngineConfig(max_batch=16, prefill_budget=64, max_prefill_rows=4, max_model_len=256)
+    with Engine(default_model, config) as engine:
+        yield engine
+
+
+def test_sixteen_prompts_batched_equal_each_alone(engine, default_model):
+    tok = default_model.tokenizer
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    requests = [(tok.encode(p), greedy) for p in PROMPTS]
+    together = engine.generate(requests)
+    alone = [engine.generate([r])[0] for r in requests]
+    for prompt, a, b in zip(PROMPTS, together, alone):
+        assert a.token_ids == b.token_ids, prompt
+        assert len(a.token_ids) == 24
+
+
+def test_seeded_sampling_is_the_same_batched_or_alone(engine, default_model):
+    tok = default_model.tokenizer
+    requests = [(tok.encode(p), SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=i, max_tokens=12))
+                for i, p in enumerate(PROMPTS[:6])]
+    together = engine.generate(requests)
+    alone = [engine.generate([r])[0] for r in requests]
+    assert [c.token_ids for c in together] == [c.token_ids for c in alone]
+
+
+def test_no_compilation_after_warm_up(engine, default_model):
+    compiles = []
+    listener = lambda event, duration, **kw: compiles.append(event) if "backend_compile" in event else None
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        before = engine.programs.num_compiled
+        tok = default_model.tokenizer
+        rng = np.random.default_rng(0)
+        # Varied prompt lengths (1..150 tokens, so several chunks) and batch sizes 1..16.
+        for batch in (1, 3, 16, 7):
+            requests = []
+            for _ in range(batch):
+                n = int(rng.integers(1, 150))
+                ids = [int(x) for x in rng.integers(100, 40000, size=n)]
+                requests.append((ids, SamplingParams(temperature=float(rng.choice([0.0, 0.8])),
+                                                     max_tokens=int(rng.integers(1, 40)), seed=1)))
+            engine.generate(requests)
+        assert engine.programs.num_compiled == before
+        assert [e for e in compiles] == []
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def test_prefix_cache_reuses_full_blocks(engine, default_model):
+    tok = default_model.tokenizer
+    system = ("You are a careful assistant. Answer in one short sentence, and never invent facts. "
+              "If you do not know, say so plainly. ") * 2
+    first, second = tok.encode(system + "What is the tallest mountain?"), tok.encode(system + "Who wrote Hamlet?")
+    shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    hits_before = engine.stats()["prefix_hit_tokens"]
+    a = engine.generate([(first, greedy)])[0]
+    b_handle = engine.submit(second, greedy)
+    b = b_handle.result()
+    page = engine.config.page_size
+    assert engine.stats()["prefix_hit_tokens"] - hits_before == (shared // page) * page
+    assert shared // page >= 2
+    # The reused blocks give exactly what recomputing them gives.
+    config = EngineConfig(max_batch=1, max_prefill_rows=1, max_model_len=256, prefix_caching=False, aot=False)
+    with Engine(default_model, config) as plain:
+        assert plain.generate([(second, greedy)])[0].token_ids == b.token_ids
+        assert plain.generate([(first, greedy)])[0].token_ids == a.token_ids
+
+
+def test_cancel_frees_pages_at_once(engine, default_model):
+    ids = default_model.tokenizer.encode("Write a very long essay about the history of bread.")
+    handle = engine.submit(ids, SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+    outputs = iter(handle)
+    next(outputs)  # generation is under way
+    assert engine.stats()["pages_used"] > 0
+    handle.cancel()
+    rest = list(outputs)
+    assert rest[-1].finished and rest[-1].finish_reason == "cancelled"
+    deadline = time.time() + 1.0
+    while engine.stats()["pages_used"] != 0 and time.time() < deadline:
+        time.sleep(0.01)
+    assert engine.stats()["pages_used"] == 0
+    assert engine.stats()["running"] == 0
+
+
+def test_requests_that_cannot_run_are_refused_up_front(engine):
+    with pytest.raises(JfireError, match="context"):
+        engine.submit(list(range(10, 300)), SamplingParams(max_tokens=4))
+    with pytest.raises(JfireError, match="max_tokens"):
+        engine.submit([10, 11], SamplingParams(max_tokens=255))
+    with pytest.raises(JfireError, match="vocabulary"):
+        engine.submit([10, 10**6], SamplingParams(max_tokens=4))
+    with pytest.raises(JfireError, match="empty"):
+        engine.submit([], SamplingParams(max_tokens=4))
