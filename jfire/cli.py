@@ -47,6 +47,11 @@ def engine_config(args, *, single: bool):
         if args.max_batch < 1:
             raise JfireError(f"--max-batch must be >= 1, got {args.max_batch}")
         limits["max_batch"] = args.max_batch
+    # Without this a negative --max-context reached the engine and came back as "the context
+    # holds -1 ... at most -2 tokens", and 0 silently meant the model's whole context.
+    max_context = getattr(args, "max_context", None)
+    if max_context is not None and max_context < 2:
+        raise JfireError(f"--max-context must be >= 2 (a prompt token and a generated one), got {max_context}")
     if not args.kv_cache_gb > 0:
         raise JfireError(f"--kv-cache-gb must be > 0, got {args.kv_cache_gb}")
     return EngineConfig(
@@ -80,6 +85,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--output", help="with --prompts-file: write JSONL results here (default: stdout)")
     _add_engine_args(g)
 
+    b = sub.add_parser("bench", help="throughput, TTFT/TPOT and start-up benchmark (prints a table, writes JSON)")
+    _add_model_args(b)
+    _add_engine_args(b)
+    b.add_argument("--concurrency", default="1,4,16,64", help="comma-separated concurrency levels")
+    b.add_argument("--prompt-len", type=int, default=128)
+    b.add_argument("--output-len", type=int, default=128)
+    b.add_argument("--output", default="bench.json", help="JSON results file (default bench.json)")
+    b.add_argument("--skip-startup", action="store_true", help="do not measure cold/warm start-up")
+    b.add_argument("--startup-only", action="store_true", help=argparse.SUPPRESS)
+
     c = sub.add_parser("convert", help="convert a HF directory or .gguf file into a jfire checkpoint")
     c.add_argument("src", help="HF model directory or .gguf file")
     c.add_argument("dst", nargs="?", help="destination directory (default: checkpoints/<name>)")
@@ -92,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _prompt_ids(args, tokenizer) -> list[int]:
     if args.prompt_ids is not None:
         try:
-            return [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+            return [int(x) for x in args.prompt_ids.split(",")]
         except ValueError:
             raise JfireError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
     if tokenizer is None:
@@ -173,7 +188,29 @@ def cmd_convert(args) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "convert": cmd_convert}
+def cmd_bench(args) -> int:
+    from jfire import bench
+    from jfire.checkpoint.load import load_model
+    from jfire.engine import Engine
+
+    try:
+        args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    except ValueError:
+        raise JfireError(f"--concurrency must be comma-separated integers, got {args.concurrency!r}") from None
+    if args.max_batch is None:
+        args.max_batch = max(args.concurrency)
+    config = engine_config(args, single=False)
+    model = load_model(args.model, args.dtype)
+    if args.startup_only:
+        Engine(model, config).start()
+        return 0
+    engine_args = ["--max-batch", str(args.max_batch), "--kv-cache-gb", str(args.kv_cache_gb),
+                   "--attention", args.attention]
+    bench.run(args, model, config, engine_args)
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "convert": cmd_convert, "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

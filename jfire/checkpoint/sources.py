@@ -28,7 +28,18 @@ class HFDirSource:
             self.hf_config = json.loads(config_file.read_text())
         except json.JSONDecodeError as e:
             raise JfireError(f"{config_file} is not valid JSON: {e}") from None
-        self.config = LlamaConfig.from_hf(self.hf_config)
+        # A config.json that is not an object, lacks a required key or holds a value of the wrong
+        # type would otherwise escape from_hf as a bare KeyError/TypeError with a traceback.
+        if not isinstance(self.hf_config, dict):
+            raise JfireError(f"{config_file} must hold a JSON object, not a {type(self.hf_config).__name__}")
+        try:
+            self.config = LlamaConfig.from_hf(self.hf_config)
+        except JfireError:
+            raise
+        except KeyError as e:
+            raise JfireError(f"{config_file} lacks the required key {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            raise JfireError(f"{config_file} has a value of the wrong type ({e})") from None
         self._file_of = self._index()
         self._open: dict[Path, object] = {}
 
@@ -76,7 +87,9 @@ def _safetensors_names(file: Path) -> list[str]:
         with safe_open(file, framework="numpy") as f:
             return list(f.keys())
     except Exception as e:
-        raise JfireError(f"{file} is not a readable safetensors file ({e})") from None
+        # Say what the usual cause is: safetensors' own words ("incomplete metadata, file not
+        # fully covered") do not tell a user that the download or copy was cut short.
+        raise JfireError(f"{file} is not a readable safetensors file ({e}); it may be truncated or corrupt") from None
 
 
 class GGUFSource:

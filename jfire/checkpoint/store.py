@@ -43,6 +43,8 @@ def read_manifest(path: Path) -> dict:
         manifest = json.loads((Path(path) / MANIFEST).read_text())
     except json.JSONDecodeError as e:
         raise JfireError(f"{path}/{MANIFEST} is not valid JSON: {e}") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("config"), dict):
+        raise JfireError(f"{path}/{MANIFEST} lacks the model config; convert the model again")
     if manifest.get("format") != FORMAT_VERSION:
         raise JfireError(
             f"{path} is a jfire checkpoint of format {manifest.get('format')!r}; this jfire reads format "

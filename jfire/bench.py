@@ -1,0 +1,119 @@
+"""`jfire bench`: offline throughput, TTFT and TPOT at several concurrencies, and start-up
+time with a cold and a warm compilation cache. A program that prints figures, not a test.
+
+Each concurrency level submits that many requests at once (random prompt ids, so no prefix
+hits; EOS ignored, so every request decodes exactly --output-len tokens) and times the wave.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from jfire.engine import Engine
+from jfire.sampling import SamplingParams
+
+
+def percentiles(values, ps=(50, 90, 99)) -> dict:
+    if not values:
+        return {f"p{p}": None for p in ps}
+    return {f"p{p}": float(np.percentile(values, p)) for p in ps}
+
+
+def run_wave(engine: Engine, concurrency: int, prompt_len: int, output_len: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    vocab = engine.cfg.vocab_size
+    sampling = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    prompts = [[int(x) for x in rng.integers(100, vocab, size=prompt_len)] for _ in range(concurrency)]
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
+    counts: dict[int, int] = {}
+    done = []
+
+    def recorder(i):
+        def on_output(out):
+            now = time.perf_counter()
+            if out.token_ids:
+                first.setdefault(i, now)
+                last[i] = now
+                counts[i] = counts.get(i, 0) + len(out.token_ids)
+            if out.finished:
+                done.append(i)
+        return on_output
+
+    start = time.perf_counter()
+    for i, ids in enumerate(prompts):
+        engine.submit(ids, sampling, on_output=recorder(i))
+    while len(done) < concurrency:
+        time.sleep(0.005)
+    elapsed = time.perf_counter() - start
+    tokens = sum(counts.values())
+    ttft = [first[i] - start for i in range(concurrency)]
+    tpot = [(last[i] - first[i]) / (counts[i] - 1) for i in range(concurrency) if counts[i] > 1]
+    return {
+        "concurrency": concurrency,
+        "output_tokens": tokens,
+        "seconds": elapsed,
+        "output_tokens_per_s": tokens / elapsed,
+        "ttft_s": percentiles(ttft),
+        "tpot_s": percentiles(tpot),
+    }
+
+
+def measure_startup(model: str, dtype: str, cache_dir: str, engine_args: list[str]) -> float:
+    """Seconds from a fresh process to a ready engine (model loaded, every bucket compiled)."""
+    cmd = [sys.executable, "-m", "jfire.cli", "bench", "--startup-only", "--model", model, "--dtype", dtype,
+           "--compile-cache", cache_dir, *engine_args]
+    start = time.perf_counter()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return time.perf_counter() - start
+
+
+def format_table(rows: list[dict]) -> str:
+    head = f"{'conc':>5} {'tok/s':>9} {'x conc1':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}"
+    lines = [head, "-" * len(head)]
+    base = rows[0]["output_tokens_per_s"] if rows else 1.0
+    for r in rows:
+        lines.append(
+            f"{r['concurrency']:>5} {r['output_tokens_per_s']:>9.1f} {r['output_tokens_per_s'] / base:>8.2f} "
+            f"{r['ttft_s']['p50'] * 1e3:>7.0f}ms {r['ttft_s']['p99'] * 1e3:>7.0f}ms "
+            f"{r['tpot_s']['p50'] * 1e3:>7.1f}ms {r['tpot_s']['p99'] * 1e3:>7.1f}ms")
+    return "\n".join(lines)
+
+
+def run(args, model, engine_config, engine_args: list[str]) -> dict:
+    results = {"model": model.name, "dtype": model.dtype, "prompt_len": args.prompt_len,
+               "output_len": args.output_len, "engine": {}}
+    if not args.skip_startup:
+        with tempfile.TemporaryDirectory(prefix="jfire-xla-") as cache:
+            cold = measure_startup(args.model, args.dtype, cache, engine_args)
+            warm = measure_startup(args.model, args.dtype, cache, engine_args)
+        results["startup_s"] = {"cold": cold, "warm": warm}
+        print(f"start-up to ready: cold {cold:.1f} s, warm {warm:.1f} s (compilation cache reused)", flush=True)
+    t0 = time.perf_counter()
+    with Engine(model, engine_config) as engine:
+        results["engine"] = {"compiled_programs": engine.programs.num_compiled, "startup_s": engine.startup_s,
+                             "kv_pages": engine.pool.num_pages, "page_size": engine.config.page_size}
+        print(f"engine ready in {time.perf_counter() - t0:.1f} s ({engine.programs.num_compiled} programs)", flush=True)
+        run_wave(engine, 1, args.prompt_len, 8, seed=0)  # touch every path once before timing
+        rows = []
+        for c in args.concurrency:
+            rows.append(run_wave(engine, c, args.prompt_len, args.output_len, seed=c))
+            print(f"  concurrency {c}: {rows[-1]['output_tokens_per_s']:.1f} output tokens/s", flush=True)
+    results["waves"] = rows
+    print(format_table(rows))
+    if len(rows) > 1:
+        by_c = {r["concurrency"]: r["output_tokens_per_s"] for r in rows}
+        if 1 in by_c and 16 in by_c:
+            results["speedup_16_over_1"] = by_c[16] / by_c[1]
+            print(f"throughput at concurrency 16 is {by_c[16] / by_c[1]:.2f}x concurrency 1")
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(results, f, indent=2)
+        print(f"wrote {args.output}")
+    return results
