@@ -32,6 +32,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, default=None, help="most sequences decoding at once (default 64)")
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="device memory for the paged KV cache (default 1)")
+    p.add_argument("--prefill-budget", type=int, default=256,
+                   help="prompt tokens per engine step (default 256): bounds how long a prefill stalls decodes")
     p.add_argument("--attention", default="reference", choices=["reference", "pallas", "pallas-interpret"],
                    help="decode attention: plain jnp, or the Pallas kernel (GPU; -interpret runs it on CPU)")
     p.add_argument("--compile-cache", default=None,
@@ -52,10 +54,12 @@ def engine_config(args, *, single: bool):
     max_context = getattr(args, "max_context", None)
     if max_context is not None and max_context < 2:
         raise JfireError(f"--max-context must be >= 2 (a prompt token and a generated one), got {max_context}")
+    if args.prefill_budget < 16:
+        raise JfireError(f"--prefill-budget must be >= 16, got {args.prefill_budget}")
     if not args.kv_cache_gb > 0:
         raise JfireError(f"--kv-cache-gb must be > 0, got {args.kv_cache_gb}")
     return EngineConfig(
-        kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), attention=args.attention,
+        kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), attention=args.attention, prefill_budget=args.prefill_budget,
         max_model_len=getattr(args, "max_context", None),
         compilation_cache_dir=None if cache == "off" else cache, **limits)
 
@@ -94,6 +98,18 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--output", default="bench.json", help="JSON results file (default bench.json)")
     b.add_argument("--skip-startup", action="store_true", help="do not measure cold/warm start-up")
     b.add_argument("--startup-only", action="store_true", help=argparse.SUPPRESS)
+
+    v = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    _add_model_args(v)
+    _add_engine_args(v)
+    v.add_argument("--host", default="127.0.0.1")
+    v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: $JFIRE_API_KEY)")
+    v.add_argument("--max-queue", type=int, default=1024, help="waiting requests before new ones get 429")
+    v.add_argument("--max-context", type=int, default=None,
+                   help="cap the context below the model's own (default: the model's, at most 4096)")
+    v.add_argument("--served-model-name", default=None, help="the model id clients send (default: from --model)")
 
     c = sub.add_parser("convert", help="convert a HF directory or .gguf file into a jfire checkpoint")
     c.add_argument("src", help="HF model directory or .gguf file")
@@ -205,12 +221,31 @@ def cmd_bench(args) -> int:
         Engine(model, config).start()
         return 0
     engine_args = ["--max-batch", str(args.max_batch), "--kv-cache-gb", str(args.kv_cache_gb),
-                   "--attention", args.attention]
+                   "--attention", args.attention, "--prefill-budget", str(args.prefill_budget)]
     bench.run(args, model, config, engine_args)
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "convert": cmd_convert, "bench": cmd_bench}
+def cmd_serve(args) -> int:
+    import dataclasses
+    import os
+
+    from jfire.checkpoint.load import load_model
+    from serve import server
+
+    if not 0 <= args.port < 65536:
+        raise JfireError(f"--port must be in 0..65535, got {args.port}")
+    if args.max_queue < 1:
+        raise JfireError(f"--max-queue must be >= 1, got {args.max_queue}")
+    config = dataclasses.replace(engine_config(args, single=False), max_waiting=args.max_queue)
+    model = load_model(args.model, args.dtype)
+    api_key = args.api_key or os.environ.get("JFIRE_API_KEY") or None
+    server.run(model, config, host=args.host, port=args.port, api_key=api_key,
+               model_name=args.served_model_name or server.served_name(args.model))
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "convert": cmd_convert, "bench": cmd_bench, "serve": cmd_serve}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -358,7 +358,9 @@ def decoder(params: dict, cfg: LlamaConfig, tokens, positions, pages: dict, page
             k_pages = k_pages.at[i, :, write_page, write_slot].set(k.astype(k_pages.dtype), mode="drop")
             v_pages = v_pages.at[i, :, write_page, write_slot].set(v.astype(v_pages.dtype), mode="drop")
             out = attend(q, k_pages, v_pages, i, page_table, positions)
-            x = x + jnp.einsum("bthd,hde->bte", out, p["wo"])
+            # One contraction over h*d: XLA CPU otherwise transposes wo on every call.
+            b, t, h, d = out.shape
+            x = x + jnp.einsum("btf,fe->bte", out.reshape(b, t, h * d), p["wo"].reshape(h * d, -1))
             if cfg.o_bias:
                 x = x + p["bo"]
         with jax.named_scope("mlp"):

@@ -1,0 +1,1 @@
+"""The HTTP completion service: a thin FastAPI layer over a jfire engine."""

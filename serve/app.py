@@ -1,0 +1,344 @@
+"""The OpenAI-compatible HTTP service: FastAPI handlers that turn HTTP into engine requests.
+
+Handlers never block the engine: outputs arrive on the engine thread and are handed to the
+request's asyncio queue with `call_soon_threadsafe`. A client that goes away cancels its
+request, which frees its KV pages at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import secrets
+import time
+import uuid
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from jfire.engine import Engine, QueueFull, RequestOutput
+from jfire.errors import JfireError
+from jfire.sampling import SamplingParams
+from serve.metrics import ServerMetrics
+from serve.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+log = logging.getLogger("jfire.serve")
+RETRY_AFTER_S = 1
+
+
+class APIError(Exception):
+    """An error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error", headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+@dataclasses.dataclass
+class ServerState:
+    engine: Engine
+    model_name: str
+    api_key: str | None = None
+    metrics: ServerMetrics | None = None
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self):
+        if self.metrics is None:
+            self.metrics = ServerMetrics(self.engine.stats)
+
+
+def create_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="jfire", description="OpenAI-compatible completion service", version="0.1.0")
+    app.state.jfire = state
+    _install_error_handlers(app)
+    _install_auth(app, state)
+
+    @app.get("/health")
+    async def health():
+        engine = state.engine
+        if engine.error is not None:
+            return JSONResponse({"status": "error", "message": str(engine.error)}, status_code=503)
+        if not engine.ready.is_set():
+            return JSONResponse({"status": "starting", "message": "compiling programs"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": state.model_name, "object": "model", "created": state.created, "owned_by": "jfire",
+            "max_model_len": state.engine.max_model_len,
+        }]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        prompt_ids = _completion_prompt(body, state.engine)
+        return await _serve(state, request, body, prompt_ids, chat=False, endpoint="completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        tokenizer = _require_tokenizer(state.engine)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            prompt_ids = tokenizer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt)
+        except JfireError as e:
+            raise APIError(400, str(e), param="messages")
+        return await _serve(state, request, body, prompt_ids, chat=True, endpoint="chat_completions")
+
+    return app
+
+
+# -- request handling ----------------------------------------------------------------------
+
+
+def _require_tokenizer(engine: Engine):
+    if engine.model.tokenizer is None:
+        raise APIError(400, "this model has no tokenizer; send token ids as 'prompt' to /v1/completions",
+                       param="messages")
+    return engine.model.tokenizer
+
+
+def _completion_prompt(body: CompletionRequest, engine: Engine) -> list[int]:
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise APIError(400, f"send one prompt per request (got {len(prompt)})", param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return _require_tokenizer(engine).encode(prompt)
+    return list(prompt)
+
+
+def _sampling(body: SamplingFields, max_tokens: int) -> SamplingParams:
+    try:
+        return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
+                              max_tokens=max_tokens, stop=tuple(body.stop_list()))
+    except JfireError as e:
+        raise APIError(400, str(e))
+
+
+def _max_tokens(body: SamplingFields, prompt_len: int, engine: Engine, chat: bool) -> int:
+    given = body.max_completion_tokens if chat and body.max_completion_tokens else body.max_tokens
+    if given is None:  # chat without a limit: whatever the context leaves
+        return max(1, engine.max_model_len - prompt_len)
+    return given
+
+
+async def _serve(state: ServerState, request: Request, body: SamplingFields, prompt_ids: list[int], *,
+                 chat: bool, endpoint: str):
+    engine = state.engine
+    if not engine.ready.is_set():
+        raise APIError(503, "the server is still compiling its programs; retry shortly", kind="server_error",
+                       code="not_ready", headers={"Retry-After": str(RETRY_AFTER_S)})
+    if body.model != state.model_name:
+        raise APIError(400, f"model {body.model!r} is not served here; this server serves {state.model_name!r}",
+                       param="model", code="model_not_found")
+    if getattr(body, "logprobs", None):
+        raise APIError(400, "logprobs are not supported yet; omit the field", param="logprobs")
+    if getattr(body, "echo", False):
+        raise APIError(400, "echo is not supported; omit the field", param="echo")
+    sampling = _sampling(body, _max_tokens(body, len(prompt_ids), engine, chat))
+    loop = asyncio.get_running_loop()
+    outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+    def on_output(out: RequestOutput) -> None:  # engine thread: hand over, never block
+        try:
+            loop.call_soon_threadsafe(outputs.put_nowait, out)
+        except RuntimeError:  # the event loop is gone (server shutting down)
+            pass
+
+    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+    try:
+        engine.submit(prompt_ids, sampling, request_id=request_id, on_output=on_output)
+    except QueueFull as e:
+        raise APIError(429, str(e), kind="rate_limit_error", code="queue_full",
+                       headers={"Retry-After": str(RETRY_AFTER_S)})
+    except JfireError as e:
+        code = "context_length_exceeded" if "context" in str(e) else None
+        raise APIError(400, str(e), param="max_tokens" if "max_tokens" in str(e) else "prompt", code=code)
+    stream = _Stream(state, request, engine, request_id, outputs, body.model, chat, endpoint)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(stream.sse(include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    return await stream.whole()
+
+
+class _Stream:
+    """One request's outputs, as SSE chunks or one response, with latency metrics."""
+
+    def __init__(self, state, request, engine, request_id, outputs, model, chat, endpoint):
+        self.state, self.request, self.engine = state, request, engine
+        self.request_id, self.outputs, self.model, self.chat, self.endpoint = request_id, outputs, model, chat, endpoint
+        self.created = int(time.time())
+        self.start = time.perf_counter()
+        self.first: float | None = None
+        self.finished = False
+
+    async def _next(self) -> RequestOutput | None:
+        """The next output, or None if the client went away (the request is then cancelled)."""
+        while True:
+            try:
+                out = await asyncio.wait_for(self.outputs.get(), timeout=0.25)
+            except asyncio.TimeoutError:
+                if await self.request.is_disconnected():
+                    return None
+                continue
+            if out.token_ids and self.first is None:
+                self.first = time.perf_counter()
+                self.state.metrics.ttft.observe(self.first - self.start)
+            if out.finished:
+                self.finished = True
+                if self.first is not None and out.completion_tokens > 1:
+                    self.state.metrics.tpot.observe((time.perf_counter() - self.first) / (out.completion_tokens - 1))
+            return out
+
+    def _cancel_unless_finished(self) -> None:
+        if not self.finished:
+            self.engine.cancel(self.request_id)
+
+    def _count(self, status: int) -> None:
+        self.state.metrics.requests.labels(self.endpoint, str(status)).inc()
+
+    @staticmethod
+    def _usage(out: RequestOutput) -> dict:
+        return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
+                "total_tokens": out.prompt_tokens + out.completion_tokens}
+
+    async def whole(self):
+        text, last = [], None
+        try:
+            while True:
+                out = await self._next()
+                if out is None:
+                    self._count(499)
+                    return JSONResponse({}, status_code=499)
+                text.append(out.text)
+                last = out
+                if out.finished:
+                    break
+        finally:
+            self._cancel_unless_finished()
+        if last.finish_reason == "error":
+            self._count(500)
+            raise APIError(500, last.error or "generation failed", kind="server_error")
+        self._count(200)
+        content = "".join(text)
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": content},
+                      "finish_reason": last.finish_reason, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": content, "finish_reason": last.finish_reason, "logprobs": None}
+        return {"id": self.request_id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [choice], "usage": self._usage(last)}
+
+    def _chunk(self, text: str | None, finish_reason: str | None, first: bool = False) -> dict:
+        if self.chat:
+            delta = {}
+            if first:
+                delta["role"] = "assistant"
+            if text:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+            kind = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
+            kind = "text_completion"
+        return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model,
+                "choices": [choice]}
+
+    async def sse(self, include_usage: bool) -> AsyncIterator[str]:
+        def event(payload) -> str:
+            return f"data: {json.dumps(payload)}\n\n"
+
+        try:
+            if self.chat:
+                yield event(self._chunk(None, None, first=True))
+            while True:
+                out = await self._next()
+                if out is None:
+                    self._count(499)
+                    return
+                if out.finished and out.finish_reason == "error":
+                    self._count(500)
+                    yield event({"error": {"message": out.error, "type": "server_error", "param": None,
+                                           "code": None}})
+                    return
+                if out.text or out.finished:
+                    finish = out.finish_reason if out.finished else None
+                    yield event(self._chunk(out.text, finish))
+                if out.finished:
+                    if include_usage:
+                        usage_chunk = self._chunk(None, None)
+                        usage_chunk["choices"], usage_chunk["usage"] = [], self._usage(out)
+                        yield event(usage_chunk)
+                    yield "data: [DONE]\n\n"
+                    self._count(200)
+                    return
+        finally:
+            # Runs on normal completion and when the client disconnects (the generator is closed).
+            self._cancel_unless_finished()
+
+
+# -- errors and auth -------------------------------------------------------------------------
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        if first.get("type") == "json_invalid":
+            message = "the request body is not valid JSON"
+            param = None
+        elif first.get("type") == "missing":
+            message = f"missing required field '{param}'"
+        else:
+            message = f"{param + ': ' if param else ''}{first.get('msg', 'invalid request')}"
+        return APIError(400, message, param=param, code="invalid_value").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, str(exc.detail), kind=kind, headers=getattr(exc, "headers", None)).response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return APIError(500, f"internal error: {type(exc).__name__}", kind="server_error").response()
+
+
+def _install_auth(app: FastAPI, state: ServerState) -> None:
+    if not state.api_key:
+        return
+    expected = f"Bearer {state.api_key}".encode()
+
+    @app.middleware("http")
+    async def bearer_auth(request: Request, call_next):
+        if request.url.path == "/health":
+            return await call_next(request)
+        given = request.headers.get("authorization", "").encode()
+        if not secrets.compare_digest(given, expected):
+            return APIError(401, "missing or wrong API key; send 'Authorization: Bearer <key>'",
+                            kind="authentication_error", code="invalid_api_key").response()
+        return await call_next(request)

@@ -1,0 +1,60 @@
+"""Prometheus metrics for one server, in a registry of its own (no process-wide state).
+
+Request counts and latency histograms are recorded by the HTTP layer; engine gauges and
+counters (running, waiting, KV pages, prefix hits, tokens) are read from the engine's stats
+snapshot at scrape time, so they are never stale or double-counted.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class EngineCollector:
+    """Turns the engine's stats dict into metrics at each scrape."""
+
+    GAUGES = {
+        "running": ("jfire_requests_running", "Requests being prefilled or decoded"),
+        "waiting": ("jfire_requests_waiting", "Requests waiting to be admitted"),
+        "pages_used": ("jfire_kv_pages_used", "KV cache pages referenced by requests"),
+        "pages_free": ("jfire_kv_pages_free", "KV cache pages free (including reusable prefix pages)"),
+        "pages_cached": ("jfire_kv_pages_cached", "Free KV pages still holding a reusable prefix block"),
+        "pages_total": ("jfire_kv_pages_total", "KV cache pages in the pool"),
+        "tokens_per_s": ("jfire_generation_tokens_per_second", "Tokens generated per second, last 10 s"),
+    }
+    COUNTERS = {
+        "prefix_hit_tokens": ("jfire_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache"),
+        "prompt_tokens": ("jfire_prompt_tokens", "Prompt tokens admitted"),
+        "tokens_generated": ("jfire_generation_tokens", "Tokens generated"),
+        "preemptions": ("jfire_preemptions", "Requests preempted for lack of KV pages"),
+    }
+
+    def __init__(self, stats: Callable[[], dict]):
+        self._stats = stats
+
+    def collect(self):
+        stats = self._stats() or {}
+        for key, (name, doc) in self.GAUGES.items():
+            yield GaugeMetricFamily(name, doc, value=float(stats.get(key) or 0))
+        for key, (name, doc) in self.COUNTERS.items():
+            yield CounterMetricFamily(name, doc, value=float(stats.get(key) or 0))
+
+
+class ServerMetrics:
+    def __init__(self, stats: Callable[[], dict]):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("jfire_requests", "HTTP requests by endpoint and status",
+                                ["endpoint", "status"], registry=self.registry)
+        self.ttft = Histogram("jfire_time_to_first_token_seconds", "Time from request to first token",
+                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("jfire_time_per_output_token_seconds", "Time per output token after the first",
+                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.registry.register(EngineCollector(stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,97 @@
+"""Request bodies of the OpenAI-compatible endpoints, validated with pydantic.
+
+Fields we do not implement are either accepted at their neutral value (so stock clients that
+always send them keep working) or refused with a message that says what is supported.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+
+NonNegFloat = Annotated[float, Field(ge=0)]
+
+
+class StreamOptions(BaseModel):
+    include_usage: StrictBool = False
+
+
+class SamplingFields(BaseModel):
+    """What completions and chat completions share."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0, le=2)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: StrictInt = Field(default=0, ge=0, description="jfire extension: keep the k most likely tokens (0 = off)")
+    n: StrictInt = Field(default=1, ge=1, le=1, description="only n=1 is supported")
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    stop: StrictStr | list[StrictStr] | None = Field(default=None, description="up to 4 stop strings")
+    seed: StrictInt | None = Field(default=None, ge=0, lt=2**32)
+    presence_penalty: float = Field(default=0.0, description="not supported: must be 0")
+    frequency_penalty: float = Field(default=0.0, description="not supported: must be 0")
+    user: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _check_stop(self):
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) != 0:
+                raise ValueError(f"{name} is not supported; leave it at 0")
+        stops = self.stop_list()
+        if len(stops) > 4:
+            raise ValueError("stop takes at most 4 strings")
+        if any(s == "" for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return self
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Union[StrictStr, list[StrictInt], list[StrictStr], list[list[StrictInt]]] = Field(
+        description="one prompt: a string or a list of token ids (a one-element list of either is accepted)")
+    max_tokens: StrictInt | None = Field(default=16, ge=1)
+    echo: StrictBool = False
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=5)
+    suffix: None = None
+    best_of: StrictInt | None = Field(default=None, ge=1, le=1)
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[TextPart] | None = None
+    name: StrictStr | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    logprobs: StrictBool = Field(default=False, description="not supported for chat: must be false")
+    add_generation_prompt: StrictBool = True
+
+    @model_validator(mode="after")
+    def _no_chat_logprobs(self):
+        if self.logprobs:
+            raise ValueError("logprobs are supported on /v1/completions only")
+        return self
