@@ -63,6 +63,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.jfire = state
     _install_error_handlers(app)
     _install_auth(app, state)
+    _install_request_counter(app, state)
 
     @app.get("/health")
     async def health():
@@ -87,7 +88,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         prompt_ids = _completion_prompt(body, state.engine)
-        return await _serve(state, request, body, prompt_ids, chat=False, endpoint="completions")
+        return await _serve(state, request, body, prompt_ids, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -97,7 +98,7 @@ def create_app(state: ServerState) -> FastAPI:
             prompt_ids = tokenizer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt)
         except JfireError as e:
             raise APIError(400, str(e), param="messages")
-        return await _serve(state, request, body, prompt_ids, chat=True, endpoint="chat_completions")
+        return await _serve(state, request, body, prompt_ids, chat=True)
 
     return app
 
@@ -126,7 +127,7 @@ def _completion_prompt(body: CompletionRequest, engine: Engine) -> list[int]:
 def _sampling(body: SamplingFields, max_tokens: int) -> SamplingParams:
     try:
         return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
-                              max_tokens=max_tokens, stop=tuple(body.stop_list()))
+                              max_tokens=max_tokens, stop=tuple(body.stop_list()), ignore_eos=body.ignore_eos)
     except JfireError as e:
         raise APIError(400, str(e))
 
@@ -138,8 +139,7 @@ def _max_tokens(body: SamplingFields, prompt_len: int, engine: Engine, chat: boo
     return given
 
 
-async def _serve(state: ServerState, request: Request, body: SamplingFields, prompt_ids: list[int], *,
-                 chat: bool, endpoint: str):
+async def _serve(state: ServerState, request: Request, body: SamplingFields, prompt_ids: list[int], *, chat: bool):
     engine = state.engine
     if not engine.ready.is_set():
         raise APIError(503, "the server is still compiling its programs; retry shortly", kind="server_error",
@@ -170,7 +170,7 @@ async def _serve(state: ServerState, request: Request, body: SamplingFields, pro
     except JfireError as e:
         code = "context_length_exceeded" if "context" in str(e) else None
         raise APIError(400, str(e), param="max_tokens" if "max_tokens" in str(e) else "prompt", code=code)
-    stream = _Stream(state, request, engine, request_id, outputs, body.model, chat, endpoint)
+    stream = _Stream(state, request, engine, request_id, outputs, body.model, chat)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(stream.sse(include_usage), media_type="text/event-stream",
@@ -181,9 +181,9 @@ async def _serve(state: ServerState, request: Request, body: SamplingFields, pro
 class _Stream:
     """One request's outputs, as SSE chunks or one response, with latency metrics."""
 
-    def __init__(self, state, request, engine, request_id, outputs, model, chat, endpoint):
+    def __init__(self, state, request, engine, request_id, outputs, model, chat):
         self.state, self.request, self.engine = state, request, engine
-        self.request_id, self.outputs, self.model, self.chat, self.endpoint = request_id, outputs, model, chat, endpoint
+        self.request_id, self.outputs, self.model, self.chat = request_id, outputs, model, chat
         self.created = int(time.time())
         self.start = time.perf_counter()
         self.first: float | None = None
@@ -211,9 +211,6 @@ class _Stream:
         if not self.finished:
             self.engine.cancel(self.request_id)
 
-    def _count(self, status: int) -> None:
-        self.state.metrics.requests.labels(self.endpoint, str(status)).inc()
-
     @staticmethod
     def _usage(out: RequestOutput) -> dict:
         return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
@@ -224,8 +221,7 @@ class _Stream:
         try:
             while True:
                 out = await self._next()
-                if out is None:
-                    self._count(499)
+                if out is None:  # nobody is listening any more
                     return JSONResponse({}, status_code=499)
                 text.append(out.text)
                 last = out
@@ -234,9 +230,7 @@ class _Stream:
         finally:
             self._cancel_unless_finished()
         if last.finish_reason == "error":
-            self._count(500)
             raise APIError(500, last.error or "generation failed", kind="server_error")
-        self._count(200)
         content = "".join(text)
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": content},
@@ -271,10 +265,8 @@ class _Stream:
             while True:
                 out = await self._next()
                 if out is None:
-                    self._count(499)
                     return
                 if out.finished and out.finish_reason == "error":
-                    self._count(500)
                     yield event({"error": {"message": out.error, "type": "server_error", "param": None,
                                            "code": None}})
                     return
@@ -287,7 +279,6 @@ class _Stream:
                         usage_chunk["choices"], usage_chunk["usage"] = [], self._usage(out)
                         yield event(usage_chunk)
                     yield "data: [DONE]\n\n"
-                    self._count(200)
                     return
         finally:
             # Runs on normal completion and when the client disconnects (the generator is closed).
@@ -306,13 +297,13 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def validation_error(request: Request, exc: RequestValidationError):
         errors = exc.errors()
         first = errors[0] if errors else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
         if first.get("type") == "json_invalid":
-            message = "the request body is not valid JSON"
-            param = None
-        elif first.get("type") == "missing":
+            return APIError(400, "the request body is not valid JSON", code="invalid_json").response()
+        param = _param_of(first.get("loc", ()))
+        if first.get("type") == "missing":
             message = f"missing required field '{param}'"
+        elif _is_union_error(first.get("loc", ())):
+            message = f"{param}: {_field_description(request, param) or 'invalid value'}"
         else:
             message = f"{param + ': ' if param else ''}{first.get('msg', 'invalid request')}"
         return APIError(400, message, param=param, code="invalid_value").response()
@@ -326,6 +317,42 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def unexpected(request: Request, exc: Exception):
         log.exception("unhandled error on %s", request.url.path)
         return APIError(500, f"internal error: {type(exc).__name__}", kind="server_error").response()
+
+
+ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions", "/v1/models": "models"}
+
+
+def _install_request_counter(app: FastAPI, state: ServerState) -> None:
+    """Counts every API response by endpoint and status, errors included."""
+
+    @app.middleware("http")
+    async def count_requests(request: Request, call_next):
+        response = await call_next(request)
+        endpoint = ENDPOINTS.get(request.url.path)
+        if endpoint is not None:
+            state.metrics.requests.labels(endpoint, str(response.status_code)).inc()
+        return response
+
+
+def _is_type_tag(part) -> bool:
+    # pydantic names the union member it tried ("str", "list[int]", "function-after[...]").
+    return isinstance(part, str) and ("[" in part or part in {"str", "int", "float", "bool", "list", "dict"})
+
+
+def _is_union_error(loc) -> bool:
+    return any(_is_type_tag(p) for p in loc)
+
+
+def _param_of(loc) -> str | None:
+    parts = [str(p) for p in loc if p != "body" and not _is_type_tag(p)]
+    return ".".join(parts) or None
+
+
+def _field_description(request: Request, param: str | None) -> str | None:
+    schemas = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+    model = schemas.get(request.url.path)
+    field = model.model_fields.get((param or "").split(".")[0]) if model else None
+    return field.description if field else None
 
 
 def _install_auth(app: FastAPI, state: ServerState) -> None:

@@ -27,6 +27,7 @@ class SamplingFields(BaseModel):
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: StrictInt = Field(default=0, ge=0, description="jfire extension: keep the k most likely tokens (0 = off)")
+    ignore_eos: StrictBool = Field(default=False, description="jfire extension: keep generating past EOS")
     n: StrictInt = Field(default=1, ge=1, le=1, description="only n=1 is supported")
     stream: StrictBool = False
     stream_options: StreamOptions | None = None

@@ -1,0 +1,212 @@
+"""A real `jfire serve` (uvicorn on a loopback port, the default model) talked to with the
+official openai client: results equal `jfire generate`, streaming equals non-streaming,
+concurrent streams are independent, a disconnect frees its pages, bad input gets 400s."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import re
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.serve.server_process import start_server
+
+API_KEY = "test-key-123"
+SERVER_ARGS = ["--max-batch", "16", "--prefill-budget", "64", "--max-context", "512", "--api-key", API_KEY,
+               "--compile-cache", "off"]
+
+
+@pytest.fixture(scope="module")
+def server(default_checkpoint, tmp_path_factory):
+    srv = start_server(SERVER_ARGS, tmp_path_factory.mktemp("serve") / "server.log")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def auth() -> dict:
+    return {"Authorization": f"Bearer {API_KEY}"}
+
+
+def metric(server, name: str) -> float:
+    text = httpx.get(server.url + "/metrics", headers=auth()).text
+    match = re.search(rf"^{name} (\S+)$", text, re.M)
+    assert match, f"{name} not in /metrics"
+    return float(match.group(1))
+
+
+def jfire_generate(*args: str) -> dict:
+    out = subprocess.run([sys.executable, "-m", "jfire.cli", "generate", "--json", *args],
+                         capture_output=True, text=True, timeout=300, check=True)
+    return json.loads(out.stdout)
+
+
+def test_health_is_not_ready_until_programs_are_compiled(server):
+    assert 503 in server.health_seen, "the server answered before compiling: /health was never 'starting'"
+    assert server.health_seen[-1] == 200
+    first = server.health_seen.index(503)
+    assert all(s == 503 for s in server.health_seen[first:-1])
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}  # no key needed
+
+
+def test_every_endpoint_but_health_needs_the_key(server):
+    for method, path in [("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions"),
+                         ("POST", "/v1/chat/completions")]:
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            r = httpx.request(method, server.url + path, headers=headers, json={})
+            assert r.status_code == 401, (path, headers)
+            assert r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(server.url + "/v1/models", headers=auth()).json()["data"][0]["id"] == "default"
+
+
+def test_completion_equals_jfire_generate(client):
+    prompt = "The three primary colours are"
+    got = client.completions.create(model="default", prompt=prompt, max_tokens=24, temperature=0)
+    want = jfire_generate("--prompt", prompt, "--max-tokens", "24")
+    assert got.choices[0].text == want["text"]
+    assert got.usage.prompt_tokens == len(want["prompt_ids"])
+    assert got.usage.completion_tokens == len(want["token_ids"])
+    assert got.choices[0].finish_reason == {"length": "length", "stop": "stop"}[want["finish_reason"]]
+
+
+def test_chat_completion_equals_jfire_generate(client):
+    question = "Name a planet in the solar system."
+    got = client.chat.completions.create(model="default", messages=[{"role": "user", "content": question}],
+                                         max_tokens=24, temperature=0)
+    want = jfire_generate("--chat", question, "--max-tokens", "24")
+    assert got.choices[0].message.content == want["text"]
+    assert got.choices[0].message.role == "assistant"
+    assert got.usage.prompt_tokens == len(want["prompt_ids"])
+
+
+def test_streaming_equals_non_streaming(client):
+    kwargs = dict(model="default", max_tokens=20, temperature=0)
+    whole = client.completions.create(prompt="Once upon a time", **kwargs)
+    chunks = list(client.completions.create(prompt="Once upon a time", stream=True,
+                                            stream_options={"include_usage": True}, **kwargs))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+    messages = [{"role": "user", "content": "Write one sentence about rain."}]
+    whole = client.chat.completions.create(messages=messages, **kwargs)
+    stream = list(client.chat.completions.create(messages=messages, stream=True, **kwargs))
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == whole.choices[0].message.content
+
+
+def test_stop_strings_and_seeds(client):
+    text = client.completions.create(model="default", prompt="1, 2, 3, 4,", max_tokens=30, temperature=0).choices[0].text
+    stop = text.strip()[:2]
+    cut = client.completions.create(model="default", prompt="1, 2, 3, 4,", max_tokens=30, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == text[: text.index(stop)]
+    sampled = [client.completions.create(model="default", prompt="My favourite animal is", max_tokens=16,
+                                         temperature=1.0, top_p=0.9, seed=1234).choices[0].text for _ in range(2)]
+    assert sampled[0] == sampled[1]
+
+
+def test_sixteen_concurrent_streaming_clients(client):
+    prompts = [f"Tell me a fact about the number {i}." for i in range(16)]
+    alone = [client.chat.completions.create(model="default", messages=[{"role": "user", "content": p}],
+                                            max_tokens=16, temperature=0).choices[0].message.content
+             for p in prompts]
+
+    def stream(prompt: str) -> str:
+        own = openai.OpenAI(base_url=client.base_url, api_key=API_KEY, max_retries=0, timeout=300)
+        parts = own.chat.completions.create(model="default", messages=[{"role": "user", "content": prompt}],
+                                            max_tokens=16, temperature=0, stream=True)
+        return "".join(c.choices[0].delta.content or "" for c in parts)
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(stream, prompts))
+    assert together == alone
+    assert len(set(together)) > 1  # independent outputs, not one stream copied
+
+
+def test_client_disconnect_frees_pages_within_a_second(server):
+    body = {"model": "default", "prompt": "Write a long story about a lighthouse keeper.", "max_tokens": 400,
+            "temperature": 0, "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", server.url + "/v1/completions", json=body, headers=auth()) as r:
+            lines = r.iter_lines()
+            received = 0
+            for line in lines:
+                if line.startswith("data: "):
+                    received += 1
+                if received == 3:
+                    break
+            assert metric(server, "jfire_kv_pages_used") > 0
+    # The connection is closed here, mid-stream.
+    deadline = time.time() + 1.0
+    while time.time() < deadline and metric(server, "jfire_kv_pages_used") != 0:
+        time.sleep(0.05)
+    assert metric(server, "jfire_kv_pages_used") == 0
+    assert metric(server, "jfire_requests_running") == 0
+
+
+BAD_INPUTS = {
+    "malformed_json": (b"{not json", None),
+    "missing_model": ({"prompt": "hi"}, "model"),
+    "missing_prompt": ({"model": "default"}, "prompt"),
+    "prompt_wrong_type": ({"model": "default", "prompt": 12}, "prompt"),
+    "max_tokens_wrong_type": ({"model": "default", "prompt": "hi", "max_tokens": "many"}, "max_tokens"),
+    "unknown_model": ({"model": "gpt-9", "prompt": "hi"}, "model"),
+    "prompt_longer_than_context": ({"model": "default", "prompt": [5] * 600}, "prompt"),
+    "max_tokens_past_context": ({"model": "default", "prompt": "hi", "max_tokens": 600}, "max_tokens"),
+    "negative_temperature": ({"model": "default", "prompt": "hi", "temperature": -1}, "temperature"),
+    "top_p_above_one": ({"model": "default", "prompt": "hi", "top_p": 2}, "top_p"),
+    "negative_top_k": ({"model": "default", "prompt": "hi", "top_k": -3}, "top_k"),
+    "n_above_one": ({"model": "default", "prompt": "hi", "n": 2}, "n"),
+    "too_many_stops": ({"model": "default", "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, None),
+    "token_outside_vocabulary": ({"model": "default", "prompt": [1, 10 ** 7]}, "prompt"),
+    "several_prompts": ({"model": "default", "prompt": ["a", "b"]}, "prompt"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_gets_a_400_in_openai_shape(server, case):
+    body, param = BAD_INPUTS[case]
+    kwargs = {"content": body, "headers": {**auth(), "content-type": "application/json"}} if isinstance(body, bytes) \
+        else {"json": body, "headers": auth()}
+    r = httpx.post(server.url + "/v1/completions", timeout=60, **kwargs)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+
+
+def test_chat_bad_inputs(server):
+    for body in ({"model": "default", "messages": []},
+                 {"model": "default", "messages": [{"role": "wizard", "content": "hi"}]},
+                 {"model": "default", "messages": "hello"},
+                 {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}):
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=auth(), timeout=60)
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.get(server.url + "/v1/nothing", headers=auth())
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_metrics_count_requests_latency_and_tokens(server, client):
+    client.completions.create(model="default", prompt="Count: one, two,", max_tokens=8, temperature=0)
+    text = httpx.get(server.url + "/metrics", headers=auth()).text
+    assert re.search(r'^jfire_requests_total\{endpoint="completions",status="200"\} [1-9]', text, re.M)
+    assert re.search(r'^jfire_requests_total\{endpoint="completions",status="400"\} [1-9]', text, re.M)
+    assert metric(server, "jfire_time_to_first_token_seconds_count") >= 1
+    assert metric(server, "jfire_time_per_output_token_seconds_count") >= 1
+    assert metric(server, "jfire_generation_tokens_total") >= 8
+    assert metric(server, "jfire_kv_pages_total") == metric(server, "jfire_kv_pages_used") + metric(
+        server, "jfire_kv_pages_free")
