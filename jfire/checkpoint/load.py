@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jfire import sharding
 from jfire.checkpoint import store
 from jfire.checkpoint.sources import GGUFSource, HFDirSource
 from jfire.errors import JfireError
@@ -31,6 +32,7 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     name: str  # what the user asked for, for messages and /v1/models
     dtype: str
+    mesh: jax.sharding.Mesh | None = None  # where the params live; None = the default device
 
 
 def parse_dtype(name: str):
@@ -51,11 +53,9 @@ def open_source(path: Path):
 
 
 def read_params(source, config: LlamaConfig, dtype, progress: Callable | None = None) -> dict:
-    """Reads every declared parameter from `source` (HF names and layout), checked and cast.
-
-    Arrays are assembled on the host in the target dtype and placed once, so a float32
-    source never sits on the device beside its bf16 copy.
-    """
+    """Reads every declared parameter from `source` (HF names and layout), checked and cast,
+    as host (numpy) arrays: placing them is the caller's choice (one device, or a mesh where
+    each device receives only its shard)."""
     np_dtype = np.dtype(dtype)
     params: dict = {}
     for spec in config.param_specs():
@@ -71,8 +71,7 @@ def read_params(source, config: LlamaConfig, dtype, progress: Callable | None = 
             slices.append(spec.from_source(np.asarray(tensor)).astype(np_dtype))
             if progress:
                 progress(name)
-        value = np.stack(slices) if spec.per_layer else slices[0]
-        set_path(params, spec.name, jax.device_put(value))
+        set_path(params, spec.name, np.stack(slices) if spec.per_layer else slices[0])
     return params
 
 
@@ -80,7 +79,10 @@ def count_source_tensors(config: LlamaConfig) -> int:
     return sum(config.num_layers if s.per_layer else 1 for s in config.param_specs())
 
 
-def load_model(model: str | None, dtype: str = "float32", *, checkpoints_dir: Path | None = None) -> LoadedModel:
+def load_model(model: str | None, dtype: str = "float32", *, checkpoints_dir: Path | None = None,
+               mesh_spec=None) -> LoadedModel:
+    """Loads `model` with its weights placed on the device, or on a mesh built from
+    `mesh_spec` (a jfire.mesh.MeshSpec): there each device receives only its own shards."""
     target = parse_dtype(dtype)
     if model in (None, "default"):
         from jfire.checkpoint.default_model import ensure_default_checkpoint
@@ -90,12 +92,29 @@ def load_model(model: str | None, dtype: str = "float32", *, checkpoints_dir: Pa
     else:
         path = Path(model).expanduser()
         name = model
+    mesh = None
     if store.is_checkpoint(path):
-        config, params = store.restore(path, target)
+        config = store.read_config(path)
+        mesh = _mesh_for(mesh_spec, config)
+        config, params = store.restore(path, target, shardings=sharding.param_shardings(config, mesh) if mesh else None)
         tokenizer = Tokenizer.from_dir(path)
     else:
         source = open_source(path)
         config = source.config
-        params = read_params(source, config, target)
+        mesh = _mesh_for(mesh_spec, config)
+        host = read_params(source, config, target)
+        params = sharding.place(host, config, mesh) if mesh else jax.device_put(host)
         tokenizer = Tokenizer.from_gguf(source.reader) if isinstance(source, GGUFSource) else Tokenizer.from_dir(path)
-    return LoadedModel(config=config, params=params, tokenizer=tokenizer, name=name, dtype=dtype)
+    if mesh is not None:
+        config, params = sharding.expand_kv_heads(config, params, mesh)
+    return LoadedModel(config=config, params=params, tokenizer=tokenizer, name=name, dtype=dtype, mesh=mesh)
+
+
+def _mesh_for(mesh_spec, config: LlamaConfig):
+    """The jax Mesh for a MeshSpec, after checking it fits the devices and this model."""
+    if mesh_spec is None or mesh_spec.size == 1:
+        return None
+    from jfire import mesh as meshes
+
+    meshes.check_fits(mesh_spec, config, len(jax.devices()))
+    return meshes.build(mesh_spec)

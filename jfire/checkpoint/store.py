@@ -53,16 +53,22 @@ def read_manifest(path: Path) -> dict:
     return manifest
 
 
-def restore(path: Path, dtype) -> tuple[LlamaConfig, dict]:
-    """Config and params from a checkpoint, cast to `dtype` as they are read."""
+def read_config(path: Path) -> LlamaConfig:
+    return LlamaConfig.from_dict(read_manifest(path)["config"])
+
+
+def restore(path: Path, dtype, shardings: dict | None = None) -> tuple[LlamaConfig, dict]:
+    """Config and params from a checkpoint, cast to `dtype` as they are read. With
+    `shardings` (a tree of NamedShardings) each device reads only its own shards."""
     import orbax.checkpoint as ocp
 
     path = Path(path).absolute()
-    manifest = read_manifest(path)
-    config = LlamaConfig.from_dict(manifest["config"])
+    config = read_config(path)
     target = abstract_params(config.param_specs(), dtype)
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), target)
+    if shardings is None:
+        single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: single, target)
+    target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), target, shardings)
     _quiet_orbax()
     try:
         with ocp.StandardCheckpointer() as ckptr:

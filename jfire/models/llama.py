@@ -319,7 +319,8 @@ def forward(params: dict, cfg: LlamaConfig, tokens: jax.Array, positions: jax.Ar
     return logits_from_hidden(params, cfg, hidden), {**pages, "page_table": cache["page_table"]}
 
 
-def decoder(params: dict, cfg: LlamaConfig, tokens, positions, pages: dict, page_table, *, attention_impl=None):
+def decoder(params: dict, cfg: LlamaConfig, tokens, positions, pages: dict, page_table, *, attention_impl=None,
+            layer_stack=None):
     """Runs tokens [b, t] at `positions` [b, t] against the paged cache; returns (hidden [b, t, e], pages).
 
     pages: {"k", "v"} [layers, kv_heads, num_pages, page_size, d]; page_table [b, w].
@@ -327,13 +328,26 @@ def decoder(params: dict, cfg: LlamaConfig, tokens, positions, pages: dict, page
     serves prefill (t = a prompt chunk) and decode (t = 1). Padding tokens carry position -1:
     their writes are dropped. `attention_impl(q, k_pages, v_pages, layer, page_table,
     positions)` replaces the reference attention (the Pallas decode kernel plugs in here).
+    `layer_stack` replaces `run_layers` (a pipeline over stages plugs in here).
     """
     x = params["embed"][tokens]  # [b, t, e]
+    stack = layer_stack or run_layers
+    x, pages = stack(params["layers"], cfg, x, positions, pages, page_table, attention_impl)
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), pages
+
+
+def run_layers(layers: dict, cfg: LlamaConfig, x, positions, pages: dict, page_table, attention_impl=None):
+    """The stacked layers `layers` (leading axis: layer) over activations x [b, t, e].
+
+    `pages` holds exactly these layers' cache ({"k", "v"} [len(layers), ...]); layer i of the
+    stack reads and writes slice i.
+    """
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [b, t, d/2]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     num_pages, page_size = pages["k"].shape[2], pages["k"].shape[3]
-    rows = jnp.arange(tokens.shape[0])[:, None]
+    page_table = jnp.asarray(page_table)
+    rows = jnp.arange(x.shape[0])[:, None]
     # Padding writes go to page `num_pages` (out of range), which the scatter drops.
     valid = positions >= 0
     write_page = jnp.where(valid, page_table[rows, jnp.where(valid, positions, 0) // page_size], num_pages)
@@ -372,9 +386,10 @@ def decoder(params: dict, cfg: LlamaConfig, tokens, positions, pages: dict, page
 
     # The whole cache rides in the carry so each layer updates it in place (a scanned-over
     # output would be a second full copy of the pool).
-    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (x, k, v), _ = jax.lax.scan(layer, (x, pages["k"], pages["v"]), (params["layers"], layer_ids))
-    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), {"k": k, "v": v}
+    num_layers = pages["k"].shape[0]
+    layer_ids = jnp.arange(num_layers, dtype=jnp.int32)
+    (x, k, v), _ = jax.lax.scan(layer, (x, pages["k"], pages["v"]), (layers, layer_ids))
+    return x, {"k": k, "v": v}
 
 
 def logits_from_hidden(params: dict, cfg: LlamaConfig, x: jax.Array) -> jax.Array:

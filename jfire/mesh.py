@@ -1,0 +1,160 @@
+"""Device meshes: declared in `meshes/*.toml` (or inline, `pp=2,tp=4`), checked against the
+devices present and the model, and built as a named JAX mesh with axes (dp, pp, tp, ep).
+
+  dp  data-parallel replicas of the batch       pp  pipeline stages (contiguous layers)
+  tp  tensor parallelism (heads, ffn, vocab)     ep  experts (reserved; must be 1 for now)
+
+A mesh file:
+
+    [mesh]
+    dp = 1
+    pp = 2
+    tp = 4
+    [pipeline]
+    microbatches = 2      # optional; default: pp
+    [hosts]               # optional, for deployments spanning hosts
+    count = 2
+    devices_per_host = 8
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jfire.errors import JfireError
+from jfire.models.llama import LlamaConfig
+
+AXES = ("dp", "pp", "tp", "ep")
+MESHES_DIR = Path(__file__).resolve().parents[1] / "meshes"
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSpec:
+    name: str
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    ep: int = 1
+    microbatches: int | None = None  # pipeline micro-batches; None = one per stage
+    hosts: int = 1
+    devices_per_host: int | None = None
+
+    def __post_init__(self):
+        for axis in AXES:
+            size = getattr(self, axis)
+            if not isinstance(size, int) or size < 1:
+                raise JfireError(f"mesh {self.name!r}: axis {axis} must be a positive integer, got {size!r}")
+        if self.ep != 1:
+            raise JfireError(f"mesh {self.name!r}: ep={self.ep}, but expert parallelism is not supported yet; use ep=1")
+        if self.microbatches is not None and self.microbatches < 1:
+            raise JfireError(f"mesh {self.name!r}: microbatches must be >= 1, got {self.microbatches}")
+        if self.devices_per_host is not None and self.hosts * self.devices_per_host != self.size:
+            raise JfireError(f"mesh {self.name!r}: dp*pp*tp*ep = {self.size} devices, but hosts declare "
+                             f"{self.hosts} x {self.devices_per_host} = {self.hosts * self.devices_per_host}")
+
+    @property
+    def size(self) -> int:
+        return self.dp * self.pp * self.tp * self.ep
+
+    @property
+    def shape(self) -> dict[str, int]:
+        return {axis: getattr(self, axis) for axis in AXES}
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.microbatches or self.pp
+
+    def describe(self) -> str:
+        return ",".join(f"{a}={n}" for a, n in self.shape.items() if n > 1 or a in ("pp", "tp"))
+
+    # -- reading ---------------------------------------------------------------------------
+
+    @classmethod
+    def from_toml(cls, path: Path) -> "MeshSpec":
+        try:
+            doc = tomllib.loads(Path(path).read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise JfireError(f"mesh file {path} is not valid TOML: {e}") from None
+        mesh = doc.get("mesh")
+        if not isinstance(mesh, dict):
+            raise JfireError(f"mesh file {path} needs a [mesh] table with axis sizes (dp, pp, tp, ep)")
+        unknown = set(mesh) - set(AXES)
+        if unknown:
+            raise JfireError(f"mesh file {path}: unknown axes {sorted(unknown)}; axes are {', '.join(AXES)}")
+        hosts = doc.get("hosts", {})
+        return cls(name=doc.get("name", Path(path).stem), **mesh,
+                   microbatches=doc.get("pipeline", {}).get("microbatches"),
+                   hosts=hosts.get("count", 1), devices_per_host=hosts.get("devices_per_host"))
+
+    @classmethod
+    def inline(cls, text: str) -> "MeshSpec":
+        sizes = {}
+        for part in text.split(","):
+            key, _, value = part.partition("=")
+            key = key.strip()
+            if key not in AXES + ("microbatches",) or not value.strip().isdigit():
+                raise JfireError(f"inline mesh {text!r}: expected axis=size pairs like 'pp=2,tp=4' "
+                                 f"(axes: {', '.join(AXES)}; also microbatches=N)")
+            sizes[key] = int(value)
+        return cls(name=text, **sizes)
+
+
+def resolve(arg: str | None) -> MeshSpec:
+    """`--mesh`: None or 'single' (one device), inline 'pp=2,tp=4', a file, or a name in meshes/."""
+    if arg in (None, "", "single"):
+        return MeshSpec(name="single")
+    if "=" in arg:
+        return MeshSpec.inline(arg)
+    path = Path(arg)
+    if path.is_file():
+        return MeshSpec.from_toml(path)
+    named = MESHES_DIR / f"{arg}.toml"
+    if named.is_file():
+        return MeshSpec.from_toml(named)
+    known = sorted(p.stem for p in MESHES_DIR.glob("*.toml")) if MESHES_DIR.is_dir() else []
+    raise JfireError(f"no mesh {arg!r}: give an inline mesh like 'pp=2,tp=4', a .toml file, or one of: "
+                     + (", ".join(known) or "(none found)"))
+
+
+def check_fits(spec: MeshSpec, cfg: LlamaConfig, num_devices: int) -> None:
+    """Refuses a mesh the devices or the model cannot take, saying why and what would fit."""
+    problems = []
+    if spec.size > num_devices:
+        problems.append(f"it needs {spec.size} devices (dp*pp*tp) but {num_devices} are present")
+    tp, pp = spec.tp, spec.pp
+    if cfg.num_heads % tp:
+        problems.append(f"tp={tp} does not divide the {cfg.num_heads} attention heads")
+    if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
+        problems.append(f"tp={tp} and the {cfg.num_kv_heads} KV heads do not divide one another")
+    if cfg.intermediate_size % tp:
+        problems.append(f"tp={tp} does not divide the MLP width {cfg.intermediate_size}")
+    if pp > cfg.num_layers:
+        problems.append(f"pp={pp} is more stages than the {cfg.num_layers} layers")
+    elif cfg.num_layers % pp:
+        problems.append(f"pp={pp} does not divide the {cfg.num_layers} layers into equal stages")
+    if problems:
+        raise JfireError(f"mesh {spec.name!r} does not fit: " + "; ".join(problems)
+                         + f". Would fit: {suggest(cfg, num_devices)}")
+
+
+def suggest(cfg: LlamaConfig, num_devices: int) -> str:
+    """Meshes (pp x tp, dp=1) that fit this model on at most num_devices devices."""
+    fits = []
+    for tp in range(1, num_devices + 1):
+        ok_tp = (cfg.num_heads % tp == 0 and (cfg.num_kv_heads % tp == 0 or tp % cfg.num_kv_heads == 0)
+                 and cfg.intermediate_size % tp == 0)
+        for pp in range(1, num_devices // tp + 1):
+            if ok_tp and cfg.num_layers % pp == 0:
+                fits.append(f"pp={pp},tp={tp}")
+    return ", ".join(fits[-6:]) if fits else "none"
+
+
+def build(spec: MeshSpec, devices=None) -> jax.sharding.Mesh:
+    devices = list(devices if devices is not None else jax.devices())[: spec.size]
+    grid = np.array(devices, dtype=object).reshape([spec.shape[a] for a in AXES])
+    return jax.sharding.Mesh(grid, AXES)
