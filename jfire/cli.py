@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -27,6 +28,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "(SmolLM2-135M-Instruct, converted into checkpoints/ on first use)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="dtype of weights and activations (default: float32)")
+    p.add_argument("--mesh", default=None,
+                   help="device mesh: a meshes/ name, a .toml file, or inline like 'pp=2,tp=4' (default: one device)")
+    p.add_argument("--cpu-devices", type=int, default=None,
+                   help="expose N CPU devices (for meshes on a machine without accelerators)")
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -120,6 +125,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _mesh_spec(args):
+    from jfire import mesh
+
+    return mesh.resolve(args.mesh)
+
+
+def _use_cpu_devices(n: int | None) -> None:
+    """Asks XLA for n host devices; must run before JAX initialises its backends."""
+    if n is None:
+        return
+    if n < 1:
+        raise JfireError(f"--cpu-devices must be >= 1, got {n}")
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
+
+
 def _prompt_ids(args, tokenizer) -> list[int]:
     if args.prompt_ids is not None:
         try:
@@ -146,7 +167,7 @@ def cmd_generate(args) -> int:
     )
     if args.output and not args.prompts_file:
         raise JfireError("--output goes with --prompts-file")
-    model = load_model(args.model, args.dtype)
+    model = load_model(args.model, args.dtype, mesh_spec=_mesh_spec(args))
     if args.prompts_file:
         return _generate_batch(args, model, sampling)
     prompt_ids = _prompt_ids(args, model.tokenizer)
@@ -216,12 +237,16 @@ def cmd_bench(args) -> int:
     if args.max_batch is None:
         args.max_batch = max(args.concurrency)
     config = engine_config(args, single=False)
-    model = load_model(args.model, args.dtype)
+    model = load_model(args.model, args.dtype, mesh_spec=_mesh_spec(args))
     if args.startup_only:
         Engine(model, config).start()
         return 0
     engine_args = ["--max-batch", str(args.max_batch), "--kv-cache-gb", str(args.kv_cache_gb),
                    "--attention", args.attention, "--prefill-budget", str(args.prefill_budget)]
+    if args.mesh:
+        engine_args += ["--mesh", args.mesh]
+    if args.cpu_devices:
+        engine_args += ["--cpu-devices", str(args.cpu_devices)]
     bench.run(args, model, config, engine_args)
     return 0
 
@@ -238,7 +263,7 @@ def cmd_serve(args) -> int:
     if args.max_queue < 1:
         raise JfireError(f"--max-queue must be >= 1, got {args.max_queue}")
     config = dataclasses.replace(engine_config(args, single=False), max_waiting=args.max_queue)
-    model = load_model(args.model, args.dtype)
+    model = load_model(args.model, args.dtype, mesh_spec=_mesh_spec(args))
     api_key = args.api_key or os.environ.get("JFIRE_API_KEY") or None
     server.run(model, config, host=args.host, port=args.port, api_key=api_key,
                model_name=args.served_model_name or server.served_name(args.model))
@@ -251,6 +276,7 @@ COMMANDS = {"generate": cmd_generate, "convert": cmd_convert, "bench": cmd_bench
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
+        _use_cpu_devices(getattr(args, "cpu_devices", None))
         return COMMANDS[args.command](args)
     except JfireError as e:
         print(f"jfire: error: {e}", file=sys.stderr)

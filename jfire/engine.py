@@ -16,12 +16,13 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from jfire import sharding
 from jfire.checkpoint.load import LoadedModel
 from jfire.errors import JfireError
 from jfire.kv_cache import BlockPool, init_pages, page_bytes
+from jfire.pipeline import Pipeline
 from jfire.programs import ATTENTION_IMPLS, Buckets, CompiledPrograms
 from jfire.sampling import SamplingParams
 from jfire.scheduler import Chunk, Phase, Scheduler, Sequence
@@ -143,9 +144,20 @@ class Engine:
         self.max_model_len = min(config.max_model_len or min(self.cfg.max_position_embeddings, 4096),
                                  self.cfg.max_position_embeddings)
         dtype = model.params["embed"].dtype
-        num_pages = config.num_pages or max(1, config.kv_cache_bytes // page_bytes(self.cfg, config.page_size, dtype))
+        mesh = model.mesh
+        # kv_cache_bytes is per device: pages split over pp (layers) and tp (KV heads).
+        split = (mesh.shape["pp"] * mesh.shape["tp"]) if mesh is not None else 1
+        per_page = page_bytes(self.cfg, config.page_size, dtype) / split
+        num_pages = config.num_pages or max(1, int(config.kv_cache_bytes // per_page))
         self.pool = BlockPool(num_pages, config.page_size)
-        self.pages = init_pages(self.cfg, num_pages, config.page_size, dtype)
+        self.pages = init_pages(self.cfg, num_pages, config.page_size, dtype,
+                                sharding.cache_sharding(self.cfg, mesh) if mesh is not None else None)
+        layer_stack = None
+        if mesh is not None and mesh.shape["pp"] > 1:
+            layer_stack = Pipeline(mesh, model.mesh_spec.num_microbatches)
+        if mesh is not None and mesh.shape["tp"] > 1 and config.attention != "reference":
+            raise JfireError("the Pallas attention kernel runs on one device per tensor-parallel group only; "
+                             "use --attention reference with tp > 1")
         max_pages_per_row = -(-self.max_model_len // config.page_size)
         self.buckets = Buckets.for_limits(
             max_batch=config.max_batch, prefill_budget=config.prefill_budget,
@@ -155,7 +167,7 @@ class Engine:
                                    max_prefill_rows=config.max_prefill_rows, max_model_len=self.max_model_len,
                                    prefix_caching=config.prefix_caching)
         self.programs = CompiledPrograms(self.cfg, model.params, self.pages, self.buckets, config.attention,
-                                         lazy=not config.aot)
+                                         lazy=not config.aot, mesh=mesh, layer_stack=layer_stack)
         self.eos_ids = frozenset(self.cfg.eos_token_ids) | (model.tokenizer.eos_ids if model.tokenizer else frozenset())
         self._commands: queue.Queue = queue.Queue()
         self._live: dict[str, _Live] = {}

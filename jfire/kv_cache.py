@@ -22,9 +22,10 @@ import numpy as np
 from jfire.models.llama import LlamaConfig
 
 
-def init_pages(cfg: LlamaConfig, num_pages: int, page_size: int, dtype) -> dict:
+def init_pages(cfg: LlamaConfig, num_pages: int, page_size: int, dtype, sharding=None) -> dict:
+    """Zeroed page arrays, created directly with `sharding` (each device allocates its part)."""
     shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
-    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+    return {"k": jnp.zeros(shape, dtype, device=sharding), "v": jnp.zeros(shape, dtype, device=sharding)}
 
 
 def page_bytes(cfg: LlamaConfig, page_size: int, dtype) -> int:

@@ -86,26 +86,26 @@ def _smallest_at_least(options, n: int, what: str) -> int:
     raise ValueError(f"{what} {n} exceeds the largest compiled bucket {max(options)}")
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("pages",))
+@functools.partial(jax.jit, static_argnames=("cfg", "layer_stack"), donate_argnames=("pages",))
 def prefill(params, pages, tokens, positions, page_table, last_index, seeds, temperature, top_k, top_p, *,
-            cfg: LlamaConfig):
+            cfg: LlamaConfig, layer_stack=None):
     """Chunks of prompts: tokens/positions [b, t] (position -1 = padding), page_table [b, w];
     last_index [b] picks the token whose next-token logits are wanted.
     Returns (next ids [b], their logits [b, v], pages)."""
-    hidden, pages = decoder(params, cfg, tokens, positions, pages, page_table)
+    hidden, pages = decoder(params, cfg, tokens, positions, pages, page_table, layer_stack=layer_stack)
     rows = jnp.arange(tokens.shape[0])
     logits = logits_from_hidden(params, cfg, hidden[rows, last_index])
     steps = positions[rows, last_index].astype(jnp.uint32)
     return sample(logits, seeds, steps, temperature, top_k, top_p), logits, pages
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "attention"), donate_argnames=("pages",))
+@functools.partial(jax.jit, static_argnames=("cfg", "attention", "layer_stack"), donate_argnames=("pages",))
 def decode(params, pages, tokens, positions, page_table, seeds, temperature, top_k, top_p, *,
-           cfg: LlamaConfig, attention: str = "reference"):
+           cfg: LlamaConfig, attention: str = "reference", layer_stack=None):
     """One token per row: tokens/positions [b] (position -1 = an empty row), page_table [b, w].
     Returns (next ids [b], logits [b, v], pages)."""
     hidden, pages = decoder(params, cfg, tokens[:, None], positions[:, None], pages, page_table,
-                            attention_impl=_decode_attention(attention, cfg))
+                            attention_impl=_decode_attention(attention, cfg), layer_stack=layer_stack)
     logits = logits_from_hidden(params, cfg, hidden[:, 0])
     return sample(logits, seeds, positions.astype(jnp.uint32), temperature, top_k, top_p), logits, pages
 
@@ -118,8 +118,11 @@ class CompiledPrograms:
     """
 
     def __init__(self, cfg: LlamaConfig, params, pages, buckets: Buckets, attention: str = "reference",
-                 lazy: bool = False):
+                 lazy: bool = False, mesh=None, layer_stack=None):
         self.cfg = cfg
+        self.layer_stack = layer_stack
+        # Per-row inputs are small: replicated over the mesh (or on the default device).
+        self._input_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh else None
         # lazy: compile a bucket on its first use instead (one-shot CLI runs use two shapes).
         self.lazy = lazy
         self.buckets = buckets
@@ -150,18 +153,19 @@ class CompiledPrograms:
 
     def _compile(self, shape: tuple) -> None:
         i32, u32, f32 = jnp.int32, jnp.uint32, jnp.float32
-        s = jax.ShapeDtypeStruct
+        s = functools.partial(jax.ShapeDtypeStruct, sharding=self._input_sharding)
         if shape[0] == "decode":
             _, n, w = shape
             self._decode[(n, w)] = decode.lower(
                 self._params, self._pages, s((n,), i32), s((n,), i32), s((n, w), i32),
                 s((n,), u32), s((n,), f32), s((n,), i32), s((n,), f32), cfg=self.cfg, attention=self.attention,
+                layer_stack=self.layer_stack,
             ).compile()
         else:
             _, r, t, w = shape
             self._prefill[(r, t, w)] = prefill.lower(
                 self._params, self._pages, s((r, t), i32), s((r, t), i32), s((r, w), i32), s((r,), i32),
-                s((r,), u32), s((r,), f32), s((r,), i32), s((r,), f32), cfg=self.cfg,
+                s((r,), u32), s((r,), f32), s((r,), i32), s((r,), f32), cfg=self.cfg, layer_stack=self.layer_stack,
             ).compile()
 
     def decode(self, rows: int, width: int):

@@ -34,3 +34,8 @@ def default_checkpoint():
     from jfire.checkpoint.default_model import ensure_default_checkpoint
 
     return ensure_default_checkpoint()
+
+
+# tests/mesh needs 8 host devices, which must be requested before JAX starts: the main
+# session runs them in a child process of their own (tests/test_mesh_suite.py).
+collect_ignore = [] if os.environ.get("JFIRE_MESH_SESSION") == "1" else ["mesh"]

@@ -33,6 +33,7 @@ class LoadedModel:
     name: str  # what the user asked for, for messages and /v1/models
     dtype: str
     mesh: jax.sharding.Mesh | None = None  # where the params live; None = the default device
+    mesh_spec: object = None  # the jfire.mesh.MeshSpec the mesh was built from
 
 
 def parse_dtype(name: str):
@@ -107,7 +108,8 @@ def load_model(model: str | None, dtype: str = "float32", *, checkpoints_dir: Pa
         tokenizer = Tokenizer.from_gguf(source.reader) if isinstance(source, GGUFSource) else Tokenizer.from_dir(path)
     if mesh is not None:
         config, params = sharding.expand_kv_heads(config, params, mesh)
-    return LoadedModel(config=config, params=params, tokenizer=tokenizer, name=name, dtype=dtype, mesh=mesh)
+    return LoadedModel(config=config, params=params, tokenizer=tokenizer, name=name, dtype=dtype, mesh=mesh,
+                       mesh_spec=mesh_spec if mesh is not None else None)
 
 
 def _mesh_for(mesh_spec, config: LlamaConfig):
