@@ -49,11 +49,16 @@ class Buckets:
     def for_limits(cls, *, max_batch: int, prefill_budget: int, max_prefill_rows: int, max_pages_per_row: int,
                    page_size: int) -> "Buckets":
         decode = _powers(1, max_batch, 2)
-        tokens = sorted({*_powers(16, prefill_budget, 4), prefill_budget})
-        rows = _powers(1, max_prefill_rows, 4)
-        shapes = tuple((r, t) for t in tokens for r in rows if r * t <= max(prefill_budget, t))
+        # Chunk lengths in powers of two (a chunk pads to at most twice its tokens). Rows per
+        # length: 1, 4, and as many as fill the step's budget, so a step of equal chunks
+        # (say 2 x 128 of a 256 budget) runs as one full program.
+        shapes = []
+        for t in _powers(16, max(prefill_budget, 16), 2):
+            fill = max(1, min(max_prefill_rows, prefill_budget // t))
+            for r in sorted({1, fill, *(r for r in (4,) if r <= fill)}):
+                shapes.append((r, t))
         widths = sorted({*(w for w in _powers(256 // page_size or 1, max_pages_per_row, 4)), max_pages_per_row})
-        return cls(tuple(decode), shapes, tuple(widths))
+        return cls(tuple(decode), tuple(shapes), tuple(widths))
 
     def decode_batch(self, n: int) -> int:
         return _smallest_at_least(self.decode_batches, n, "decode batch")
