@@ -122,6 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
                    help="dtype the weights are stored in (default: bfloat16)")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
+    c.add_argument("--compress", action="store_true",
+                   help="store the bf16 weights losslessly compressed (decoded on the device at load)")
+
+    r = sub.add_parser("compress-report", help="how far lossless bf16 compression shrinks some weights, checked bit for bit")
+    r.add_argument("path", help="a .safetensors file, a HF directory, a .gguf file, a jfire checkpoint or 'default'")
+    r.add_argument("--decoder", default="reference", choices=["reference", "pallas", "pallas-interpret"],
+                   help="decoder for the round-trip check (default: the plain-jnp reference)")
+    r.add_argument("--json", action="store_true", help="print the report as one JSON object")
     return parser
 
 
@@ -220,9 +228,17 @@ def cmd_convert(args) -> int:
 
     src = Path(args.src)
     dst = Path(args.dst) if args.dst else default_checkpoints_dir() / src.name.removesuffix(".gguf")
-    out = convert(src, dst, args.dtype, progress=not args.no_progress)
+    out = convert(src, dst, args.dtype, progress=not args.no_progress, compress=args.compress)
     print(f"wrote {out}")
     return 0
+
+
+def cmd_compress_report(args) -> int:
+    from jfire.checkpoint import report
+
+    rep = report.report(args.path, args.decoder)
+    print(json.dumps(rep) if args.json else report.format_table(rep))
+    return 0 if rep["total"]["round_trip"] else 1
 
 
 def cmd_bench(args) -> int:
@@ -270,7 +286,8 @@ def cmd_serve(args) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "convert": cmd_convert, "bench": cmd_bench, "serve": cmd_serve}
+COMMANDS = {"generate": cmd_generate, "convert": cmd_convert, "bench": cmd_bench, "serve": cmd_serve,
+            "compress-report": cmd_compress_report}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,11 +15,14 @@ from jfire.errors import JfireError
 from jfire.tokenizer import Tokenizer
 
 
-def convert(src: Path, dst: Path, dtype: str = "bfloat16", *, progress: bool = True) -> Path:
+def convert(src: Path, dst: Path, dtype: str = "bfloat16", *, progress: bool = True, compress: bool = False) -> Path:
     """Writes the checkpoint into a temporary sibling and renames it into place, so an
-    interrupted conversion never leaves a half-written checkpoint that looks complete."""
+    interrupted conversion never leaves a half-written checkpoint that looks complete.
+    `compress` stores the bf16 weights losslessly compressed (jfire.checkpoint.compressed)."""
     src, dst = Path(src).expanduser(), Path(dst).expanduser()
     target = parse_dtype(dtype)
+    if compress and dtype != "bfloat16":
+        raise JfireError(f"--compress stores bfloat16 weights; it cannot be combined with --dtype {dtype}")
     if store.is_checkpoint(src):
         raise JfireError(f"{src} is already a jfire checkpoint; give a HF directory or a .gguf file")
     if dst.exists() and any(dst.iterdir()):
@@ -34,7 +37,12 @@ def convert(src: Path, dst: Path, dtype: str = "bfloat16", *, progress: bool = T
     dst.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
     try:
-        store.save(staging, config, params, dtype)
+        if compress:
+            from jfire.checkpoint import compressed
+
+            compressed.save(staging, config, params)
+        else:
+            store.save(staging, config, params, dtype)
         if tokenizer is not None:
             tokenizer.save(staging)
         if dst.exists():

@@ -3,6 +3,9 @@
   DST/jfire.json          {"format": 1, "family": "llama", "dtype": ..., "config": {...}}
   DST/params/             orbax-checkpoint (StandardCheckpointer) of the params tree
   DST/tokenizer.json, tokenizer_config.json   when the source had a tokenizer
+
+Format 2 is the same directory with bf16 weights stored losslessly compressed
+(`jfire.checkpoint.compressed`): the manifest gains a "compression" section.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from jfire.models.llama import LlamaConfig
 from jfire.models.params import abstract_params
 
 FORMAT_VERSION = 1
+COMPRESSED_FORMAT = 2
 MANIFEST = "jfire.json"
 
 
@@ -25,7 +29,9 @@ def is_checkpoint(path: Path) -> bool:
     return (Path(path) / MANIFEST).is_file()
 
 
-def save(dst: Path, config: LlamaConfig, params: dict, dtype_name: str) -> None:
+def save(dst: Path, config: LlamaConfig, params: dict, dtype_name: str, compression: dict | None = None) -> None:
+    """Writes the params tree and the manifest; `compression` (the compressed format's
+    section) marks a tree of compressed arrays."""
     import orbax.checkpoint as ocp
 
     dst = Path(dst).absolute()
@@ -34,7 +40,10 @@ def save(dst: Path, config: LlamaConfig, params: dict, dtype_name: str) -> None:
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(dst / "params", params, force=True)
         ckptr.wait_until_finished()
-    manifest = {"format": FORMAT_VERSION, "family": "llama", "dtype": dtype_name, "config": config.to_dict()}
+    manifest = {"format": COMPRESSED_FORMAT if compression else FORMAT_VERSION, "family": "llama",
+                "dtype": dtype_name, "config": config.to_dict()}
+    if compression:
+        manifest["compression"] = compression
     (dst / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
 
 
@@ -45,10 +54,10 @@ def read_manifest(path: Path) -> dict:
         raise JfireError(f"{path}/{MANIFEST} is not valid JSON: {e}") from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("config"), dict):
         raise JfireError(f"{path}/{MANIFEST} lacks the model config; convert the model again")
-    if manifest.get("format") != FORMAT_VERSION:
+    if manifest.get("format") not in (FORMAT_VERSION, COMPRESSED_FORMAT):
         raise JfireError(
-            f"{path} is a jfire checkpoint of format {manifest.get('format')!r}; this jfire reads format "
-            f"{FORMAT_VERSION} (convert the model again)"
+            f"{path} is a jfire checkpoint of format {manifest.get('format')!r}; this jfire reads formats "
+            f"{FORMAT_VERSION} and {COMPRESSED_FORMAT} (convert the model again)"
         )
     return manifest
 
@@ -63,7 +72,12 @@ def restore(path: Path, dtype, shardings: dict | None = None) -> tuple[LlamaConf
     import orbax.checkpoint as ocp
 
     path = Path(path).absolute()
-    config = read_config(path)
+    manifest = read_manifest(path)
+    if manifest["format"] == COMPRESSED_FORMAT:
+        from jfire.checkpoint import compressed
+
+        return compressed.restore(path, manifest, dtype, shardings=shardings)
+    config = LlamaConfig.from_dict(manifest["config"])
     target = abstract_params(config.param_specs(), dtype)
     if shardings is None:
         single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
