@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import ml_dtypes
 import numpy as np
@@ -18,7 +20,7 @@ from jfire.kernels.bf16_decode import CODE_BITS, SYMBOLS, Compressed, Layout
 LANE_TARGET = 512  # symbols per lane at most: 16 bits of lane length per 257-512 values
 PAYS_BELOW = 0.95  # a tensor is stored compressed only if that saves at least 5%
 MIN_VALUES = 1 << 14  # and is this large: for norms and biases a decode costs more than it saves
-CHUNK = 1 << 22  # values encoded at a time, bounding the encoder's temporary memory
+CHUNK = 1 << 21  # values packed at a time (per thread), bounding the encoder's temporary memory
 
 
 def as_bits(x: np.ndarray) -> np.ndarray:
@@ -108,8 +110,11 @@ def entropy_bits(freq: np.ndarray) -> float:
 # -- encoding -------------------------------------------------------------------------------------
 
 
-def encode(x: np.ndarray, layout: Layout) -> Compressed:
-    """Compresses a bf16 tensor (or its u16 bit patterns) into `layout`. Numpy arrays out."""
+def encode(x: np.ndarray, layout: Layout, workers: int | None = None) -> Compressed:
+    """Compresses a bf16 tensor (or its u16 bit patterns) into `layout`. Numpy arrays out.
+
+    Blocks of rows are packed on `workers` threads (default: one per CPU; numpy releases
+    the GIL in the heavy steps)."""
     bits = as_bits(x)
     if tuple(bits.shape) != layout.shape:
         raise ValueError(f"tensor of shape {bits.shape} does not match the layout's {layout.shape}")
@@ -118,22 +123,25 @@ def encode(x: np.ndarray, layout: Layout) -> Compressed:
     exps = exponents(bits)
     raw = (((bits >> 8) & 0x80) | (bits & 0x7F)).astype(np.uint8)
     lengths = np.stack([code_lengths(np.bincount(exps[u].ravel(), minlength=SYMBOLS)) for u in range(units)])
+    # Each code left-aligned in a u32: the bits a value contributes from its bit offset on.
+    aligned = np.stack([canonical_codes(l) << (32 - l.astype(np.uint32)) for l in lengths]).astype(np.uint32)
     # Stream order within a row: lane 0's columns (0, lanes, 2*lanes, ...), then lane 1's, ...
     order = (np.arange(lanes)[:, None] + lanes * np.arange(layout.steps)[None, :]).ravel()
     order = order[order < cols]
     lane_first = np.concatenate([[0], np.cumsum((cols - np.arange(lanes) + lanes - 1) // lanes)[:-1]])
-
     lane_bits = np.empty((units, rows, lanes), np.uint16)
-    words = []
+
+    def block(task):
+        u, a, b = task
+        e = exps[u, a:b][:, order]
+        length = np.take(lengths[u], e)
+        lane_bits[u, a:b] = np.add.reduceat(length, lane_first, axis=1, dtype=np.int32)
+        return _pack(np.take(aligned[u], e), length)
+
     step = max(1, CHUNK // max(cols, 1))
-    for u in range(units):
-        # Each code left-aligned in a u32: the bits a value contributes from its bit offset on.
-        aligned = (canonical_codes(lengths[u]) << (32 - lengths[u].astype(np.uint32))).astype(np.uint32)
-        for a in range(0, rows, step):
-            e = exps[u, a:a + step][:, order]
-            length = np.take(lengths[u], e)
-            lane_bits[u, a:a + step] = np.add.reduceat(length, lane_first, axis=1, dtype=np.int32)
-            words.append(_pack(np.take(aligned, e), length))
+    tasks = [(u, a, min(a + step, rows)) for u in range(units) for a in range(0, rows, step)]
+    with ThreadPoolExecutor(workers or os.cpu_count()) as pool:
+        words = list(pool.map(block, tasks))
     payload = np.concatenate(words + [np.zeros(1, np.uint32)])  # + the guard word the decoders read past the end
     return Compressed(layout=layout, code_lengths=lengths, lane_bits=lane_bits, raw=raw, payload=payload)
 

@@ -31,13 +31,15 @@ from jfire.checkpoint import codec
 from jfire.errors import JfireError
 from jfire.kernels.bf16_decode import CODE_BITS, Compressed, Layout, bf16_decode, bf16_decode_reference, pad_payload
 from jfire.models.params import get_path, set_path
+from jfire.sharding import RULES
 
 FORMAT_VERSION = 2
 CODEC = "bf16-exponent-huffman"
 CODEC_VERSION = 1
-# Logical axes a mesh may shard: they become the rows of the encode layout, so that every
-# shard is a set of whole rows (see docs/compression.md).
-SHARDABLE_AXES = ("layers", "vocab", "q_heads", "kv_heads", "ffn", "experts")
+# Logical axes a mesh may shard (jfire.sharding's rules) become the rows of the encode
+# layout, so that every shard is a set of whole rows (docs/compression.md). The layout is
+# recorded per tensor, so later rule changes do not affect existing checkpoints.
+SHARDABLE_AXES = tuple(name for name, rule in RULES.items() if rule)
 DECODERS = ("pallas", "pallas-interpret", "reference")
 ARRAYS = ("code_lengths", "lane_bits", "raw", "payload")
 

@@ -83,7 +83,7 @@ def _reports(path: str, decoder: str) -> Iterator[tuple[TensorReport, np.ndarray
         if compressed.is_compressed(manifest):
             yield from _stored_reports(path, manifest, decoder)
             return
-    for name, value, source_dtype, layout in _tensors(path):
+    for name, value, source_dtype, layout in tensors_of(path):
         yield _measure(name, value, source_dtype, layout, decoder)
 
 
@@ -120,7 +120,7 @@ def _stored_reports(path: Path, manifest: dict, decoder: str) -> Iterator[tuple[
                            exponent_bits=32 * (words - 1) / bits.size if words else None, round_trip=True), hist
 
 
-def _tensors(path: Path) -> Iterator[tuple[str, np.ndarray, str, object]]:
+def tensors_of(path: Path) -> Iterator[tuple[str, np.ndarray, str, object]]:
     """(name, values, source dtype, layout) of every float tensor under `path`."""
     if store.is_checkpoint(path):
         from jfire.models.params import get_path

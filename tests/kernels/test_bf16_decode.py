@@ -89,7 +89,7 @@ def tensors(draw):
     return x.reshape(shape), codec.make_layout(shape, perm, unit_axes, row_axes)
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tensors())
 def test_round_trip_property(case):
     x, layout = case
@@ -111,12 +111,13 @@ def minilm_weights() -> dict[str, np.ndarray]:
 
 
 def test_real_weights_round_trip():
-    """Trained MiniLM weights cast to bf16: every matrix through both decoders, bit for bit."""
+    """Trained MiniLM weights cast to bf16: a matrix of each shape through both decoders, bit
+    for bit (`jfire compress-report` runs all of them through the reference in test_compress_cli)."""
     weights = minilm_weights()
-    matrices = {k: v.astype(ml_dtypes.bfloat16).view(np.uint16) for k, v in weights.items()
+    matrices = {v.shape: (k, v.astype(ml_dtypes.bfloat16).view(np.uint16)) for k, v in sorted(weights.items())
                 if v.ndim == 2 and v.size >= codec.MIN_VALUES}
-    assert len(matrices) == 39  # word/position embeddings, pooler, 6 layers x 6 matrices
-    for name, x in matrices.items():
+    assert len(matrices) == 5  # word and position embeddings, 384x384, 384x1536 and 1536x384
+    for name, x in matrices.values():
         c = codec.encode(x, codec.make_layout(x.shape))
         assert c.nbytes / x.nbytes < 0.72, name
         c = pad_payload(jax.device_put(c), capacity(c.layout))

@@ -1,0 +1,140 @@
+"""GPU check of the bf16 decode kernel: bit-exact against the reference decoder on the GPU, and
+its decode GB/s against a device-to-device copy of the same bytes.
+
+    python scripts/gpu_check.py [--output gpu_check.json]   # one call on one GPU (H200: a few minutes)
+    python scripts/gpu_check.py --smoke                    # CPU-sized, interpret mode (run by the tests)
+
+Nothing can be downloaded on the GPU machine, so the weights are synthetic with real shapes
+and checkpoint layouts: all of SmolLM2-135M (the default model) and two layers of
+Llama-3-8B, drawn on the device (normal, the scale of trained weights), with NaN payloads,
+infinities, subnormals and signed zeros planted in every tensor. Then:
+  1. every tensor decoded by the reference and by the Pallas kernel, compared bit for bit;
+  2. layers of stacked tensors decoded one at a time (the keep-compressed mode);
+  3. decode GB/s (bf16 out) of both decoders, and of a copy kernel, per tensor and in total;
+  4. a sweep of the kernel's tile size and warps on the largest tensor.
+Prints a summary and writes all figures as JSON; exits 1 if anything is not bit-exact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]  # jfire, bench_compression
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench_compression import measure, median_seconds  # noqa: E402  (beside this script)
+from jfire.checkpoint import codec  # noqa: E402
+from jfire.checkpoint.compressed import layout_for  # noqa: E402
+from jfire.kernels.bf16_decode import bf16_decode, pad_payload  # noqa: E402
+from jfire.models.llama import LlamaConfig  # noqa: E402
+
+SMOLLM2_135M = LlamaConfig(architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                           num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, max_position_embeddings=8192,
+                           tie_word_embeddings=True)
+LLAMA3_8B_2_LAYERS = LlamaConfig(architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096,
+                                 intermediate_size=14336, num_layers=2, num_heads=32, num_kv_heads=8, head_dim=128,
+                                 max_position_embeddings=8192)
+TINY = dataclasses.replace(SMOLLM2_135M, vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
+                           num_heads=4, num_kv_heads=2, head_dim=32)
+# bf16 patterns every tensor must survive: NaNs with payloads, infinities, subnormals, signed zeros, extremes.
+SPECIALS = np.array([0x7FC0, 0xFFC1, 0x7F81, 0x7F80, 0xFF80, 0x0001, 0x807F, 0x0000, 0x8000, 0x7F7F, 0xFF7F],
+                    np.uint16)
+
+
+def synthetic(config: LlamaConfig, prefix: str, seed: int, only=None):
+    """(name, bf16 bits, checkpoint layout) for the compressible parameters of `config` (those
+    named in `only`, if given)."""
+    out = []
+    for i, spec in enumerate(config.param_specs()):
+        if (only and spec.name not in only) or np.prod(spec.shape) < codec.MIN_VALUES:
+            continue
+        key = jax.random.fold_in(jax.random.key(seed), i)
+        scale = 0.1 if spec.init == "ones" else 0.02
+        values = jax.random.normal(key, spec.shape, jnp.float32) * scale + (1.0 if spec.init == "ones" else 0.0)
+        bits = np.array(jax.lax.bitcast_convert_type(values.astype(jnp.bfloat16), jnp.uint16))
+        flat = bits.reshape(-1)
+        flat[np.random.default_rng(seed + i).choice(flat.size, 64, replace=False)] = np.resize(SPECIALS, 64)
+        out.append((f"{prefix}.{spec.name}", bits, layout_for(spec)))
+    return out
+
+
+def check_units(tensors, encoded: dict, decoder_kwargs) -> list[dict]:
+    """First and last layer of each stacked tensor decoded alone, against the original layer."""
+    rows = []
+    decode_unit = jax.jit(lambda c, u: bf16_decode(c, u, **decoder_kwargs))
+    for name, bits, layout in tensors:
+        if not layout.unit_axes:
+            continue
+        c = jax.device_put(encoded[name])
+        for unit in (0, layout.units - 1):
+            got = np.asarray(jax.lax.bitcast_convert_type(decode_unit(c, unit), jnp.uint16))
+            rows.append({"name": name, "unit": unit, "exact": bool(np.array_equal(got, bits[unit]))})
+    return rows
+
+
+def sweep(name, bits, c, configs, interpret: bool, repeats: int) -> list[dict]:
+    """Decode GB/s of the kernel at each (block_lanes, num_warps), on one tensor."""
+    c = jax.device_put(c)
+    c = pad_payload(c, 1 << (c.payload.shape[0] - 1).bit_length())
+    rows = []
+    for block_lanes, num_warps in configs:
+        run = jax.jit(lambda c, b=block_lanes, w=num_warps: bf16_decode(c, interpret=interpret, block_lanes=b,
+                                                                      num_warps=w))
+        exact = bool(np.array_equal(np.asarray(jax.lax.bitcast_convert_type(run(c), jnp.uint16)), bits))
+        seconds = median_seconds(lambda: run(c).block_until_ready(), repeats)
+        rows.append({"name": name, "block_lanes": block_lanes, "num_warps": num_warps, "exact": exact,
+                     "gbps": bits.nbytes / seconds / 1e9})
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="CPU-sized shapes, the kernel in interpret mode")
+    ap.add_argument("--repeats", type=int, default=None, help="timed runs per measurement (default 10; smoke 1)")
+    ap.add_argument("--output", default="gpu_check.json", help="where the JSON figures go")
+    args = ap.parse_args(argv)
+    start = time.perf_counter()
+    print(f"jax {jax.__version__} on {jax.devices()[0]} ({jax.default_backend()})", flush=True)
+    if args.smoke:  # one plain matrix, one stacked, one stacked and transposed
+        tensors = synthetic(TINY, "tiny", 0, only=("embed", "layers.w_down", "layers.wq"))
+        decoders, kernel, repeats = ["reference", "pallas-interpret"], {"interpret": True}, args.repeats or 1
+        configs = [(64, 4), (256, 4)]
+    else:
+        layers_8b = [spec.name for spec in LLAMA3_8B_2_LAYERS.param_specs() if spec.per_layer]
+        tensors = synthetic(SMOLLM2_135M, "smollm2", 0) + synthetic(LLAMA3_8B_2_LAYERS, "llama3_8b", 1, only=layers_8b)
+        decoders, kernel, repeats = ["reference", "pallas"], {}, args.repeats or 10
+        configs = [(b, w) for b in (64, 128, 256, 512, 1024) for w in (1, 2, 4, 8)]
+    print(f"{len(tensors)} tensors, {sum(b.nbytes for _, b, _ in tensors) / 1e9:.2f} GB of bf16", flush=True)
+
+    encoded: dict = {}
+    result = measure(tensors, decoders, repeats, encoded)
+    result["units"] = check_units(tensors, encoded, kernel)
+    name, bits, _ = max(tensors, key=lambda t: t[1].size)
+    result["sweep"] = sweep(name, bits, encoded[name], configs, interpret=args.smoke, repeats=repeats)
+    result["seconds"] = time.perf_counter() - start
+
+    t = result["total"]
+    exact = t["exact"] and all(r["exact"] for r in result["units"] + result["sweep"])
+    best = max(result["sweep"], key=lambda r: r["gbps"])
+    print(f"compression ratio {t['ratio']:.4f}; encode {t['encode_gbps']:.3f} GB/s (host)")
+    for d in decoders:
+        print(f"decode {d:<16} {t[f'{d}_gbps']:8.4g} GB/s of bf16 out ({t[f'{d}_gbps'] / t['copy_gbps']:.3f} x copy)")
+    print(f"device copy             {t['copy_gbps']:8.4g} GB/s")
+    print(f"best tile on {best['name']}: block_lanes={best['block_lanes']} num_warps={best['num_warps']} "
+          f"{best['gbps']:.4g} GB/s")
+    print(f"bit-exact (whole tensors, single layers, every tile): {'yes' if exact else 'NO'}; "
+          f"{result['seconds']:.0f} s")
+    Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+    return 0 if exact else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""The compression benchmark and the prepared GPU check, run CPU-sized so they cannot rot
+before a GPU runs them: both must report bit-exact decodes and write their JSON."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def load_script(name: str, monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPTS))  # gpu_check imports bench_compression from beside it
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_check_smoke(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "gpu_check.json"
+    assert load_script("gpu_check", monkeypatch).main(["--smoke", "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["total"]["exact"] and result["total"]["ratio"] < 0.7
+    assert {"reference_gbps", "pallas-interpret_gbps", "copy_gbps", "encode_gbps"} <= set(result["total"])
+    assert [u["exact"] for u in result["units"]] == [True] * 4  # first and last layer of two stacked tensors
+    assert len(result["sweep"]) == 2 and all(r["exact"] for r in result["sweep"])
+    assert "bit-exact (whole tensors, single layers, every tile): yes" in capsys.readouterr().out
+
+
+def test_bench_compression_runs(tmp_path, monkeypatch):
+    weights = tmp_path / "w.safetensors"
+    save_file({"w": (np.random.default_rng(0).standard_normal((128, 1024)) * 0.02).astype(np.float32)}, weights)
+    out = tmp_path / "bench.json"
+    assert load_script("bench_compression", monkeypatch).main(["--weights", str(weights), "--repeats", "1",
+                                                  "--output", str(out)]) == 0
+    total = json.loads(out.read_text())["total"]
+    assert total["exact"] and total["tensors"] == 1 and total["reference_gbps"] > 0
