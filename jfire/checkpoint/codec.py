@@ -100,6 +100,12 @@ def kraft_complete(lengths: np.ndarray) -> bool:
     return int(np.sum(np.where(lengths > 0, 1 << (CODE_BITS - lengths), 0))) == 1 << CODE_BITS
 
 
+def unit_histograms(exps: np.ndarray, layout: Layout) -> np.ndarray:
+    """Exponent counts [units, 256] of each separately coded unit; `exps` in encode layout."""
+    per_unit = exps.reshape(layout.units, -1)
+    return np.stack([np.bincount(per_unit[u], minlength=SYMBOLS) for u in range(layout.units)])
+
+
 def entropy_bits(freq: np.ndarray) -> float:
     """Order-0 entropy, bits per symbol, of a histogram."""
     freq = np.asarray(freq, np.float64)
@@ -122,7 +128,7 @@ def encode(x: np.ndarray, layout: Layout, workers: int | None = None) -> Compres
     bits = np.ascontiguousarray(bits.transpose(layout.perm)).reshape(units, rows, cols)
     exps = exponents(bits)
     raw = (((bits >> 8) & 0x80) | (bits & 0x7F)).astype(np.uint8)
-    lengths = np.stack([code_lengths(np.bincount(exps[u].ravel(), minlength=SYMBOLS)) for u in range(units)])
+    lengths = np.stack([code_lengths(h) for h in unit_histograms(exps, layout)])
     # Each code left-aligned in a u32: the bits a value contributes from its bit offset on.
     aligned = np.stack([canonical_codes(l) << (32 - l.astype(np.uint32)) for l in lengths]).astype(np.uint32)
     # Stream order within a row: lane 0's columns (0, lanes, 2*lanes, ...), then lane 1's, ...

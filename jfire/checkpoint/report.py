@@ -28,7 +28,7 @@ class TensorReport:
     stored: str  # "huffman" or "raw"
     original_bytes: int  # as bf16
     bytes: int
-    exponent_entropy: float  # bits per value: the order-0 limit for the exponent
+    exponent_entropy: float  # bits per value: the order-0 limit for the exponent (per coded unit)
     exponent_bits: float | None  # what the code spends per exponent, payload only
     round_trip: bool
 
@@ -87,9 +87,17 @@ def _reports(path: str, decoder: str) -> Iterator[tuple[TensorReport, np.ndarray
         yield _measure(name, value, source_dtype, layout, decoder)
 
 
+def _histograms(bits: np.ndarray, layout) -> tuple[np.ndarray, float]:
+    """(exponent counts, entropy): the entropy is the mean over the separately coded units
+    (layers of a stacked weight), the order-0 limit for a code built per unit."""
+    per_unit = codec.unit_histograms(codec.exponents(bits.transpose(layout.perm)), layout)
+    entropy = sum(codec.entropy_bits(h) * h.sum() for h in per_unit) / max(1, bits.size)
+    return per_unit.sum(axis=0), entropy
+
+
 def _measure(name, value, source_dtype, layout, decoder) -> tuple[TensorReport, np.ndarray]:
     bits = codec.as_bits(value)
-    hist = np.bincount(codec.exponents(bits).ravel(), minlength=codec.SYMBOLS)
+    hist, entropy = _histograms(bits, layout)
     c = codec.maybe_encode(bits, layout)
     ok, exponent_bits = True, None
     if c is not None:
@@ -98,7 +106,7 @@ def _measure(name, value, source_dtype, layout, decoder) -> tuple[TensorReport, 
         exponent_bits = 32 * (c.payload.shape[0] - 1) / bits.size
     item = TensorReport(name=name, shape=tuple(bits.shape), source_dtype=source_dtype,
                         stored="huffman" if c is not None else "raw", original_bytes=bits.nbytes,
-                        bytes=c.nbytes if c is not None else bits.nbytes, exponent_entropy=codec.entropy_bits(hist),
+                        bytes=c.nbytes if c is not None else bits.nbytes, exponent_entropy=entropy,
                         exponent_bits=exponent_bits, round_trip=ok)
     return item, hist
 
@@ -111,12 +119,11 @@ def _stored_reports(path: Path, manifest: dict, decoder: str) -> Iterator[tuple[
     entries = manifest["compression"]["tensors"]
     for spec in config.param_specs():
         bits = np.asarray(get_path(params, spec.name)).view(np.uint16)
-        hist = np.bincount(codec.exponents(bits).ravel(), minlength=codec.SYMBOLS)
+        hist, entropy = _histograms(bits, compressed.layout_for(spec))
         entry = entries[spec.name]
         words = entry.get("payload_words")
         yield TensorReport(name=spec.name, shape=spec.shape, source_dtype="bfloat16", stored=entry["stored"],
-                           original_bytes=entry["original_bytes"], bytes=entry["bytes"],
-                           exponent_entropy=codec.entropy_bits(hist),
+                           original_bytes=entry["original_bytes"], bytes=entry["bytes"], exponent_entropy=entropy,
                            exponent_bits=32 * (words - 1) / bits.size if words else None, round_trip=True), hist
 
 
@@ -183,8 +190,8 @@ def format_table(rep: dict) -> str:
         "ratio: stored / bf16 bytes; H(exp): exponent entropy, bits; bits: what the code spends per exponent",
         f"{tot['tensors']} tensors, {tot['values']:,} values: {tot['original_bytes'] / 1e6:.2f} MB as bf16 -> "
         f"{tot['bytes'] / 1e6:.2f} MB compressed, ratio {tot['ratio']:.4f} (all tables and offsets counted)",
-        f"exponent entropy {tot['exponent_entropy']:.3f} bits per tensor ({tot['exponent_entropy_pooled']:.3f} pooled); "
-        f"order-0 limit ratio {tot['entropy_limit_ratio']:.4f}",
+        f"exponent entropy {tot['exponent_entropy']:.3f} bits per value within each coded tensor or layer "
+        f"({tot['exponent_entropy_pooled']:.3f} pooled over all); order-0 limit ratio {tot['entropy_limit_ratio']:.4f}",
         f"bit-exact round trip ({rep['decoder']} decoder): {'yes' if tot['round_trip'] else 'NO'}",
     ]
     return "\n".join(lines)
