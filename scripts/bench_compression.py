@@ -16,6 +16,7 @@ import json
 import statistics
 import sys
 import time
+import timeit
 from pathlib import Path
 
 import jax
@@ -31,12 +32,7 @@ from jfire.kernels.bf16_decode import pad_payload  # noqa: E402
 def median_seconds(fn, repeats: int) -> float:
     """Median wall time of fn() (which must block until its work is done), after a warm-up call."""
     fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(timeit.repeat(fn, number=1, repeat=repeats))
 
 
 def load_weights(source: str) -> list[tuple[str, np.ndarray, object]]:

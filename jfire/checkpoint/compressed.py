@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from pathlib import Path
 
 import jax
@@ -193,6 +192,7 @@ def decode_tree(path: Path, specs, section: dict, stored: dict, dtype, decoder: 
             value, checksums[spec.name] = decode_checked(c, decoder)
             if keep_compressed and spec.per_layer:
                 value = c
+        set_path(stored, spec.name, None)  # freed as decoded: device memory stays near the decoded size
         set_path(params, spec.name, value if isinstance(value, Compressed) else value.astype(dtype))
     for name, checksum in jax.device_get(checksums).items():
         want = section["tensors"][name]["checksum"]
@@ -234,10 +234,6 @@ def ratio(section: dict) -> float:
     return sum(t["bytes"] for t in tensors) / max(1, sum(t["original_bytes"] for t in tensors))
 
 
-def num_values(layout: Layout) -> int:
-    return math.prod(layout.shape)
-
-
 # -- saving and restoring -----------------------------------------------------------------------------
 
 
@@ -258,6 +254,8 @@ def restore(path: Path, manifest: dict, dtype, *, decoder: str | None = None, ke
     With `shardings` the decoded params are then placed by them; each device decoding only
     its own rows is the layout's design (docs/compression.md) but not done here yet.
     """
+    if keep_compressed and shardings is not None:
+        raise JfireError("keeping layers compressed is not supported on a mesh yet")
     from jfire.models.llama import LlamaConfig
 
     path = Path(path).absolute()
