@@ -89,7 +89,7 @@ def tensors(draw):
     return x.reshape(shape), codec.make_layout(shape, perm, unit_axes, row_axes)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tensors())
 def test_round_trip_property(case):
     x, layout = case
