@@ -32,6 +32,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="device mesh: a meshes/ name, a .toml file, or inline like 'pp=2,tp=4' (default: one device)")
     p.add_argument("--cpu-devices", type=int, default=None,
                    help="expose N CPU devices (for meshes on a machine without accelerators)")
+    p.add_argument("--keep-compressed", action="store_true",
+                   help="with a checkpoint converted with --compress: keep layer weights compressed in device "
+                        "memory and decode each layer just before it runs (more room for the KV cache)")
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -175,7 +178,7 @@ def cmd_generate(args) -> int:
     )
     if args.output and not args.prompts_file:
         raise JfireError("--output goes with --prompts-file")
-    model = load_model(args.model, args.dtype, mesh_spec=_mesh_spec(args))
+    model = load_model(args.model, args.dtype, mesh_spec=_mesh_spec(args), keep_compressed=args.keep_compressed)
     if args.prompts_file:
         return _generate_batch(args, model, sampling)
     prompt_ids = _prompt_ids(args, model.tokenizer)
@@ -253,7 +256,7 @@ def cmd_bench(args) -> int:
     if args.max_batch is None:
         args.max_batch = max(args.concurrency)
     config = engine_config(args, single=False)
-    model = load_model(args.model, args.dtype, mesh_spec=_mesh_spec(args))
+    model = load_model(args.model, args.dtype, mesh_spec=_mesh_spec(args), keep_compressed=args.keep_compressed)
     if args.startup_only:
         Engine(model, config).start()
         return 0
@@ -263,6 +266,8 @@ def cmd_bench(args) -> int:
         engine_args += ["--mesh", args.mesh]
     if args.cpu_devices:
         engine_args += ["--cpu-devices", str(args.cpu_devices)]
+    if args.keep_compressed:
+        engine_args += ["--keep-compressed"]
     bench.run(args, model, config, engine_args)
     return 0
 
@@ -279,7 +284,7 @@ def cmd_serve(args) -> int:
     if args.max_queue < 1:
         raise JfireError(f"--max-queue must be >= 1, got {args.max_queue}")
     config = dataclasses.replace(engine_config(args, single=False), max_waiting=args.max_queue)
-    model = load_model(args.model, args.dtype, mesh_spec=_mesh_spec(args))
+    model = load_model(args.model, args.dtype, mesh_spec=_mesh_spec(args), keep_compressed=args.keep_compressed)
     api_key = args.api_key or os.environ.get("JFIRE_API_KEY") or None
     server.run(model, config, host=args.host, port=args.port, api_key=api_key,
                model_name=args.served_model_name or server.served_name(args.model))

@@ -81,9 +81,11 @@ def count_source_tensors(config: LlamaConfig) -> int:
 
 
 def load_model(model: str | None, dtype: str = "float32", *, checkpoints_dir: Path | None = None,
-               mesh_spec=None) -> LoadedModel:
+               mesh_spec=None, keep_compressed: bool = False) -> LoadedModel:
     """Loads `model` with its weights placed on the device, or on a mesh built from
-    `mesh_spec` (a jfire.mesh.MeshSpec): there each device receives only its own shards."""
+    `mesh_spec` (a jfire.mesh.MeshSpec): there each device receives only its own shards.
+    `keep_compressed` leaves a compressed checkpoint's layer weights compressed on the device,
+    decoded layer by layer as the model runs."""
     target = parse_dtype(dtype)
     if model in (None, "default"):
         from jfire.checkpoint.default_model import ensure_default_checkpoint
@@ -97,9 +99,13 @@ def load_model(model: str | None, dtype: str = "float32", *, checkpoints_dir: Pa
     if store.is_checkpoint(path):
         config = store.read_config(path)
         mesh = _mesh_for(mesh_spec, config)
-        config, params = store.restore(path, target, shardings=sharding.param_shardings(config, mesh) if mesh else None)
+        config, params = store.restore(path, target, shardings=sharding.param_shardings(config, mesh) if mesh else None,
+                                       keep_compressed=keep_compressed)
         tokenizer = Tokenizer.from_dir(path)
     else:
+        if keep_compressed:
+            raise JfireError(f"{path} is not a compressed jfire checkpoint; --keep-compressed needs one "
+                             "(jfire convert SRC DST --compress)")
         source = open_source(path)
         config = source.config
         mesh = _mesh_for(mesh_spec, config)

@@ -66,9 +66,10 @@ def read_config(path: Path) -> LlamaConfig:
     return LlamaConfig.from_dict(read_manifest(path)["config"])
 
 
-def restore(path: Path, dtype, shardings: dict | None = None) -> tuple[LlamaConfig, dict]:
+def restore(path: Path, dtype, shardings: dict | None = None, keep_compressed: bool = False) -> tuple[LlamaConfig, dict]:
     """Config and params from a checkpoint, cast to `dtype` as they are read. With
-    `shardings` (a tree of NamedShardings) each device reads only its own shards."""
+    `shardings` (a tree of NamedShardings) each device reads only its own shards. With
+    `keep_compressed` a compressed checkpoint's layer weights stay compressed on the device."""
     import orbax.checkpoint as ocp
 
     path = Path(path).absolute()
@@ -76,7 +77,9 @@ def restore(path: Path, dtype, shardings: dict | None = None) -> tuple[LlamaConf
     if manifest["format"] == COMPRESSED_FORMAT:
         from jfire.checkpoint import compressed
 
-        return compressed.restore(path, manifest, dtype, shardings=shardings)
+        return compressed.restore(path, manifest, dtype, shardings=shardings, keep_compressed=keep_compressed)
+    if keep_compressed:
+        raise JfireError(f"{path} is not compressed; --keep-compressed needs a checkpoint converted with --compress")
     config = LlamaConfig.from_dict(manifest["config"])
     target = abstract_params(config.param_specs(), dtype)
     if shardings is None:

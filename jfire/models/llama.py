@@ -388,8 +388,22 @@ def run_layers(layers: dict, cfg: LlamaConfig, x, positions, pages: dict, page_t
     # output would be a second full copy of the pool).
     num_layers = pages["k"].shape[0]
     layer_ids = jnp.arange(num_layers, dtype=jnp.int32)
-    (x, k, v), _ = jax.lax.scan(layer, (x, pages["k"], pages["v"]), (layers, layer_ids))
+    carry = (x, pages["k"], pages["v"])
+    if _has_compressed(layers):
+        # Weights kept compressed in device memory: each layer is decoded just before it runs.
+        from jfire.checkpoint.compressed import decompress_layer
+
+        step = lambda c, i: layer(c, (decompress_layer(layers, i, dtype=x.dtype), i))
+        (x, k, v), _ = jax.lax.scan(step, carry, layer_ids)
+    else:
+        (x, k, v), _ = jax.lax.scan(layer, carry, (layers, layer_ids))
     return x, {"k": k, "v": v}
+
+
+def _has_compressed(layers: dict) -> bool:
+    from jfire.kernels.bf16_decode import Compressed
+
+    return any(isinstance(leaf, Compressed) for leaf in layers.values())
 
 
 def logits_from_hidden(params: dict, cfg: LlamaConfig, x: jax.Array) -> jax.Array:

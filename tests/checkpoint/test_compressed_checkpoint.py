@@ -149,3 +149,23 @@ def test_bad_manifests_are_refused(checkpoints, tmp_path, edit, match):
     bad = copy_with(packed, tmp_path / "bad", edit_manifest=edit)
     with pytest.raises(JfireError, match=match):
         load_model(str(bad), "bfloat16")
+
+
+def test_engine_with_layers_kept_compressed_generates_the_same_tokens(checkpoints):
+    """The serving engine over a params tree whose layer weights stay compressed on the device
+    (decoded inside the layer loop) gives the tokens of the plain checkpoint."""
+    from jfire.engine import Engine, EngineConfig
+    from jfire.sampling import SamplingParams
+
+    plain, packed = checkpoints
+    config = EngineConfig(max_batch=2, max_prefill_rows=2, prefill_budget=16, max_model_len=64, num_pages=32, aot=False)
+    requests = [([5, 6, 7, 8, 9], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)),
+                ([11, 12], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))]
+    with Engine(load_model(str(plain), "float32"), config) as engine:
+        want = [c.token_ids for c in engine.generate(requests)]
+    kept = load_model(str(packed), "float32", keep_compressed=True)
+    assert isinstance(kept.params["layers"]["w_up"], Compressed)
+    with Engine(kept, config) as engine:
+        assert [c.token_ids for c in engine.generate(requests)] == want
+    with pytest.raises(JfireError, match="--compress"):
+        load_model(str(plain), "float32", keep_compressed=True)
