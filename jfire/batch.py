@@ -81,19 +81,25 @@ def parse_line(item: tuple[int, bytes], defaults: SamplingParams, tokenizer) -> 
     return index, ids, sampling
 
 
-def run_batch(engine: Engine, prompts_file: Path, defaults: SamplingParams, write: Callable[[dict], None],
-              progress: bool = True) -> int:
-    """Runs every prompt; `write` receives results in input order. Returns how many ran."""
+def read_requests(prompts_file: Path, defaults: SamplingParams, tokenizer) -> list[tuple[int, list[int], SamplingParams]]:
+    """Every line parsed (with grain) into (index, prompt ids, sampling), or a JfireError naming the line."""
     if not Path(prompts_file).is_file():
         raise JfireError(f"prompts file {prompts_file} does not exist")
-    dataset = grain.MapDataset.source(JsonlSource(prompts_file)).map(
-        lambda item: parse_line(item, defaults, engine.model.tokenizer))
-    requests = list(dataset)
+    dataset = grain.MapDataset.source(JsonlSource(prompts_file)).map(lambda item: parse_line(item, defaults, tokenizer))
+    return list(dataset)
+
+
+def validate_requests(engine: Engine, requests) -> None:
+    """Checks every request against the engine's limits before anything is compiled or run."""
     for index, ids, sampling in requests:
         try:
             engine.validate(ids, sampling)
         except JfireError as e:
             raise JfireError(f"line {index + 1}: {e}") from None
+
+
+def run_requests(engine: Engine, requests, write: Callable[[dict], None], progress: bool = True) -> int:
+    """Runs every request on a started engine; `write` receives results in input order."""
     # Submit within the waiting bound; the engine batches whatever is queued.
     handles, next_up = {}, 0
     bar = tqdm(total=len(requests), desc="generating", unit="prompt", disable=not progress)

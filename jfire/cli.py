@@ -209,14 +209,16 @@ def cmd_generate(args) -> int:
 
 
 def _generate_batch(args, model, sampling) -> int:
-    from jfire.batch import run_batch
+    from jfire import batch
     from jfire.engine import Engine
 
+    engine = Engine(model, engine_config(args, single=False))
+    requests = batch.read_requests(Path(args.prompts_file), sampling, model.tokenizer)
+    batch.validate_requests(engine, requests)  # a bad line costs nothing: nothing compiled, nothing written
     out = open(args.output, "w") if args.output else sys.stdout
     try:
-        with Engine(model, engine_config(args, single=False)) as engine:
-            count = run_batch(engine, Path(args.prompts_file), sampling,
-                              lambda row: print(json.dumps(row), file=out, flush=True))
+        with engine:
+            count = batch.run_requests(engine, requests, lambda row: print(json.dumps(row), file=out, flush=True))
     finally:
         if out is not sys.stdout:
             out.close()
