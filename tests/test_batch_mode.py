@@ -31,8 +31,9 @@ def test_prompts_file_equals_each_prompt_alone(default_checkpoint, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps(line) for line in LINES) + "\n\n")  # a trailing blank line is fine
     out = tmp_path / "out.jsonl"
+    # Small limits keep the ahead-of-time bucket set (and so the test) short.
     run = run_cli("--prompts-file", str(prompts), "--output", str(out), "--max-tokens", "10", "--max-batch", "4",
-                  "--compile-cache", str(tmp_path / "xla"))
+                  "--prefill-budget", "32", "--max-context", "256", "--compile-cache", str(tmp_path / "xla"))
     assert run.returncode == 0, run.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["index"] for r in rows] == list(range(len(LINES)))
@@ -61,13 +62,27 @@ def test_prompts_file_equals_each_prompt_alone(default_checkpoint, tmp_path):
     ('{"prompt": "ok"}\nnot json\n', "line 2 is not valid JSON"),
     ('{"prompt": "ok", "top_p": 3}\n', "line 1: top_p must be in"),
     ('{"text": "hi"}\n', "line 1 needs exactly one of"),
+    ('{"prompt_ids": [1, "x"]}\n', "line 1: 'prompt_ids' must be a list of integers"),
 ])
-def test_a_bad_line_is_refused_before_any_work(default_checkpoint, tmp_path, bad, why):
+def test_bad_lines_are_named(default_checkpoint, tmp_path, bad, why):
+    from jfire.batch import read_requests
+    from jfire.errors import JfireError
+
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(bad)
+    tokenizer = load_model("default", "float32").tokenizer
+    with pytest.raises(JfireError) as err:
+        read_requests(prompts, SamplingParams(temperature=0.0, max_tokens=4), tokenizer)
+    assert why in str(err.value)
+
+
+def test_a_bad_line_stops_the_cli_before_any_work(default_checkpoint, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "fine"}\n{"prompt_ids": [1, 2], "max_tokens": 100000}\n')
     out = tmp_path / "out.jsonl"
     run = run_cli("--prompts-file", str(prompts), "--output", str(out), "--max-tokens", "4")
     assert run.returncode == 2
-    assert run.stderr.strip().splitlines()[-1].startswith("jfire: error: ") and why in run.stderr
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("jfire: error: line 2: ") and "max_tokens" in last, run.stderr
     assert "Traceback" not in run.stderr
     assert not out.exists()
