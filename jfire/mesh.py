@@ -69,9 +69,6 @@ class MeshSpec:
     def num_microbatches(self) -> int:
         return self.microbatches or self.pp
 
-    def describe(self) -> str:
-        return ",".join(f"{a}={n}" for a, n in self.shape.items() if n > 1 or a in ("pp", "tp"))
-
     # -- reading ---------------------------------------------------------------------------
 
     @classmethod

@@ -73,15 +73,6 @@ def cache_sharding(cfg: LlamaConfig, mesh) -> NamedSharding:
     return NamedSharding(mesh, partition_spec(CACHE_AXES, mesh, (cfg.num_layers, cfg.num_kv_heads, 1, 1, 1)))
 
 
-def replicated(mesh) -> NamedSharding:
-    return NamedSharding(mesh, PartitionSpec())
-
-
-def batch_sharding(mesh, ndim: int) -> NamedSharding:
-    """Per-row inputs (tokens, positions, page tables): rows split over dp."""
-    return NamedSharding(mesh, partition_spec(("batch",) + ("sequence",) * (ndim - 1), mesh))
-
-
 # -- KV heads when tp exceeds them ---------------------------------------------------------------
 
 

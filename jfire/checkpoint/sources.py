@@ -59,9 +59,6 @@ class HFDirSource:
             )
         return {name: f for f in files for name in _safetensors_names(f)}
 
-    def describe(self) -> str:
-        return str(self.path)
-
     def get(self, name: str, spec: ParamSpec) -> np.ndarray:
         file = self._file_of.get(name)
         if file is None:
@@ -108,9 +105,6 @@ class GGUFSource:
         self.config = LlamaConfig.from_gguf(self.metadata, has_output_tensor="output.weight" in self._tensors)
         # llama.cpp's converter interleaves the rotary halves of Q and K for the 'llama' arch.
         self._permuted = self.metadata["general.architecture"] == "llama"
-
-    def describe(self) -> str:
-        return str(self.path)
 
     def get(self, name: str, spec: ParamSpec) -> np.ndarray:
         import gguf
