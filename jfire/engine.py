@@ -164,8 +164,7 @@ class Engine:
             max_prefill_rows=config.max_prefill_rows, max_pages_per_row=max_pages_per_row,
             page_size=config.page_size)
         self.scheduler = Scheduler(self.pool, max_batch=config.max_batch, prefill_budget=config.prefill_budget,
-                                   max_prefill_rows=config.max_prefill_rows, max_model_len=self.max_model_len,
-                                   prefix_caching=config.prefix_caching)
+                                   max_prefill_rows=config.max_prefill_rows, prefix_caching=config.prefix_caching)
         self.programs = CompiledPrograms(self.cfg, model.params, self.pages, self.buckets, config.attention,
                                          lazy=not config.aot, mesh=mesh, layer_stack=layer_stack)
         self.eos_ids = frozenset(self.cfg.eos_token_ids) | (model.tokenizer.eos_ids if model.tokenizer else frozenset())

@@ -79,12 +79,11 @@ class Step:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, *, max_batch: int, prefill_budget: int, max_prefill_rows: int,
-                 max_model_len: int, prefix_caching: bool = True):
+                 prefix_caching: bool = True):
         self.pool = pool
         self.max_batch = max_batch
         self.prefill_budget = prefill_budget
         self.max_prefill_rows = max_prefill_rows
-        self.max_model_len = max_model_len
         self.prefix_caching = prefix_caching
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # in admission order; the youngest is preempted first

@@ -3,7 +3,6 @@ preemption, prefix caching, cancellation, no compilation after warm-up."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import jax
@@ -11,7 +10,7 @@ import numpy as np
 import pytest
 
 from jfire.checkpoint.load import load_model
-from jfire.engine import Engine, EngineConfig, QueueFull
+from jfire.engine import Engine, EngineConfig
 from jfire.errors import JfireError
 from jfire.sampling import SamplingParams
 
@@ -73,7 +72,6 @@ def test_no_compilation_after_warm_up(engine, default_model):
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         before = engine.programs.num_compiled
-        tok = default_model.tokenizer
         rng = np.random.default_rng(0)
         # Varied prompt lengths (1..150 tokens, so several chunks) and batch sizes 1..16.
         for batch in (1, 3, 16, 7):

@@ -4,7 +4,6 @@ on pp=2,tp=2, through chunked prefill and batched decode."""
 
 from __future__ import annotations
 
-import pytest
 
 from jfire import mesh as meshes
 from jfire import sharding
