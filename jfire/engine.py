@@ -77,6 +77,7 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     prefix_hit_tokens: int = 0
+    transfer: dict | None = None  # prefill role: where the decode side pulls this request's KV
 
 
 @dataclasses.dataclass
@@ -137,6 +138,11 @@ class _Live:
 
 
 class Engine:
+    """Colocated serving: prefill and decode programs in one process, one page pool.
+    `jfire.disagg` subclasses it for the prefill and decode roles of a split deployment."""
+
+    PROGRAM_KINDS = ("prefill", "decode")
+
     def __init__(self, model: LoadedModel, config: EngineConfig = EngineConfig()):
         self.model = model
         self.cfg = model.config
@@ -166,7 +172,8 @@ class Engine:
         self.scheduler = Scheduler(self.pool, max_batch=config.max_batch, prefill_budget=config.prefill_budget,
                                    max_prefill_rows=config.max_prefill_rows, prefix_caching=config.prefix_caching)
         self.programs = CompiledPrograms(self.cfg, model.params, self.pages, self.buckets, config.attention,
-                                         lazy=not config.aot, mesh=mesh, layer_stack=layer_stack)
+                                         lazy=not config.aot, mesh=mesh, layer_stack=layer_stack,
+                                         kinds=self.PROGRAM_KINDS)
         self.eos_ids = frozenset(self.cfg.eos_token_ids) | (model.tokenizer.eos_ids if model.tokenizer else frozenset())
         self._commands: queue.Queue = queue.Queue()
         self._live: dict[str, _Live] = {}
@@ -209,6 +216,14 @@ class Engine:
     def __exit__(self, *exc):
         self.shutdown()
 
+    def health(self) -> tuple[int, dict]:
+        """(HTTP status, body) for /health."""
+        if self.error is not None:
+            return 503, {"status": "error", "message": str(self.error)}
+        if not self.ready.is_set():
+            return 503, {"status": "starting", "message": "compiling programs"}
+        return 200, {"status": "ok"}
+
     # -- the API -------------------------------------------------------------------------------
 
     def validate(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
@@ -232,9 +247,10 @@ class Engine:
             raise JfireError("stop strings need a tokenizer; this model has none (use EOS or max_tokens)")
 
     def submit(self, prompt_ids: list[int], sampling: SamplingParams, *, request_id: str | None = None,
-               on_output: Callable[[RequestOutput], None] | None = None) -> RequestHandle:
+               on_output: Callable[[RequestOutput], None] | None = None, affinity: str | None = None) -> RequestHandle:
         """Queues a request; outputs go to the handle's queue, or to `on_output` (called on the
-        engine thread: it must not block)."""
+        engine thread: it must not block). `affinity` (a session key) matters only where there
+        are several prefill groups to choose from."""
         if self.error is not None:
             raise JfireError(f"the engine has stopped after an error: {self.error}")
         prompt_ids = [int(i) for i in prompt_ids]
@@ -264,9 +280,10 @@ class Engine:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                self._drain_commands(block=not self._live)
+                self._drain_commands(self._idle_wait())
                 if self._stop.is_set():
                     break
+                self._between_steps()
                 step = self.scheduler.schedule()
                 if not step.empty:
                     self._execute(step)
@@ -280,22 +297,31 @@ class Engine:
             self._deliver()
             raise
 
-    def _drain_commands(self, block: bool) -> None:
+    def _idle_wait(self) -> float | None:
+        """How long to wait for a command before the next step (None: do not wait)."""
+        return None if self._live else 0.5
+
+    def _between_steps(self) -> None:
+        """Work a role does on the engine thread before each step (none when colocated)."""
+
+    def _drain_commands(self, wait: float | None) -> None:
         try:
-            command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+            command = self._commands.get(timeout=wait) if wait else self._commands.get_nowait()
         except queue.Empty:
             return
         while True:
-            kind, arg = command
-            if kind == "submit":
-                self._live[arg.seq.request_id] = arg
-                self.scheduler.add(arg.seq)
-            elif kind == "cancel" and arg in self._live:
-                self._finish(self._live[arg], "cancelled")
+            self._command(*command)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _command(self, kind: str, arg) -> None:
+        if kind == "submit":
+            self._live[arg.seq.request_id] = arg
+            self.scheduler.add(arg.seq)
+        elif kind == "cancel" and arg in self._live:
+            self._finish(self._live[arg], "cancelled")
 
     def _execute(self, step) -> None:
         new_ids: dict[Sequence, int] = {}

@@ -93,6 +93,12 @@ class BlockPool:
             if self.ref_count[page] == 0:
                 self._free[page] = None
 
+    def retain(self, pages: Sequence[int]) -> None:
+        """One more reference to pages already in use (a KV transfer holding them)."""
+        for page in pages:
+            assert self.ref_count[page] > 0, f"page {page} retained while free"
+            self.ref_count[page] += 1
+
     def lookup_prefix(self, hashes: Sequence[bytes]) -> list[int]:
         """Pages holding the longest run of these leading blocks, each now referenced once more."""
         pages = []

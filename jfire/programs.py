@@ -123,8 +123,9 @@ class CompiledPrograms:
     """
 
     def __init__(self, cfg: LlamaConfig, params, pages, buckets: Buckets, attention: str = "reference",
-                 lazy: bool = False, mesh=None, layer_stack=None):
+                 lazy: bool = False, mesh=None, layer_stack=None, kinds=("prefill", "decode")):
         self.cfg = cfg
+        self.kinds = kinds  # a disaggregated group compiles only its own role's programs
         self.layer_stack = layer_stack
         # Per-row inputs are small: replicated over the mesh (or on the default device).
         self._input_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh else None
@@ -143,8 +144,8 @@ class CompiledPrograms:
 
     def shapes(self) -> list[tuple]:
         b = self.buckets
-        return ([("decode", n, w) for w in b.widths for n in b.decode_batches]
-                + [("prefill", r, t, w) for w in b.widths for r, t in b.prefill_shapes])
+        return ([("decode", n, w) for w in b.widths for n in b.decode_batches if "decode" in self.kinds]
+                + [("prefill", r, t, w) for w in b.widths for r, t in b.prefill_shapes if "prefill" in self.kinds])
 
     def compile_all(self, workers: int = 1, progress=None) -> None:
         """Compiles every bucket; XLA compiles outside the GIL, so threads overlap."""

@@ -96,6 +96,12 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def add_running(self, seq: Sequence) -> None:
+        """Admits a sequence whose prompt KV is already in its pages (moved from a prefill group)."""
+        seq.phase = Phase.RUNNING
+        self.running.append(seq)
+        self.prompt_tokens += len(seq.prompt_ids)
+
     def finish(self, seq: Sequence) -> None:
         """Ends a sequence (done, cancelled or failed) and frees its pages at once."""
         if seq.phase is Phase.RUNNING:

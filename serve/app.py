@@ -67,12 +67,8 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        engine = state.engine
-        if engine.error is not None:
-            return JSONResponse({"status": "error", "message": str(engine.error)}, status_code=503)
-        if not engine.ready.is_set():
-            return JSONResponse({"status": "starting", "message": "compiling programs"}, status_code=503)
-        return {"status": "ok"}
+        status, body = state.engine.health()
+        return JSONResponse(body, status_code=status)
 
     @app.get("/metrics")
     async def metrics():
@@ -163,7 +159,8 @@ async def _serve(state: ServerState, request: Request, body: SamplingFields, pro
 
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     try:
-        engine.submit(prompt_ids, sampling, request_id=request_id, on_output=on_output)
+        engine.submit(prompt_ids, sampling, request_id=request_id, on_output=on_output,
+                      affinity=request.headers.get("x-session-affinity"))
     except QueueFull as e:
         raise APIError(429, str(e), kind="rate_limit_error", code="queue_full",
                        headers={"Retry-After": str(RETRY_AFTER_S)})

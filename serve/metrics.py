@@ -32,6 +32,9 @@ class EngineCollector:
         "prompt_tokens": ("jfire_prompt_tokens", "Prompt tokens admitted"),
         "tokens_generated": ("jfire_generation_tokens", "Tokens generated"),
         "preemptions": ("jfire_preemptions", "Requests preempted for lack of KV pages"),
+        # Disaggregated serving: KV cache moved from prefill groups to decode groups.
+        "kv_transfer_bytes": ("jfire_kv_transfer_bytes", "KV cache bytes pulled from prefill into decode groups"),
+        "kv_transfers": ("jfire_kv_transfers", "Requests whose KV cache moved from prefill to decode"),
     }
 
     def __init__(self, stats: Callable[[], dict]):

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jfire.checkpoint import codec
+from jfire.checkpoint import codec, store
 from jfire.errors import JfireError
 from jfire.kernels.bf16_decode import CODE_BITS, Compressed, Layout, bf16_decode, bf16_decode_reference, pad_payload
 from jfire.models.params import get_path, set_path
@@ -262,7 +262,7 @@ def restore(path: Path, manifest: dict, dtype, *, decoder: str | None = None, ke
     config = LlamaConfig.from_dict(manifest["config"])
     specs = config.param_specs()
     section = check_section(path, manifest, specs)
-    target = abstract_tree(specs, section, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    target = abstract_tree(specs, section, jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
     stored = _read_stored(path, specs, target)
     params = decode_tree(path, specs, section, stored, dtype, decoder or default_decoder(), keep_compressed)
     if shardings is not None:
@@ -279,7 +279,7 @@ def _read_stored(path: Path, specs, target: dict) -> dict:
 
     store._quiet_orbax()
     try:
-        with ocp.StandardCheckpointer() as ckptr:
+        with ocp.StandardCheckpointer(**store.process_local()) as ckptr:
             return ckptr.restore(path / "params", target)
     except Exception as e:
         error = _reason(e)
@@ -287,7 +287,7 @@ def _read_stored(path: Path, specs, target: dict) -> dict:
         item: dict = {}
         set_path(item, spec.name, get_path(target, spec.name))
         try:
-            with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
+            with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(), **store.process_local()) as ckptr:
                 ckptr.restore(path / "params", args=ocp.args.PyTreeRestore(
                     item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
         except Exception as e:

@@ -34,6 +34,7 @@ class LoadedModel:
     dtype: str
     mesh: jax.sharding.Mesh | None = None  # where the params live; None = the default device
     mesh_spec: object = None  # the jfire.mesh.MeshSpec the mesh was built from
+    kv_replication: int = 1  # each of the checkpoint's KV heads appears this many times in `config`
 
 
 def parse_dtype(name: str):
@@ -80,25 +81,27 @@ def count_source_tensors(config: LlamaConfig) -> int:
     return sum(config.num_layers if s.per_layer else 1 for s in config.param_specs())
 
 
+def resolve_model_path(model: str | None, checkpoints_dir: Path | None = None) -> tuple[Path, str]:
+    """(path, name) for `--model`; `default` is converted into checkpoints/ on first use."""
+    if model in (None, "default"):
+        from jfire.checkpoint.default_model import ensure_default_checkpoint
+
+        return ensure_default_checkpoint(checkpoints_dir), "default"
+    return Path(model).expanduser(), model
+
+
 def load_model(model: str | None, dtype: str = "float32", *, checkpoints_dir: Path | None = None,
-               mesh_spec=None, keep_compressed: bool = False) -> LoadedModel:
+               mesh_spec=None, keep_compressed: bool = False, devices=None) -> LoadedModel:
     """Loads `model` with its weights placed on the device, or on a mesh built from
     `mesh_spec` (a jfire.mesh.MeshSpec): there each device receives only its own shards.
     `keep_compressed` leaves a compressed checkpoint's layer weights compressed on the device,
     decoded layer by layer as the model runs."""
     target = parse_dtype(dtype)
-    if model in (None, "default"):
-        from jfire.checkpoint.default_model import ensure_default_checkpoint
-
-        path = ensure_default_checkpoint(checkpoints_dir)
-        name = "default"
-    else:
-        path = Path(model).expanduser()
-        name = model
-    mesh = None
+    path, name = resolve_model_path(model, checkpoints_dir)
+    mesh, replication = None, 1
     if store.is_checkpoint(path):
         config = store.read_config(path)
-        mesh = _mesh_for(mesh_spec, config)
+        mesh = _mesh_for(mesh_spec, config, devices)
         config, params = store.restore(path, target, shardings=sharding.param_shardings(config, mesh) if mesh else None,
                                        keep_compressed=keep_compressed)
         tokenizer = Tokenizer.from_dir(path)
@@ -108,21 +111,24 @@ def load_model(model: str | None, dtype: str = "float32", *, checkpoints_dir: Pa
                              "(jfire convert SRC DST --compress)")
         source = open_source(path)
         config = source.config
-        mesh = _mesh_for(mesh_spec, config)
+        mesh = _mesh_for(mesh_spec, config, devices)
         host = read_params(source, config, target)
         params = sharding.place(host, config, mesh) if mesh else jax.device_put(host)
         tokenizer = Tokenizer.from_gguf(source.reader) if isinstance(source, GGUFSource) else Tokenizer.from_dir(path)
     if mesh is not None:
+        replication = sharding.kv_replication(config, mesh.shape["tp"])
         config, params = sharding.expand_kv_heads(config, params, mesh)
     return LoadedModel(config=config, params=params, tokenizer=tokenizer, name=name, dtype=dtype, mesh=mesh,
-                       mesh_spec=mesh_spec if mesh is not None else None)
+                       mesh_spec=mesh_spec if mesh is not None else None, kv_replication=replication)
 
 
-def _mesh_for(mesh_spec, config: LlamaConfig):
-    """The jax Mesh for a MeshSpec, after checking it fits the devices and this model."""
+def _mesh_for(mesh_spec, config: LlamaConfig, devices=None):
+    """The jax Mesh for a MeshSpec over `devices` (default: all), after checking it fits them
+    and this model."""
     if mesh_spec is None or mesh_spec.size == 1:
         return None
     from jfire import mesh as meshes
 
-    meshes.check_fits(mesh_spec, config, len(jax.devices()))
-    return meshes.build(mesh_spec)
+    devices = list(devices if devices is not None else jax.devices())
+    meshes.check_fits(mesh_spec, config, len(devices))
+    return meshes.build(mesh_spec, devices)

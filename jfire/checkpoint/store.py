@@ -83,16 +83,27 @@ def restore(path: Path, dtype, shardings: dict | None = None, keep_compressed: b
     config = LlamaConfig.from_dict(manifest["config"])
     target = abstract_params(config.param_specs(), dtype)
     if shardings is None:
-        single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        single = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         shardings = jax.tree.map(lambda _: single, target)
     target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), target, shardings)
     _quiet_orbax()
     try:
-        with ocp.StandardCheckpointer() as ckptr:
+        with ocp.StandardCheckpointer(**process_local()) as ckptr:
             params = ckptr.restore(path / "params", target)
     except Exception as e:
         raise JfireError(f"cannot restore the weights in {path}/params: {_first_line(e)}") from None
     return config, params
+
+
+def process_local() -> dict:
+    """Checkpointer options for reading in this process alone. In a multi-process deployment
+    each group loads its own weights: orbax must not wait at barriers for the other processes."""
+    import orbax.checkpoint as ocp
+
+    if jax.process_count() == 1:
+        return {}
+    me = jax.process_index()
+    return {"multiprocessing_options": ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})}
 
 
 def _first_line(e: Exception) -> str:

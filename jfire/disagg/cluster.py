@@ -1,0 +1,53 @@
+"""Joining the deployment's jax.distributed cluster, and its key-value store.
+
+Every process of a deployment is one jax.distributed process; the frontend (process 0)
+hosts the coordinator service. The store carries small messages: where each group's control
+server and transfer server listen, and the decode side's acknowledgements of KV transfers.
+
+Recoverability is switched on so that one group dying does not take the others down: the
+frontend reports it on /health and routes around it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+
+from jfire.errors import JfireError
+
+GROUPS_DIR = "jfire/groups/"
+
+
+def join(coordinator: str, num_processes: int, process_id: int, *, init_timeout_s: int = 300):
+    """Joins the cluster (blocks until every process has joined) and returns the store client."""
+    jax.config.update("jax_enable_recoverability", True)
+    try:
+        jax.distributed.initialize(coordinator, num_processes, process_id,
+                                   initialization_timeout=init_timeout_s, heartbeat_timeout_seconds=10)
+    except Exception as e:  # noqa: BLE001 - jax raises plain RuntimeErrors/XlaRuntimeErrors here
+        raise JfireError(f"could not join the deployment at {coordinator} as process {process_id} of "
+                         f"{num_processes}: {e}") from None
+    jax.devices()  # every process must bring up its backend before any can use it
+    return store()
+
+
+def store():
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        raise JfireError("this process has not joined a deployment (jax.distributed is not initialised)")
+    return client
+
+
+def publish_group(client, name: str, info: dict) -> None:
+    client.key_value_set(GROUPS_DIR + name, json.dumps(info), allow_overwrite=True)
+
+
+def wait_group(client, name: str, timeout_s: float) -> dict:
+    return json.loads(client.blocking_key_value_get(GROUPS_DIR + name, int(timeout_s * 1000)))
+
+
+def ack_key(prefill_group: str, uuid: int) -> str:
+    return f"jfire/acks/{prefill_group}/{uuid}"

@@ -1,0 +1,265 @@
+"""The engine in its two split roles.
+
+`PrefillEngine` runs only prefill programs. When a prompt is done it samples the first token,
+gathers the request's pages into wire arrays, publishes them on the transfer server and ends
+the request with finish_reason "prefilled" and where to pull from. Its pages stay referenced
+until the decode side acknowledges (a key in the cluster store) or the transfer times out.
+
+`DecodeEngine` runs only decode programs. A prefilled request waits until the pool has pages
+for all of it (prompt + max_tokens, so a decode group never needs to preempt, which would
+mean recomputing a prompt it has no program for), then its KV is pulled straight into those
+pages, acknowledged, and it joins the running batch with its first token.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+
+import jax
+
+from jfire.disagg import cluster
+from jfire.disagg.kv_transfer import KVLayout, Pull, TransferPrograms, drain, new_uuid
+from jfire.engine import Engine, RequestHandle, RequestOutput, _Live
+from jfire.errors import JfireError
+from jfire.sampling import SamplingParams
+from jfire.scheduler import Phase, Sequence
+
+ACK_POLL_S = 0.01
+
+
+def _layout(engine: Engine) -> KVLayout:
+    return KVLayout(engine.cfg, engine.model.kv_replication, engine.config.page_size,
+                    engine.model.params["embed"].dtype, engine.model.mesh)
+
+
+@dataclasses.dataclass
+class _Published:
+    pages: list[int]
+    arrays: list  # kept alive until acknowledged: the transfer server reads them when pulled
+    structs: list
+    deadline: float
+
+
+class PrefillEngine(Engine):
+    PROGRAM_KINDS = ("prefill",)
+
+    def __init__(self, model, config, *, server, store, group: str, transfer_timeout_s: float):
+        super().__init__(model, config)
+        self.layout = _layout(self)
+        self.gather = TransferPrograms(self.layout, self.pages, self.buckets.widths, "gather")
+        self.server, self.store, self.group = server, store, group
+        self.transfer_timeout_s = transfer_timeout_s
+        self._shards: dict[str, int] = {}  # request id -> the wire split its decode group asked for
+        self._published: dict[int, _Published] = {}
+        self._last_ack_poll = 0.0
+        self.transfer_counts = collections.Counter()
+
+    def start(self, compile_progress=None):
+        self.gather.compile_all()
+        return super().start(compile_progress)
+
+    def validate(self, prompt_ids, sampling: SamplingParams) -> None:
+        # Only the prompt runs here; the decode group checks the whole request.
+        super().validate(prompt_ids, dataclasses.replace(sampling, max_tokens=1, stop=()))
+
+    def submit(self, prompt_ids, sampling, *, request_id=None, on_output=None, affinity=None,
+               shards: int = 1) -> RequestHandle:
+        if request_id is None:
+            raise JfireError("a prefill request needs its request id")
+        self._shards[request_id] = shards
+        return super().submit(prompt_ids, sampling, request_id=request_id, on_output=on_output)
+
+    def _append(self, live: _Live, token: int) -> None:
+        """The prompt is done: publish its KV and end the request here with the first token."""
+        seq = live.seq
+        pages = seq.pages[: self.scheduler.pages_needed(len(seq.prompt_ids))]
+        self.pool.retain(pages)
+        shards = self.layout.usable_shards(self._shards.pop(seq.request_id, 1))
+        wire_sharding = self.layout.wire_sharding(shards)
+        arrays = [jax.device_put(a, wire_sharding) for a in self.gather.gather(self.pages, pages)]
+        uuid = new_uuid()
+        self.server.await_pull(uuid, arrays)
+        self._published[uuid] = _Published(pages, arrays, self.layout.wire_structs(len(pages), shards),
+                                           time.monotonic() + self.transfer_timeout_s)
+        self.transfer_counts["published"] += 1
+        self._tokens_generated += 1
+        transfer = {"address": self.server.address(), "uuid": uuid, "num_pages": len(pages), "shards": shards,
+                    "group": self.group, "bytes": len(pages) * self.layout.page_nbytes}
+        out = RequestOutput(seq.request_id, [token], "", prompt_tokens=len(seq.prompt_ids), completion_tokens=1,
+                            prefix_hit_tokens=seq.prefix_hit_tokens, transfer=transfer)
+        self._finish(live, "prefilled", last=out)
+
+    def _finish(self, live, reason, *, last=None, error=None):
+        self._shards.pop(live.seq.request_id, None)
+        super()._finish(live, reason, last=last, error=error)
+
+    def _idle_wait(self):
+        return 0.02 if (self._published and not self._live) else super()._idle_wait()
+
+    def _between_steps(self) -> None:
+        if not self._published:
+            return
+        now = time.monotonic()
+        if now - self._last_ack_poll >= ACK_POLL_S:
+            self._last_ack_poll = now
+            prefix = cluster.ack_key(self.group, "")
+            for key, _ in self.store.key_value_dir_get(prefix):
+                uuid = int(key.rsplit("/", 1)[1])
+                self.store.key_value_delete(key)
+                if uuid in self._published:
+                    self._release(uuid)
+                    self.transfer_counts["acknowledged"] += 1
+        for uuid, published in list(self._published.items()):
+            if now > published.deadline:
+                self._release(uuid)
+                drain(self.server, uuid, published.structs)
+                self.transfer_counts["expired"] += 1
+
+    def _release(self, uuid: int) -> None:
+        self.pool.free(self._published.pop(uuid).pages)
+
+    def _publish_stats(self) -> None:
+        super()._publish_stats()
+        self._stats = {**self._stats, "transfers_pending": len(self._published),
+                       "transfers_published": self.transfer_counts["published"],
+                       "transfers_acknowledged": self.transfer_counts["acknowledged"],
+                       "transfers_expired": self.transfer_counts["expired"],
+                       "compiled_programs": self.programs.num_compiled + self.gather.num_compiled}
+
+
+@dataclasses.dataclass(eq=False)
+class _Incoming:
+    """A prefilled request on its way into the decode group."""
+
+    live: _Live
+    first_token: int
+    transfer: dict
+    pages: list[int] = dataclasses.field(default_factory=list)
+    pull: Pull | None = None
+    cancelled: bool = False
+
+
+class DecodeEngine(Engine):
+    PROGRAM_KINDS = ("decode",)
+
+    def __init__(self, model, config, *, server, store, transfer_timeout_s: float):
+        super().__init__(model, config)
+        self.layout = _layout(self)
+        self.insert = TransferPrograms(self.layout, self.pages, self.buckets.widths, "insert")
+        self.server, self.store = server, store
+        self.transfer_timeout_s = transfer_timeout_s
+        self._admitting: collections.deque[_Incoming] = collections.deque()  # waiting for pages
+        self._pulling: dict[str, _Incoming] = {}
+        self.kv_transfer_bytes = 0
+        self.transfer_counts = collections.Counter()
+
+    def start(self, compile_progress=None):
+        self.insert.compile_all()
+        return super().start(compile_progress)
+
+    def submit_prefilled(self, prompt_ids: list[int], first_token: int, sampling: SamplingParams, transfer: dict,
+                         *, request_id: str, on_output) -> RequestHandle:
+        """Queues a request whose prompt a prefill group has run; it is admitted when the pool
+        has pages for all of it, and its KV is pulled from `transfer` then."""
+        if self.error is not None:
+            raise JfireError(f"the engine has stopped after an error: {self.error}")
+        prompt_ids = [int(i) for i in prompt_ids]
+        self.validate(prompt_ids, sampling)
+        expected = self.scheduler.pages_needed(len(prompt_ids))
+        if transfer.get("num_pages") != expected:
+            raise JfireError(f"the transfer has {transfer.get('num_pages')} pages but a {len(prompt_ids)}-token "
+                             f"prompt fills {expected} pages of {self.config.page_size} tokens")
+        if sampling.seed is None:
+            raise JfireError("a prefilled request needs the seed its prefill sampled with")
+        handle = RequestHandle(self, request_id, prompt_ids, self.model.tokenizer is not None)
+        seq = Sequence(request_id, prompt_ids, sampling, sampling.seed)
+        decoder = self.model.tokenizer.stream_decoder() if self.model.tokenizer else None
+        self._commands.put(("prefilled", _Incoming(_Live(seq, handle, on_output or handle.outputs.put, decoder), int(first_token),
+                                                   transfer)))
+        return handle
+
+    def _command(self, kind, arg) -> None:
+        if kind == "prefilled":
+            self._admitting.append(arg)
+        elif kind == "cancel" and arg not in self._live:
+            for incoming in [*self._admitting, *self._pulling.values()]:
+                if incoming.live.seq.request_id == arg:
+                    incoming.cancelled = True
+        else:
+            super()._command(kind, arg)
+
+    def _idle_wait(self):
+        if self._live:
+            return None
+        return 0.002 if (self._pulling or self._admitting) else 0.5
+
+    def _between_steps(self) -> None:
+        self._admit()
+        for request_id, incoming in list(self._pulling.items()):
+            if incoming.pull.done:
+                del self._pulling[request_id]
+                self._arrive(incoming)
+            elif incoming.pull.expired:
+                del self._pulling[request_id]
+                self._fail(incoming, f"the KV cache from prefill group {incoming.transfer.get('group')!r} did not "
+                                     f"arrive within {self.transfer_timeout_s:g} s; the request was dropped")
+
+    def _admit(self) -> None:
+        """Starts pulls in arrival order while batch slots and pages for whole requests last."""
+        while self._admitting:
+            incoming = self._admitting[0]
+            if incoming.cancelled:
+                self._admitting.popleft()
+                self._fail(incoming, None)
+                continue
+            if len(self.scheduler.running) + len(self._pulling) >= self.config.max_batch:
+                return
+            seq = incoming.live.seq
+            pages = self.pool.allocate(self.scheduler.pages_needed(len(seq.prompt_ids) + seq.sampling.max_tokens))
+            if pages is None:
+                return
+            self._admitting.popleft()
+            incoming.pages = pages
+            t = incoming.transfer
+            structs = self.layout.wire_structs(t["num_pages"], t["shards"])
+            incoming.pull = Pull(self.server, t["address"], t["uuid"], structs, self.transfer_timeout_s)
+            self._pulling[seq.request_id] = incoming
+
+    def _arrive(self, incoming: _Incoming) -> None:
+        t, seq = incoming.transfer, incoming.live.seq
+        if incoming.pull.error is not None:
+            self._fail(incoming, f"pulling the KV cache from prefill group {t.get('group')!r} failed: "
+                                 f"{incoming.pull.error}")
+            return
+        # Acknowledge at once: the prefill group frees its pages as soon as it reads this.
+        self.store.key_value_set(cluster.ack_key(t["group"], t["uuid"]), "1")
+        if incoming.cancelled:
+            self._fail(incoming, None)
+            return
+        arrays = incoming.pull.arrays
+        self.pages = self.insert.insert(self.pages, arrays, incoming.pages[: t["num_pages"]], self.pool.num_pages)
+        self.kv_transfer_bytes += sum(a.nbytes for a in arrays)
+        self.transfer_counts["pulled"] += 1
+        seq.pages, seq.computed = incoming.pages, len(seq.prompt_ids)
+        self.scheduler.add_running(seq)
+        self._live[seq.request_id] = incoming.live
+        self._append(incoming.live, incoming.first_token)
+
+    def _fail(self, incoming: _Incoming, error: str | None) -> None:
+        """Ends a request that never joined the batch: cancelled (error None) or failed."""
+        self.pool.free(incoming.pages)
+        incoming.pages = []
+        incoming.live.seq.phase = Phase.FINISHED
+        if error is not None:
+            self.transfer_counts["failed"] += 1
+        self._finish(incoming.live, "cancelled" if error is None else "error", error=error)
+
+    def _publish_stats(self) -> None:
+        super()._publish_stats()
+        self._stats = {**self._stats, "waiting": self._stats["waiting"] + len(self._admitting),
+                       "transferring": len(self._pulling), "kv_transfer_bytes": self.kv_transfer_bytes,
+                       "kv_transfers": self.transfer_counts["pulled"],
+                       "transfers_failed": self.transfer_counts["failed"],
+                       "compiled_programs": self.programs.num_compiled + self.insert.num_compiled}

@@ -1,0 +1,181 @@
+"""One prefill or decode group process: its engine, its transfer server, its control server.
+
+The control server is what the frontend talks to (plain HTTP + JSON, one line per output
+when streaming):
+  POST /prefill  {request_id, prompt_ids, sampling, shards}
+                 -> {first_token, transfer, prompt_tokens, prefix_hit_tokens}
+  POST /decode   {request_id, prompt_ids, first_token, sampling, transfer}
+                 -> NDJSON outputs until finished
+  GET  /stats    the engine's stats;  GET /health
+A client that goes away cancels its request, which frees its pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import socket
+import sys
+import threading
+
+import jax
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from jfire.disagg import cluster
+from jfire.disagg.deployment import Deployment, Process
+from jfire.disagg.engines import DecodeEngine, PrefillEngine
+from jfire.engine import EngineConfig, RequestOutput
+from jfire.errors import JfireError
+from jfire.sampling import SamplingParams
+
+
+def sampling_from_json(d: dict) -> SamplingParams:
+    d = dict(d)
+    d["stop"] = tuple(d.get("stop") or ())
+    return SamplingParams(**d)
+
+
+def sampling_to_json(sp: SamplingParams) -> dict:
+    return dataclasses.asdict(sp) | {"stop": list(sp.stop)}
+
+
+def output_to_json(out: RequestOutput) -> dict:
+    return {k: v for k, v in dataclasses.asdict(out).items() if v is not None}
+
+
+def create_control_app(engine, process: Process) -> FastAPI:
+    app = FastAPI(title=f"jfire {process.label}")
+
+    def error(status: int, message: str) -> JSONResponse:
+        return JSONResponse({"error": message}, status_code=status)
+
+    def attach(request_id: str):
+        """An asyncio queue fed from the engine thread."""
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+        def on_output(out: RequestOutput) -> None:
+            try:
+                loop.call_soon_threadsafe(outputs.put_nowait, out)
+            except RuntimeError:
+                pass
+
+        return outputs, on_output
+
+    async def next_output(outputs, request: Request, request_id: str) -> RequestOutput | None:
+        while True:
+            try:
+                return await asyncio.wait_for(outputs.get(), timeout=0.25)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    engine.cancel(request_id)
+                    return None
+
+    @app.get("/health")
+    async def health():
+        status, body = engine.health()
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/stats")
+    async def stats():
+        return {"group": process.group.name, "role": process.role, "pid": os.getpid(), **engine.stats()}
+
+    @app.post("/prefill")
+    async def prefill(body: dict, request: Request):
+        if process.role != "prefill":
+            return error(404, f"{process.label} is a {process.role} group; send prefill requests to a prefill group")
+        request_id = body["request_id"]
+        outputs, on_output = attach(request_id)
+        try:
+            engine.submit(body["prompt_ids"], sampling_from_json(body["sampling"]), request_id=request_id,
+                          on_output=on_output, shards=int(body.get("shards", 1)))
+        except (JfireError, TypeError, ValueError) as e:
+            return error(400, str(e))
+        while True:
+            out = await next_output(outputs, request, request_id)
+            if out is None:
+                return error(499, "client went away")
+            if out.finished:
+                break
+        if out.finish_reason != "prefilled":
+            return error(500, out.error or f"the prefill ended with {out.finish_reason!r}")
+        return {"first_token": out.token_ids[0], "transfer": out.transfer, "prompt_tokens": out.prompt_tokens,
+                "prefix_hit_tokens": out.prefix_hit_tokens}
+
+    @app.post("/decode")
+    async def decode(body: dict, request: Request):
+        if process.role != "decode":
+            return error(404, f"{process.label} is a {process.role} group; send decode requests to a decode group")
+        request_id = body["request_id"]
+        outputs, on_output = attach(request_id)
+        try:
+            engine.submit_prefilled(body["prompt_ids"], body["first_token"], sampling_from_json(body["sampling"]),
+                                    body["transfer"], request_id=request_id, on_output=on_output)
+        except (JfireError, TypeError, ValueError, KeyError) as e:
+            return error(400, str(e))
+
+        async def lines():
+            while True:
+                out = await next_output(outputs, request, request_id)
+                if out is None:
+                    return
+                yield json.dumps(output_to_json(out)) + "\n"
+                if out.finished:
+                    return
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    return app
+
+
+def run(deployment: Deployment, process: Process, *, model: str, dtype: str, coordinator: str, bind_host: str,
+        advertise_host: str, config: EngineConfig) -> None:
+    """Runs one group process until it is told to stop (SIGTERM / Ctrl-C)."""
+    from jax.experimental import transfer
+
+    from jfire.checkpoint.load import load_model
+
+    group = process.group
+    store = cluster.join(coordinator, len(deployment.processes), process.process_id)
+    loaded = load_model(model, dtype, mesh_spec=group.mesh, devices=jax.local_devices())
+    server = transfer.start_transfer_server(jax.local_devices()[0].client, f"{bind_host}:0", [f"{bind_host}:0"])
+    if group.role == "prefill":
+        engine = PrefillEngine(loaded, config, server=server, store=store, group=group.name,
+                               transfer_timeout_s=deployment.transfer_timeout_s)
+    else:
+        engine = DecodeEngine(loaded, config, server=server, store=store,
+                              transfer_timeout_s=deployment.transfer_timeout_s)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((bind_host, group.port))
+    control = f"http://{advertise_host}:{sock.getsockname()[1]}"
+    transfer_address = server.address().replace(bind_host, advertise_host, 1)
+
+    def compile_then_register():
+        try:
+            engine.start()
+        except BaseException as e:  # reported on /health and to the frontend through the store
+            engine.error = e
+            cluster.publish_group(store, group.name, {"error": str(e)})
+            print(f"jfire: {process.label}: error: engine failed to start: {e}", file=sys.stderr, flush=True)
+            return
+        cluster.publish_group(store, group.name, {
+            "role": group.role, "control": control, "transfer": transfer_address, "pid": os.getpid(),
+            "mesh": group.mesh.name, "devices": len(loaded.mesh.devices.flat) if loaded.mesh is not None else 1,
+            "kv_shards": engine.layout.preferred_shards(), "pages_total": engine.pool.num_pages,
+            "startup_s": engine.startup_s})
+        print(f"jfire: {process.label}: ready ({group.role}, mesh {group.mesh.name}, "
+              f"{engine.stats()['compiled_programs']} programs in {engine.startup_s:.1f} s); control {control}, "
+              f"KV transfer {transfer_address}", file=sys.stderr, flush=True)
+
+    threading.Thread(target=compile_then_register, name="jfire-compile", daemon=True).start()
+    app = create_control_app(engine, process)
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=3))
+    try:
+        uv.run(sockets=[sock])
+    finally:
+        engine.shutdown()
