@@ -118,6 +118,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cap the context below the model's own (default: the model's, at most 4096)")
     v.add_argument("--served-model-name", default=None, help="the model id clients send (default: from --model)")
 
+    n = sub.add_parser("launch", help="start a disaggregated deployment (frontend, prefill and decode groups)")
+    n.add_argument("deployment", help="a deployment .toml file or a name in meshes/ (e.g. local-1p1d)")
+    n.add_argument("--model", default="default", help="as for serve (every group loads the same model)")
+    n.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    _add_engine_args(n)
+    n.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 on a cluster)")
+    n.add_argument("--port", type=int, default=None, help="the frontend's port (default: the deployment's)")
+    n.add_argument("--api-key", default=None, help="as for serve (default: $JFIRE_API_KEY)")
+    n.add_argument("--max-queue", type=int, default=1024, help="requests in flight before new ones get 429")
+    n.add_argument("--max-context", type=int, default=None, help="as for serve")
+    n.add_argument("--served-model-name", default=None, help="the model id clients send (default: from --model)")
+    n.add_argument("--process-id", type=int, default=None,
+                   help="run only this process of the deployment (SSH/Slurm launchers); needs --coordinator")
+    n.add_argument("--coordinator", default=None, help="HOST:PORT of the deployment's coordinator (process 0)")
+
     c = sub.add_parser("convert", help="convert a HF directory or .gguf file into a jfire checkpoint")
     c.add_argument("src", help="HF model directory or .gguf file")
     c.add_argument("dst", nargs="?", help="destination directory (default: checkpoints/<name>)")
@@ -292,8 +307,39 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_launch(args) -> int:
+    import dataclasses
+    import os
+
+    from jfire.disagg import launch
+    from jfire.disagg.deployment import Deployment
+    from serve.server import served_name
+
+    deployment = Deployment.load(args.deployment)
+    if args.port is not None and not 0 <= args.port < 65536:
+        raise JfireError(f"--port must be in 0..65535, got {args.port}")
+    if args.max_queue < 1:
+        raise JfireError(f"--max-queue must be >= 1, got {args.max_queue}")
+    config = dataclasses.replace(engine_config(args, single=False), max_waiting=args.max_queue)
+    passed = [("--kv-cache-gb", args.kv_cache_gb), ("--prefill-budget", args.prefill_budget),
+              ("--attention", args.attention), ("--max-queue", args.max_queue), ("--max-batch", args.max_batch),
+              ("--compile-cache", args.compile_cache), ("--max-context", args.max_context),
+              ("--served-model-name", args.served_model_name or served_name(args.model))]
+    options = launch.Options(model=args.model, dtype=args.dtype, host=args.host, port=args.port,
+                             engine_args=tuple(str(x) for flag, v in passed if v is not None for x in (flag, v)))
+    if args.process_id is None:
+        if args.coordinator:
+            raise JfireError("--coordinator goes with --process-id (one process of a multi-host launch)")
+        return launch.launch_local(deployment, args.deployment, options)
+    if not args.coordinator:
+        raise JfireError("--process-id needs --coordinator HOST:PORT (where process 0, the frontend, listens)")
+    api_key = args.api_key or os.environ.get("JFIRE_API_KEY") or None
+    return launch.run_one(deployment, args.process_id, args.coordinator, options, config, api_key,
+                          args.served_model_name or served_name(args.model))
+
+
 COMMANDS = {"generate": cmd_generate, "convert": cmd_convert, "bench": cmd_bench, "serve": cmd_serve,
-            "compress-report": cmd_compress_report}
+            "compress-report": cmd_compress_report, "launch": cmd_launch}
 
 
 def main(argv: list[str] | None = None) -> int:

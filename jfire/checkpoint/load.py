@@ -90,6 +90,17 @@ def resolve_model_path(model: str | None, checkpoints_dir: Path | None = None) -
     return Path(model).expanduser(), model
 
 
+def load_config_and_tokenizer(model: str | None, checkpoints_dir: Path | None = None
+                              ) -> tuple[LlamaConfig, Tokenizer | None, str]:
+    """What a frontend needs without the weights: (config, tokenizer, name)."""
+    path, name = resolve_model_path(model, checkpoints_dir)
+    if store.is_checkpoint(path):
+        return store.read_config(path), Tokenizer.from_dir(path), name
+    source = open_source(path)
+    tokenizer = Tokenizer.from_gguf(source.reader) if isinstance(source, GGUFSource) else Tokenizer.from_dir(path)
+    return source.config, tokenizer, name
+
+
 def load_model(model: str | None, dtype: str = "float32", *, checkpoints_dir: Path | None = None,
                mesh_spec=None, keep_compressed: bool = False, devices=None) -> LoadedModel:
     """Loads `model` with its weights placed on the device, or on a mesh built from

@@ -1,0 +1,280 @@
+"""The frontend of a split deployment: the OpenAI-compatible service in front of the groups.
+
+`RemoteEngine` has the interface serve/app.py uses of the local engine (submit, cancel,
+stats, health), so the HTTP service is the same code in both modes. Each request:
+  1. picks a prefill group (the `x-session-affinity` key hashes to one, so a conversation's
+     prefix cache keeps hitting; otherwise the least loaded) and a decode group (least loaded);
+  2. asks the prefill group to run the prompt: it answers with the first token and where its
+     KV cache waits to be pulled, in the wire split the decode group asked for;
+  3. hands that to the decode group and relays its streamed outputs.
+A group that stops answering fails its requests at once with a clear error and is marked
+down (/health says "degraded"); routing skips it while it is down.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import itertools
+import json
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import httpx
+
+from jfire.disagg import cluster
+from jfire.disagg.deployment import Deployment
+from jfire.disagg.worker import sampling_to_json
+from jfire.engine import RequestOutput
+from jfire.errors import JfireError
+from jfire.sampling import SamplingParams
+
+HEALTH_POLL_S = 0.5
+
+
+class _GroupState:
+    def __init__(self, name: str, role: str):
+        self.name, self.role = name, role
+        self.info: dict | None = None  # what the group registered (control address, pid, ...)
+        self.alive = False
+        self.stats: dict = {}
+        self.in_flight = 0
+        self.problem: str | None = None
+
+    def describe(self) -> dict:
+        info = self.info or {}
+        return {"role": self.role, "alive": self.alive, "pid": info.get("pid"), "control": info.get("control"),
+                "transfer": info.get("transfer"), "mesh": info.get("mesh"), "devices": info.get("devices"),
+                "in_flight": self.in_flight, **({"problem": self.problem} if self.problem else {})}
+
+
+class RemoteEngine:
+    def __init__(self, deployment: Deployment, store, config, tokenizer, *, max_model_len: int | None = None,
+                 max_waiting: int = 1024):
+        self.deployment = deployment
+        self.store = store
+        self.cfg = config
+        self.model = SimpleNamespace(tokenizer=tokenizer, config=config)
+        self.max_model_len = min(max_model_len or min(config.max_position_embeddings, 4096),
+                                 config.max_position_embeddings)
+        self.max_waiting = max_waiting
+        self.groups = {g.name: _GroupState(g.name, g.role) for g in deployment.groups}
+        self.ready = threading.Event()
+        self.error: BaseException | None = None
+        self._http = httpx.Client(timeout=httpx.Timeout(10.0, read=600.0), limits=httpx.Limits(max_connections=512))
+        self._lock = threading.Lock()
+        self._cancelled: set[str] = set()
+        self._counts = collections.Counter()
+        self._ids = itertools.count()
+        self._stop = threading.Event()
+
+    # -- life cycle ------------------------------------------------------------------------
+
+    def start(self, timeout_s: float = 1800.0) -> None:
+        """Waits (in the background) for every group to register, then serves."""
+        threading.Thread(target=self._wait_for_groups, args=(timeout_s,), name="jfire-groups", daemon=True).start()
+
+    def _wait_for_groups(self, timeout_s: float) -> None:
+        try:
+            for state in self.groups.values():
+                info = cluster.wait_group(self.store, state.name, timeout_s)
+                if "error" in info:
+                    raise JfireError(f"group {state.name!r} failed to start: {info['error']}")
+                state.info, state.alive = info, True
+        except Exception as e:  # noqa: BLE001 - a timeout from the store, or a group's start-up error
+            self.error = e if isinstance(e, JfireError) else JfireError(f"groups did not register: {e}")
+            print(f"jfire: frontend: error: {self.error}", file=sys.stderr, flush=True)
+            return
+        self.ready.set()
+        threading.Thread(target=self._watch, name="jfire-health", daemon=True).start()
+        for name, state in self.groups.items():
+            i = state.info
+            print(f"jfire: frontend: {name}: {state.role}, pid {i['pid']}, mesh {i['mesh']} ({i['devices']} devices), "
+                  f"control {i['control']}, KV transfer {i['transfer']}", file=sys.stderr, flush=True)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        """Polls every group's stats: load for routing, liveness for /health."""
+        while not self._stop.wait(HEALTH_POLL_S):
+            for state in self.groups.values():
+                try:
+                    r = self._http.get(state.info["control"] + "/stats", timeout=2.0)
+                    r.raise_for_status()
+                    state.stats, state.alive, state.problem = r.json(), True, None
+                except httpx.HTTPError as e:
+                    self._mark_down(state, f"not answering ({type(e).__name__})")
+
+    def _mark_down(self, state: _GroupState, problem: str) -> None:
+        if state.alive:
+            print(f"jfire: frontend: group {state.name!r} is down: {problem}", file=sys.stderr, flush=True)
+        state.alive, state.problem = False, problem
+
+    def health(self) -> tuple[int, dict]:
+        if self.error is not None:
+            return 503, {"status": "error", "message": str(self.error)}
+        if not self.ready.is_set():
+            return 503, {"status": "starting", "message": "waiting for the prefill and decode groups to start"}
+        groups = {name: s.describe() for name, s in self.groups.items()}
+        down = [name for name, s in self.groups.items() if not s.alive]
+        if not down:
+            return 200, {"status": "ok", "groups": groups}
+        serving = all(any(s.alive for s in self.groups.values() if s.role == role) for role in ("prefill", "decode"))
+        message = f"group(s) {', '.join(down)} down; " + ("serving with the rest" if serving else
+                                                           "no live group for a role: requests fail")
+        return (200 if serving else 503), {"status": "degraded", "message": message, "groups": groups}
+
+    def stats(self) -> dict:
+        """The groups' engine stats summed (from the last poll), plus what the frontend counts."""
+        total: dict = collections.Counter()
+        for s in self.groups.values():
+            for key, value in s.stats.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "pid":
+                    total[key] += value
+        out = dict(total)
+        out["kv_transfer_bytes"] = self._counts["kv_transfer_bytes"]
+        out["kv_transfers"] = self._counts["kv_transfers"]
+        out["running"] = sum(s.in_flight for s in self.groups.values() if s.role == "decode")
+        return out
+
+    # -- requests --------------------------------------------------------------------------
+
+    def validate(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
+        if not prompt_ids:
+            raise JfireError("the prompt is empty; give at least one token")
+        bad = [i for i in prompt_ids if not 0 <= i < self.cfg.vocab_size]
+        if bad:
+            raise JfireError(f"token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        n, limit = len(prompt_ids), self.max_model_len
+        if n >= limit:
+            raise JfireError(f"the prompt has {n} tokens but the context holds {limit}; "
+                             f"shorten the prompt to at most {limit - 1} tokens")
+        if n + sampling.max_tokens > limit:
+            raise JfireError(f"prompt ({n} tokens) + max_tokens ({sampling.max_tokens}) exceeds the context of "
+                             f"{limit}; use max_tokens <= {limit - n}")
+        if sampling.stop and self.model.tokenizer is None:
+            raise JfireError("stop strings need a tokenizer; this model has none (use EOS or max_tokens)")
+
+    def submit(self, prompt_ids, sampling: SamplingParams, *, request_id: str | None = None, on_output=None,
+               affinity: str | None = None):
+        from jfire.engine import QueueFull, RequestHandle
+
+        if self.error is not None:
+            raise JfireError(f"the deployment failed to start: {self.error}")
+        prompt_ids = [int(i) for i in prompt_ids]
+        self.validate(prompt_ids, sampling)
+        if sum(s.in_flight for s in self.groups.values() if s.role == "prefill") >= self.max_waiting:
+            raise QueueFull(f"{self.max_waiting} requests are waiting for prefill; retry later")
+        request_id = request_id or f"req-{next(self._ids)}"
+        # Both groups must draw from the same seed: prefill samples the first token, decode the rest.
+        sampling = SamplingParams(**{**sampling.__dict__, "seed": sampling.resolved_seed()})
+        handle = RequestHandle(self, request_id, prompt_ids, self.model.tokenizer is not None)
+        emit = on_output or handle.outputs.put
+        threading.Thread(target=self._run, args=(request_id, prompt_ids, sampling, emit, affinity),
+                         name=f"jfire-{request_id}", daemon=True).start()
+        return handle
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            self._cancelled.add(request_id)
+
+    def generate(self, requests):
+        return [h.result() for h in [self.submit(ids, sp) for ids, sp in requests]]
+
+    def _pick(self, role: str, affinity: str | None) -> _GroupState:
+        live = sorted((s for s in self.groups.values() if s.role == role and s.alive), key=lambda s: s.name)
+        if not live:
+            raise JfireError(f"no {role} group is up (all are down: "
+                             f"{', '.join(s.name for s in self.groups.values() if s.role == role)})")
+        if affinity and role == "prefill":
+            return live[int.from_bytes(hashlib.blake2b(affinity.encode(), digest_size=8).digest()) % len(live)]
+        return min(live, key=lambda s: (s.in_flight, s.stats.get("waiting", 0), -s.stats.get("pages_free", 0)))
+
+    def _run(self, request_id, prompt_ids, sampling, emit, affinity) -> None:
+        def fail(message: str) -> None:
+            emit(RequestOutput(request_id, [], "", finished=True, finish_reason="error", error=message,
+                               prompt_tokens=len(prompt_ids)))
+
+        try:
+            prefill, decode = self._pick("prefill", affinity), self._pick("decode", None)
+        except JfireError as e:
+            return fail(str(e))
+        with self._lock:
+            prefill.in_flight += 1
+            decode.in_flight += 1
+        try:
+            first = self._prefill(prefill, decode, request_id, prompt_ids, sampling)
+            if isinstance(first, str):
+                return fail(first)
+            if self._take_cancel(request_id):
+                return emit(RequestOutput(request_id, [], "", finished=True, finish_reason="cancelled"))
+            error = self._decode(decode, request_id, prompt_ids, sampling, first, emit)
+            if error:
+                fail(error)
+        finally:
+            with self._lock:
+                prefill.in_flight -= 1
+                decode.in_flight -= 1
+                self._cancelled.discard(request_id)
+
+    def _take_cancel(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._cancelled
+
+    def _prefill(self, group: _GroupState, decode: _GroupState, request_id, prompt_ids, sampling) -> dict | str:
+        """The prefill group's answer, or an error message."""
+        body = {"request_id": request_id, "prompt_ids": prompt_ids, "sampling": sampling_to_json(sampling),
+                "shards": decode.info.get("kv_shards", 1)}
+        try:
+            r = self._http.post(group.info["control"] + "/prefill", json=body)
+        except httpx.HTTPError as e:
+            self._mark_down(group, f"prefill request failed ({type(e).__name__})")
+            return (f"prefill group {group.name!r} failed before publishing this request's KV cache: "
+                    f"{type(e).__name__} ({e or 'connection lost'}); the process may have stopped")
+        if r.status_code != 200:
+            return f"prefill group {group.name!r}: {_error_of(r)}"
+        return r.json()
+
+    def _decode(self, group: _GroupState, request_id, prompt_ids, sampling, first: dict, emit) -> str | None:
+        """Relays the decode group's outputs; returns an error message if it failed."""
+        body = {"request_id": request_id, "prompt_ids": prompt_ids, "first_token": first["first_token"],
+                "sampling": sampling_to_json(sampling), "transfer": first["transfer"]}
+        arrived = False
+        try:
+            with self._http.stream("POST", group.info["control"] + "/decode", json=body,
+                                   timeout=httpx.Timeout(10.0, read=self.deployment.transfer_timeout_s + 60)) as r:
+                if r.status_code != 200:
+                    r.read()
+                    return f"decode group {group.name!r}: {_error_of(r)}"
+                for line in r.iter_lines():
+                    if not line:
+                        continue
+                    out = RequestOutput(**json.loads(line))
+                    if not arrived and (out.token_ids or out.finish_reason != "error"):
+                        arrived = True  # the decode group has the KV cache
+                        with self._lock:
+                            self._counts["kv_transfer_bytes"] += first["transfer"]["bytes"]
+                            self._counts["kv_transfers"] += 1
+                    out.prefix_hit_tokens = first.get("prefix_hit_tokens", 0)
+                    emit(out)
+                    if out.finished:
+                        return None
+                    if self._take_cancel(request_id):
+                        emit(RequestOutput(request_id, [], "", finished=True, finish_reason="cancelled",
+                                           prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens))
+                        return None  # leaving the stream closes it: the decode group cancels
+        except httpx.HTTPError as e:
+            self._mark_down(group, f"stream broke ({type(e).__name__})")
+            return (f"decode group {group.name!r} stopped answering mid-stream: {type(e).__name__} "
+                    f"({e or 'connection lost'}); the request was not completed")
+        return f"decode group {group.name!r} ended the stream without finishing the request"
+
+
+def _error_of(r: httpx.Response) -> str:
+    try:
+        return r.json().get("error") or r.text
+    except ValueError:
+        return r.text or f"HTTP {r.status_code}"

@@ -1,0 +1,193 @@
+"""`jfire launch`: start a deployment's processes.
+
+Without --process-id it launches every process of the deployment on this machine (the
+frontend, which hosts the jax.distributed coordinator, then each group process with its own
+count of host devices), relays their logs, and on Ctrl-C stops the groups first and the
+frontend last (the groups need the coordinator to leave cleanly).
+
+With --process-id N --coordinator HOST:PORT it runs just process N: this is what the SSH and
+Slurm launchers in scripts/ start on each host, with the same deployment file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from jfire.disagg.deployment import Deployment, Process
+from jfire.errors import JfireError
+
+STOP_GRACE_S = 10.0
+
+
+@dataclasses.dataclass
+class Options:
+    """What every process of a launch is given, besides its process id."""
+
+    model: str = "default"
+    dtype: str = "float32"
+    host: str = "127.0.0.1"  # the frontend's HTTP bind address
+    port: int | None = None  # the frontend's port (default: the deployment's)
+    engine_args: tuple[str, ...] = ()  # --kv-cache-gb etc., passed through to the groups' engines
+
+    def argv(self) -> list[str]:
+        out = ["--model", self.model, "--dtype", self.dtype, "--host", self.host]
+        if self.port is not None:
+            out += ["--port", str(self.port)]
+        return out + list(self.engine_args)
+
+
+def process_argv(deployment_arg: str, process_id: int, coordinator: str, options: Options) -> list[str]:
+    """The `jfire launch` arguments that run one process of the deployment."""
+    return ["launch", deployment_arg, "--process-id", str(process_id), "--coordinator", coordinator,
+            *options.argv()]
+
+
+def process_env(process: Process, base: dict | None = None) -> dict:
+    """Environment for one local process: its own count of host devices (for CPU runs); the
+    frontend computes nothing, so it stays on the CPU."""
+    env = dict(os.environ if base is None else base)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={process.devices}"])
+    if process.group is None:
+        env["JAX_PLATFORMS"] = "cpu"
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _port_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+def launch_local(deployment: Deployment, deployment_arg: str, options: Options) -> int:
+    """Runs every process of the deployment here until Ctrl-C (or the frontend exits)."""
+    from jfire.checkpoint.load import resolve_model_path
+
+    # Convert the default model once, before several processes would race to.
+    options = dataclasses.replace(options, model=str(resolve_model_path(options.model)[0]))
+    port = deployment.coordinator_port
+    if port == 0:
+        port = free_port()
+    elif not _port_free(port):
+        raise JfireError(f"the coordinator port {port} of deployment {deployment.name!r} is in use; "
+                         "set [coordinator] port = 0 in the deployment file to pick a free one")
+    coordinator = f"127.0.0.1:{port}"
+    frontend_port = options.port if options.port is not None else deployment.frontend_port
+    print(f"jfire: launch: {deployment.name}: coordinator {coordinator}, frontend http://{options.host}:"
+          f"{frontend_port}, {len(deployment.processes)} processes", file=sys.stderr, flush=True)
+    children: list[tuple[Process, subprocess.Popen]] = []
+    stopping = False
+
+    def stop(*_):
+        nonlocal stopping
+        stopping = True
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for process in deployment.processes:
+            argv = [sys.executable, "-m", "jfire.cli", *process_argv(deployment_arg, process.process_id, coordinator,
+                                                                      options)]
+            # A session of its own: Ctrl-C reaches only this launcher, which stops them in order.
+            child = subprocess.Popen(argv, env=process_env(process), start_new_session=True)
+            children.append((process, child))
+            print(f"jfire: launch: process {process.process_id} {process.label} ({process.devices} devices): "
+                  f"pid {child.pid}", file=sys.stderr, flush=True)
+        reported: set[int] = set()
+        while not stopping:
+            time.sleep(0.2)
+            for process, child in children:
+                code = child.poll()
+                if code is not None and child.pid not in reported:
+                    reported.add(child.pid)
+                    print(f"jfire: launch: {process.label} (pid {child.pid}) exited with code {code}",
+                          file=sys.stderr, flush=True)
+                    if process.group is None:
+                        stopping = True  # nothing is served without the frontend
+    finally:
+        _stop_all(children)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    print("jfire: launch: all processes stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def _stop_all(children: list[tuple[Process, subprocess.Popen]]) -> None:
+    """Groups first, then the frontend (it hosts the coordinator); SIGKILL after a grace period."""
+    groups = [c for p, c in children if p.group is not None]
+    frontend = [c for p, c in children if p.group is None]
+    for batch in (groups, frontend):
+        for child in batch:
+            if child.poll() is None:
+                child.terminate()
+        deadline = time.monotonic() + STOP_GRACE_S
+        for child in batch:
+            try:
+                child.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+
+
+def run_one(deployment: Deployment, process_id: int, coordinator: str, options: Options, engine_config,
+            api_key: str | None, served_name: str) -> int:
+    """Runs one process of the deployment in this process."""
+    process = deployment.process(process_id)
+    if process.group is None:
+        _run_frontend(deployment, coordinator, options, engine_config, api_key, served_name)
+    else:
+        from jfire.disagg import worker
+
+        bind = options.host
+        advertise = bind if bind not in ("0.0.0.0", "::") else socket.getfqdn()
+        worker.run(deployment, process, model=options.model, dtype=options.dtype, coordinator=coordinator,
+                   bind_host=bind, advertise_host=advertise, config=engine_config)
+    sys.stderr.flush()
+    # Skip interpreter teardown: a pull abandoned after its timeout may still sit in the
+    # transfer server, and the coordinator client's own shutdown would wait on peers.
+    os._exit(0)
+
+
+def _run_frontend(deployment: Deployment, coordinator: str, options: Options, engine_config, api_key, served_name):
+    import uvicorn
+
+    from jfire.checkpoint.load import load_config_and_tokenizer
+    from jfire.disagg import cluster
+    from jfire.disagg.frontend import RemoteEngine
+    from serve.app import ServerState, create_app
+
+    port = options.port if options.port is not None else deployment.frontend_port
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((options.host, port))
+    except OSError as e:
+        raise JfireError(f"the frontend cannot listen on {options.host}:{port}: {e.strerror}; "
+                         "pick another --port") from None
+    store = cluster.join(coordinator, len(deployment.processes), 0)
+    config, tokenizer, _ = load_config_and_tokenizer(options.model)
+    engine = RemoteEngine(deployment, store, config, tokenizer, max_model_len=engine_config.max_model_len,
+                          max_waiting=engine_config.max_waiting)
+    engine.start()
+    app = create_app(ServerState(engine=engine, model_name=served_name, api_key=api_key))
+    print(f"jfire: frontend: serving {served_name!r} on http://{options.host}:{sock.getsockname()[1]} "
+          "(/health says when every group is ready)", file=sys.stderr, flush=True)
+    try:
+        uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=3)).run(sockets=[sock])
+    finally:
+        engine.shutdown()
