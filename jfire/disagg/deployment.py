@@ -82,6 +82,11 @@ class Deployment:
             raise JfireError(f"deployment {self.name!r} has processes 0..{len(table) - 1}; got --process-id {process_id}")
         return table[process_id]
 
+    def host_index(self, process_id: int, num_hosts: int) -> int:
+        """Which of num_hosts hosts runs a process: contiguous blocks in process order (the
+        frontend and the first groups on the first host), as Slurm's block distribution does."""
+        return process_id * num_hosts // len(self.processes)
+
     def group(self, name: str) -> Group:
         return next(g for g in self.groups if g.name == name)
 

@@ -1,0 +1,90 @@
+"""Start a deployment on several hosts over SSH: one `jfire launch --process-id` per process.
+
+    .venv/bin/python scripts/launch_ssh.py HOSTFILE DEPLOYMENT [--model M] [--port P]
+        [--workdir DIR] [--coordinator-port N] [--dry-run] [-- extra jfire launch options]
+
+HOSTFILE lists one host per line (# comments). Processes go to hosts in contiguous blocks in
+process order (process 0, the frontend and coordinator, on the first host), the same mapping
+Slurm's block distribution gives. Every host needs this checkout at --workdir (default: the
+same path as here) with its .venv set up, and the same deployment file. --dry-run prints the
+commands instead of running them. Ctrl-C stops every remote process (ssh -tt forwards it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from jfire.disagg.deployment import DEFAULT_COORDINATOR_PORT, Deployment  # noqa: E402
+from jfire.errors import JfireError  # noqa: E402
+
+
+def read_hosts(path: str) -> list[str]:
+    hosts = [line.split("#")[0].strip() for line in Path(path).read_text().splitlines()]
+    hosts = [h for h in hosts if h]
+    if not hosts:
+        raise JfireError(f"host file {path} lists no hosts (one per line)")
+    return hosts
+
+
+def commands(hosts: list[str], deployment: Deployment, deployment_arg: str, *, workdir: str, model: str,
+             port: int | None, coordinator_port: int, extra: list[str]) -> list[tuple[str, str]]:
+    """(host, remote shell command) for every process of the deployment."""
+    coordinator = f"{hosts[0]}:{coordinator_port}"
+    out = []
+    for process in deployment.processes:
+        host = hosts[deployment.host_index(process.process_id, len(hosts))]
+        argv = [".venv/bin/jfire", "launch", deployment_arg, "--process-id", str(process.process_id),
+                "--coordinator", coordinator, "--host", "0.0.0.0", "--model", model]
+        if port is not None:
+            argv += ["--port", str(port)]
+        env = "JAX_PLATFORMS=cpu " if process.group is None else ""  # the frontend computes nothing
+        out.append((host, f"cd {shlex.quote(workdir)} && {env}exec {shlex.join(argv + extra)}"))
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("hostfile")
+    p.add_argument("deployment")
+    p.add_argument("--model", default="default")
+    p.add_argument("--port", type=int, default=None, help="the frontend's port (default: the deployment's)")
+    p.add_argument("--workdir", default=str(Path(__file__).resolve().parent.parent))
+    p.add_argument("--coordinator-port", type=int, default=None,
+                   help=f"default: the deployment's, or {DEFAULT_COORDINATOR_PORT} if it says 0")
+    p.add_argument("--dry-run", action="store_true", help="print the ssh commands instead of running them")
+    p.add_argument("extra", nargs="*", help="more `jfire launch` options, after --")
+    args = p.parse_args(argv)
+    try:
+        deployment = Deployment.load(args.deployment)
+        hosts = read_hosts(args.hostfile)
+    except (JfireError, OSError) as e:
+        print(f"launch_ssh: error: {e}", file=sys.stderr)
+        return 2
+    port = args.coordinator_port or deployment.coordinator_port or DEFAULT_COORDINATOR_PORT
+    plan = commands(hosts, deployment, args.deployment, workdir=args.workdir, model=args.model, port=args.port,
+                    coordinator_port=port, extra=args.extra)
+    if args.dry_run:
+        for host, command in plan:
+            print(shlex.join(["ssh", "-tt", host, command]))
+        return 0
+    procs = [subprocess.Popen(["ssh", "-tt", host, command]) for host, command in plan]
+    try:
+        for proc in procs:
+            proc.wait()
+    except KeyboardInterrupt:
+        for proc in reversed(procs):  # groups first, the frontend (coordinator) last
+            proc.send_signal(signal.SIGINT)
+            proc.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""Running a real deployment for the tests: `jfire launch` as a subprocess, which starts the
+frontend and every group as separate OS processes on this machine."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from jfire.disagg.launch import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+# Small buckets: few programs to compile, and a small pool so page accounting is visible.
+ENGINE_ARGS = ["--max-batch", "4", "--prefill-budget", "64", "--max-context", "512", "--kv-cache-gb", "0.02"]
+
+
+def deployment_file(tmp_path: Path, name: str, *, timeout_s: float) -> Path:
+    """A copy of meshes/NAME.toml with a short transfer timeout (so expiry is observable)."""
+    text = (REPO / "meshes" / f"{name}.toml").read_text()
+    text = text.replace("timeout_s = 30", f"timeout_s = {timeout_s}")
+    path = tmp_path / f"{name}.toml"
+    path.write_text(text)
+    return path
+
+
+@dataclasses.dataclass
+class Running:
+    url: str
+    process: subprocess.Popen
+    log: Path
+    health: dict
+
+    def group(self, role: str) -> dict:
+        return next(g for g in self.health["groups"].values() if g["role"] == role)
+
+    def stats(self, role: str) -> dict:
+        return httpx.get(self.group(role)["control"] + "/stats", timeout=5).json()
+
+    def stop(self) -> int:
+        """Ctrl-C, as a user would: the launcher stops every process."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        return self.process.returncode
+
+
+def launch(deployment: Path, log: Path, timeout: float = 900) -> Running:
+    port = free_port()
+    cmd = [sys.executable, "-m", "jfire.cli", "launch", str(deployment), "--port", str(port), *ENGINE_ARGS]
+    process = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPO,
+                               start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"jfire launch exited with {process.returncode}:\n{log.read_text()}")
+        try:
+            r = httpx.get(url + "/health", timeout=2)
+        except httpx.HTTPError:
+            time.sleep(0.3)
+            continue
+        if r.status_code == 200:
+            return Running(url, process, log, r.json())
+        time.sleep(0.3)
+    os.killpg(process.pid, signal.SIGKILL)
+    raise RuntimeError(f"deployment not ready after {timeout} s:\n{log.read_text()}")
+
+
+def colocated(prompts: list[dict], tmp_path: Path) -> list[dict]:
+    """The same prompts through colocated `jfire generate` (one process, one engine)."""
+    src, out = tmp_path / "prompts.jsonl", tmp_path / "colocated.jsonl"
+    src.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    subprocess.run([sys.executable, "-m", "jfire.cli", "generate", "--prompts-file", str(src), "--output", str(out),
+                    "--max-context", "512"], check=True, cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                   capture_output=True)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    return [r for r in sorted(rows, key=lambda r: r["index"])]
+
+
+def expected_kv_bytes(prompt_tokens: list[int], page_size: int = 16) -> int:
+    """The prompt KV cache of these requests, from the model's own config: whole pages of
+    [k, v] x layers x KV heads x page slots x head dim, float32."""
+    from jfire.checkpoint.load import load_config_and_tokenizer
+
+    cfg, _, _ = load_config_and_tokenizer("default")
+    page = 2 * cfg.num_layers * cfg.num_kv_heads * page_size * cfg.head_dim * 4
+    return sum(-(-n // page_size) * page for n in prompt_tokens)
+
+
+def metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
