@@ -109,22 +109,40 @@ def launch_local(deployment: Deployment, deployment_arg: str, options: Options) 
             print(f"jfire: launch: process {process.process_id} {process.label} ({process.devices} devices): "
                   f"pid {child.pid}", file=sys.stderr, flush=True)
         reported: set[int] = set()
+        ready, failed = False, False
+        frontend_url = f"http://{'127.0.0.1' if options.host in ('0.0.0.0', '::') else options.host}:{frontend_port}"
         while not stopping:
             time.sleep(0.2)
+            ready = ready or _healthy(frontend_url)
             for process, child in children:
                 code = child.poll()
                 if code is not None and child.pid not in reported:
                     reported.add(child.pid)
                     print(f"jfire: launch: {process.label} (pid {child.pid}) exited with code {code}",
                           file=sys.stderr, flush=True)
-                    if process.group is None:
-                        stopping = True  # nothing is served without the frontend
+                    # Nothing is served without the frontend; a process that fails while the
+                    # deployment starts (a bad mesh, a missing model) fails the launch.
+                    if process.group is None or not ready:
+                        stopping = failed = True
     finally:
         _stop_all(children)
         for s, handler in previous.items():
             signal.signal(s, handler)
+    if failed:
+        print("jfire: launch: error: a process exited; see its error above. All processes stopped.",
+              file=sys.stderr, flush=True)
+        return 1
     print("jfire: launch: all processes stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def _healthy(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url + "/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def _stop_all(children: list[tuple[Process, subprocess.Popen]]) -> None:

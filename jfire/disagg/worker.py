@@ -141,7 +141,11 @@ def run(deployment: Deployment, process: Process, *, model: str, dtype: str, coo
 
     group = process.group
     store = cluster.join(coordinator, len(deployment.processes), process.process_id)
-    loaded = load_model(model, dtype, mesh_spec=group.mesh, devices=jax.local_devices())
+    try:
+        loaded = load_model(model, dtype, mesh_spec=group.mesh, devices=jax.local_devices())
+    except JfireError as e:  # the frontend reports it on /health instead of waiting for ever
+        cluster.publish_group(store, group.name, {"error": str(e)})
+        raise
     server = transfer.start_transfer_server(jax.local_devices()[0].client, f"{bind_host}:0", [f"{bind_host}:0"])
     if group.role == "prefill":
         engine = PrefillEngine(loaded, config, server=server, store=store, group=group.name,

@@ -1,0 +1,134 @@
+"""Deployment files, routing, and the multi-host launchers (dry runs: the exact commands)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jfire.disagg.deployment import Deployment
+from jfire.disagg.frontend import RemoteEngine
+from jfire.disagg.launch import Options, process_env
+from jfire.errors import JfireError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_local_1p1d_process_table():
+    d = Deployment.load("local-1p1d")
+    assert [(p.process_id, p.label, p.devices) for p in d.processes] == [
+        (0, "frontend", 1), (1, "prefill-0/0", 1), (2, "decode-0/0", 1)]
+    assert d.transfer_timeout_s == 30 and d.coordinator_port == 0
+    mixed = Deployment.load(str(REPO / "meshes" / "local-1p1d-mixed.toml"))
+    assert (mixed.group("prefill-0").mesh.tp, mixed.group("decode-0").mesh.pp) == (3, 2)
+    # Each local process is given its own number of host devices; the frontend stays on the CPU.
+    envs = [process_env(p, {"XLA_FLAGS": "--xla_foo --xla_force_host_platform_device_count=8"}) for p in mixed.processes]
+    assert [e["XLA_FLAGS"] for e in envs] == ["--xla_foo --xla_force_host_platform_device_count=1",
+                                             "--xla_foo --xla_force_host_platform_device_count=3",
+                                             "--xla_foo --xla_force_host_platform_device_count=2"]
+    assert envs[0]["JAX_PLATFORMS"] == "cpu" and "JAX_PLATFORMS" not in envs[1]
+
+
+@pytest.mark.parametrize("body, message", [
+    ('[[groups]]\nname = "p"\nrole = "prefill"\n', "has no decode group"),
+    ('[[groups]]\nrole = "prefil"\n', "role must be one of prefill, decode, got 'prefil'"),
+    ('[[groups]]\nrole = "prefill"\nmesh = "tp=2"\ndevices_per_process = 1\n'
+     '[[groups]]\nrole = "decode"\n', "needs 2 devices but the group has 1 x 1; raise devices_per_process to 2"),
+    ('[[groups]]\nrole = "prefill"\nprocesses = 2\n[[groups]]\nrole = "decode"\n', "a group spans one process"),
+    ('[[groups]]\nrole = "prefill"\ncolour = 1\n[[groups]]\nrole = "decode"\n', "unknown keys ['colour']"),
+    ('[[groups]]\nname = "a"\nrole = "prefill"\n[[groups]]\nname = "a"\nrole = "decode"\n', "must be unique"),
+    ("name = 'x'\n", "needs [[groups]] tables"),
+    ("[[groups]\n", "is not valid TOML"),
+])
+def test_bad_deployment_files_say_what_is_wrong(tmp_path, body, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(body)
+    with pytest.raises(JfireError, match=None) as e:
+        Deployment.load(str(path))
+    assert message in str(e.value)
+
+
+def test_unknown_deployment_lists_the_known_ones():
+    with pytest.raises(JfireError) as e:
+        Deployment.load("no-such-deployment")
+    assert "local-1p1d" in str(e.value) and "cpu-pp2-tp4" not in str(e.value)  # mesh files are not deployments
+
+
+def test_jfire_launch_refuses_bad_arguments_cleanly():
+    r = subprocess.run([sys.executable, "-m", "jfire.cli", "launch", "local-1p1d", "--process-id", "1"],
+                       capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 2 and "needs --coordinator HOST:PORT" in r.stderr and "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, "-m", "jfire.cli", "launch", "local-1p1d", "--process-id", "7",
+                        "--coordinator", "127.0.0.1:1"], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 2 and "has processes 0..2; got --process-id 7" in r.stderr
+
+
+class _Group:
+    def __init__(self, name, role, alive=True, in_flight=0):
+        self.name, self.role, self.alive, self.in_flight, self.stats = name, role, alive, in_flight, {}
+
+
+def _router(groups):
+    engine = RemoteEngine.__new__(RemoteEngine)
+    engine.groups = {g.name: g for g in groups}
+    return engine
+
+
+def test_routing_by_affinity_and_load():
+    p0, p1, p2 = _Group("prefill-0", "prefill"), _Group("prefill-1", "prefill"), _Group("prefill-2", "prefill")
+    d0, d1 = _Group("decode-0", "decode", in_flight=3), _Group("decode-1", "decode", in_flight=1)
+    router = _router([p0, p1, p2, d0, d1])
+    # The same session key always reaches the same prefill group (its prefix cache), and
+    # different keys spread over all of them.
+    picks = {key: router._pick("prefill", key).name for key in (f"conversation-{i}" for i in range(60))}
+    assert all(router._pick("prefill", key).name == name for key, name in picks.items())
+    assert set(picks.values()) == {"prefill-0", "prefill-1", "prefill-2"}
+    # Without a key: the least loaded group.
+    p0.in_flight, p1.in_flight, p2.in_flight = 2, 0, 5
+    assert router._pick("prefill", None) is p1 and router._pick("decode", None) is d1
+    # A dead group is skipped; with none left, a clear error.
+    d1.alive = False
+    assert router._pick("decode", None) is d0
+    d0.alive = False
+    with pytest.raises(JfireError, match="no decode group is up"):
+        router._pick("decode", None)
+
+
+def test_ssh_launcher_dry_run(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("gpu-node-1  # head\n\ngpu-node-2\n")
+    r = subprocess.run([sys.executable, "scripts/launch_ssh.py", str(hosts), "local-1p1d", "--dry-run",
+                        "--workdir", "/srv/jfire", "--model", "/models/llama"], capture_output=True, text=True,
+                       cwd=REPO, check=True)
+    assert r.stdout.splitlines() == [
+        "ssh -tt gpu-node-1 'cd /srv/jfire && JAX_PLATFORMS=cpu exec .venv/bin/jfire launch local-1p1d "
+        "--process-id 0 --coordinator gpu-node-1:8476 --host 0.0.0.0 --model /models/llama'",
+        "ssh -tt gpu-node-1 'cd /srv/jfire && exec .venv/bin/jfire launch local-1p1d "
+        "--process-id 1 --coordinator gpu-node-1:8476 --host 0.0.0.0 --model /models/llama'",
+        "ssh -tt gpu-node-2 'cd /srv/jfire && exec .venv/bin/jfire launch local-1p1d "
+        "--process-id 2 --coordinator gpu-node-1:8476 --host 0.0.0.0 --model /models/llama'",
+    ]
+
+
+def test_slurm_launcher_dry_run():
+    env = {**os.environ, "SLURM_JOB_NODELIST": "gpu-node-1,gpu-node-2", "SLURM_JOB_NUM_NODES": "2",
+           "JFIRE_DRY_RUN": "1", "JFIRE_PYTHON": sys.executable, "PATH": "/usr/bin:/bin"}
+    r = subprocess.run(["bash", "scripts/launch_slurm.sbatch", "local-1p1d", "--model", "/models/llama"],
+                       capture_output=True, text=True, cwd=REPO, env=env, check=True)
+    task = ".venv/bin/jfire launch local-1p1d --process-id {} --coordinator gpu-node-1:8476 --host 0.0.0.0 " \
+           "--model /models/llama"
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("srun --ntasks=3 --nodes=2 --distribution=block --kill-on-bad-exit=0 bash -c ")
+    assert "SLURM_PROCID\\ =\\ 0" in lines[0] and "JAX_PLATFORMS=cpu" in lines[0]
+    assert lines[1:] == [f"task {i}: " + task.format(i) for i in range(3)]
+
+
+def test_local_launch_runs_each_process_with_the_same_options():
+    from jfire.disagg.launch import process_argv
+
+    argv = process_argv("local-1p1d", 2, "127.0.0.1:9", Options(model="/m", port=8001, engine_args=("--max-batch", "4")))
+    assert argv == ["launch", "local-1p1d", "--process-id", "2", "--coordinator", "127.0.0.1:9", "--model", "/m",
+                    "--dtype", "float32", "--host", "127.0.0.1", "--port", "8001", "--max-batch", "4"]
