@@ -292,10 +292,14 @@ class Engine:
                 self._deliver()
         except BaseException as e:  # a bug or a device failure: fail every request loudly
             self.error = e
-            for live in list(self._live.values()):
+            for live in self._all_requests():
                 self._finish(live, "error", error=f"engine failure: {e}")
             self._deliver()
             raise
+
+    def _all_requests(self) -> list[_Live]:
+        """Every request the engine holds (to fail them all if the engine itself fails)."""
+        return list(self._live.values())
 
     def _idle_wait(self) -> float | None:
         """How long to wait for a command before the next step (None: do not wait)."""

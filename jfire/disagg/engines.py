@@ -190,6 +190,12 @@ class DecodeEngine(Engine):
         else:
             super()._command(kind, arg)
 
+    def _all_requests(self):
+        incoming = [*self._admitting, *self._pulling.values()]
+        for i in incoming:
+            i.live.seq.phase = Phase.FINISHED  # never in the scheduler: nothing to remove there
+        return super()._all_requests() + [i.live for i in incoming]
+
     def _idle_wait(self):
         if self._live:
             return None
