@@ -13,7 +13,6 @@ commands instead of running them. Ctrl-C stops every remote process (ssh -tt for
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import signal
 import subprocess

@@ -240,8 +240,6 @@ def ratio(section: dict) -> float:
 def save(dst: Path, config, params: dict, progress=None) -> dict:
     """Writes a compressed checkpoint of bf16 `params` (host or device arrays) into dst;
     returns the compression section written to the manifest."""
-    from jfire.checkpoint import store
-
     tree, section = compress_params(config, params, progress)
     store.save(dst, config, tree, "bfloat16", compression=section)
     return section
@@ -275,8 +273,6 @@ def _read_stored(path: Path, specs, target: dict) -> dict:
     tensor is read on its own to name the one that cannot be read."""
     import orbax.checkpoint as ocp
 
-    from jfire.checkpoint import store
-
     store._quiet_orbax()
     try:
         with ocp.StandardCheckpointer(**store.process_local()) as ckptr:
@@ -297,7 +293,5 @@ def _read_stored(path: Path, specs, target: dict) -> dict:
 
 
 def _reason(e: Exception) -> str:
-    from jfire.checkpoint import store
-
     # TensorStore appends a page of its own spec to the one line that matters.
     return store._first_line(e).split(" See full TensorStore details")[0].rstrip(".")

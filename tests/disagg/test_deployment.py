@@ -132,3 +132,19 @@ def test_local_launch_runs_each_process_with_the_same_options():
     argv = process_argv("local-1p1d", 2, "127.0.0.1:9", Options(model="/m", port=8001, engine_args=("--max-batch", "4")))
     assert argv == ["launch", "local-1p1d", "--process-id", "2", "--coordinator", "127.0.0.1:9", "--model", "/m",
                     "--dtype", "float32", "--host", "127.0.0.1", "--port", "8001", "--max-batch", "4"]
+
+
+def test_a_group_that_cannot_start_fails_the_launch_with_its_reason(tmp_path):
+    """tp=2 does not divide the default model's 9 heads: the prefill process refuses its mesh,
+    and the launch stops every process and exits instead of waiting for a group that never comes."""
+    path = tmp_path / "bad-mesh.toml"
+    path.write_text((REPO / "meshes" / "local-1p1d.toml").read_text().replace(
+        'role = "prefill"\nmesh = "single"\ndevices_per_process = 1', 'role = "prefill"\nmesh = "tp=2"\n'
+        'devices_per_process = 2'))
+    from jfire.disagg.launch import free_port
+
+    r = subprocess.run([sys.executable, "-m", "jfire.cli", "launch", str(path), "--port", str(free_port())],
+                       capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "mesh 'tp=2' does not fit: tp=2 does not divide the 9 attention heads" in r.stderr
+    assert "a process exited; see its error above. All processes stopped." in r.stderr
