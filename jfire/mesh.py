@@ -101,6 +101,20 @@ class MeshSpec:
         return cls(name=text, **sizes)
 
 
+def mesh_files() -> list[Path]:
+    """The mesh files in meshes/ (deployment files live beside them: those have no [mesh])."""
+    if not MESHES_DIR.is_dir():
+        return []
+    out = []
+    for path in sorted(MESHES_DIR.glob("*.toml")):
+        try:
+            if "mesh" in tomllib.loads(path.read_text()):
+                out.append(path)
+        except (OSError, tomllib.TOMLDecodeError):
+            continue
+    return out
+
+
 def resolve(arg: str | None) -> MeshSpec:
     """`--mesh`: None or 'single' (one device), inline 'pp=2,tp=4', a file, or a name in meshes/."""
     if arg in (None, "", "single"):
@@ -113,7 +127,7 @@ def resolve(arg: str | None) -> MeshSpec:
     named = MESHES_DIR / f"{arg}.toml"
     if named.is_file():
         return MeshSpec.from_toml(named)
-    known = sorted(p.stem for p in MESHES_DIR.glob("*.toml")) if MESHES_DIR.is_dir() else []
+    known = [p.stem for p in mesh_files()]
     raise JfireError(f"no mesh {arg!r}: give an inline mesh like 'pp=2,tp=4', a .toml file, or one of: "
                      + (", ".join(known) or "(none found)"))
 

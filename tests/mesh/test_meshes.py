@@ -185,9 +185,10 @@ def test_more_stages_than_layers_is_refused():
 
 
 def test_shipped_mesh_files_parse_and_the_cpu_ones_fit():
-    files = sorted(meshes.MESHES_DIR.glob("*.toml"))
+    files = meshes.mesh_files()
     names = {f.stem for f in files}
     assert {"single", "cpu-pp2-tp4", "cpu-pp4-tp2", "h200x2-llama4-scout", "h100x8-kimi-k2"} <= names
+    assert "local-1p1d" not in names  # a deployment file, beside the mesh files
     for f in files:
         spec = meshes.resolve(str(f))
         assert spec.size == spec.dp * spec.pp * spec.tp * spec.ep
