@@ -189,7 +189,7 @@ class RemoteEngine:
             raise JfireError(f"no {role} group is up (all are down: "
                              f"{', '.join(s.name for s in self.groups.values() if s.role == role)})")
         if affinity and role == "prefill":
-            return live[int.from_bytes(hashlib.blake2b(affinity.encode(), digest_size=8).digest()) % len(live)]
+            return live[affinity_index(affinity, len(live))]
         return min(live, key=lambda s: (s.in_flight, s.stats.get("waiting", 0), -s.stats.get("pages_free", 0)))
 
     def _run(self, request_id, prompt_ids, sampling, emit, affinity) -> None:
@@ -273,6 +273,12 @@ class RemoteEngine:
             return (f"decode group {group.name!r} stopped answering mid-stream: {type(e).__name__} "
                     f"({e or 'connection lost'}); the request was not completed")
         return f"decode group {group.name!r} ended the stream without finishing the request"
+
+
+def affinity_index(key: str, n: int) -> int:
+    """Which of n live prefill groups (sorted by name) a session key goes to: stable across
+    requests and processes (Python's own hash() is salted per process)."""
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest()) % n
 
 
 def _error_of(r: httpx.Response) -> str:

@@ -22,11 +22,11 @@ def ask(url: str, prompt: dict, **extra) -> tuple[str, int, int, str]:
     return text, r.usage.prompt_tokens, r.usage.completion_tokens, r.choices[0].finish_reason
 
 
-def assert_same_as_colocated(url: str, prompts: list[dict], reference: list[dict]) -> list[int]:
+def assert_same_as_colocated(url: str, prompts: list[dict], reference: list[dict], **extra) -> list[int]:
     """Every prompt's greedy output equals colocated generation; returns the prompt lengths."""
     lengths = []
     for prompt, ref in zip(prompts, reference):
-        text, n_prompt, n_out, finish = ask(url, prompt)
+        text, n_prompt, n_out, finish = ask(url, prompt, **extra)
         assert (text, n_prompt, n_out, finish) == (ref["text"], len(ref["prompt_ids"]), len(ref["token_ids"]),
                                                    ref["finish_reason"]), prompt
         lengths.append(n_prompt)

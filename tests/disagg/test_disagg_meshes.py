@@ -1,9 +1,12 @@
-"""Prefill and decode on different meshes (meshes/local-1p1d-mixed.toml: prefill tensor-parallel
-over 3 devices, decode a 2-stage pipeline): the KV cache is resharded on the way and outputs
-still equal colocated generation. Then the prefill process dies before publishing."""
+"""Prefill and decode on different meshes, with two prefill groups: prefill-0 tensor-parallel
+over 3 devices, prefill-1 on one device, decode-0 a 2-stage pipeline on 2 devices. The KV
+cache is resharded on the way and outputs still equal colocated generation; a session key
+keeps a conversation on one prefill group (its prefix cache hits); when a prefill group dies
+before publishing, its request fails clearly and the next ones go to the other group."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import threading
@@ -12,38 +15,78 @@ import time
 import httpx
 import pytest
 
+from jfire.disagg.frontend import affinity_index
 from tests.disagg.clients import ask, assert_same_as_colocated
 from tests.disagg.conftest import PROMPTS
-from tests.disagg.deployment_process import deployment_file, expected_kv_bytes, launch, metric
+from tests.disagg.deployment_process import REPO, expected_kv_bytes, launch, metric
+
+DEPLOYMENT = (REPO / "meshes" / "local-1p1d-mixed.toml").read_text().replace("timeout_s = 30", "timeout_s = 10") + '''
+[[groups]]
+name = "prefill-1"
+role = "prefill"
+mesh = "single"
+devices_per_process = 1
+'''
+
+
+def key_for(group_index: int) -> str:
+    """A session key the frontend routes to prefill-<group_index> (of 2 live groups)."""
+    return next(k for k in (f"session-{i}" for i in itertools.count()) if affinity_index(k, 2) == group_index)
 
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("local-1p1d-mixed")
-    running = launch(deployment_file(tmp, "local-1p1d-mixed", timeout_s=10), tmp / "launch.log")
+    tmp = tmp_path_factory.mktemp("mixed-2p1d")
+    path = tmp / "mixed-2p1d.toml"
+    path.write_text(DEPLOYMENT)
+    running = launch(path, tmp / "launch.log")
     yield running
     code = running.stop()
     assert code == 0, running.log.read_text()[-3000:]
 
 
+def group_stats(deployment, name: str) -> dict:
+    return httpx.get(deployment.health["groups"][name]["control"] + "/stats", timeout=5).json()
+
+
 def test_different_meshes_equal_colocated(deployment, colocated_reference):
-    prefill, decode = deployment.group("prefill"), deployment.group("decode")
-    assert (prefill["mesh"], prefill["devices"], decode["mesh"], decode["devices"]) == ("tp=3", 3, "pp=2", 2)
-    lengths = assert_same_as_colocated(deployment.url, PROMPTS, colocated_reference)
+    groups = deployment.health["groups"]
+    assert [(groups[g]["mesh"], groups[g]["devices"]) for g in ("prefill-0", "prefill-1", "decode-0")] == [
+        ("tp=3", 3), ("single", 1), ("pp=2", 2)]
+    # Everything through the tensor-parallel prefill group.
+    lengths = assert_same_as_colocated(deployment.url, PROMPTS, colocated_reference,
+                                       extra_headers={"x-session-affinity": key_for(0)})
+    assert group_stats(deployment, "prefill-0")["transfers_published"] == len(PROMPTS)
+    assert group_stats(deployment, "prefill-1")["transfers_published"] == 0
     expected = expected_kv_bytes(lengths)
     assert metric(deployment.url, "jfire_kv_transfer_bytes_total") == expected
-    assert deployment.stats("decode")["kv_transfer_bytes"] == expected
+    assert group_stats(deployment, "decode-0")["kv_transfer_bytes"] == expected
 
 
-def test_killing_prefill_before_it_publishes_fails_the_request(deployment):
-    pid = deployment.group("prefill")["pid"]
+def test_a_session_key_keeps_a_conversation_on_one_prefill_group(deployment):
+    before = {g: group_stats(deployment, g) for g in ("prefill-0", "prefill-1")}
+    messages = [{"role": "user", "content": "Name a colour of the sky, and explain why it looks that way."}]
+    for turn in range(3):
+        text, *_ = ask(deployment.url, {"messages": messages, "max_tokens": 8},
+                       extra_headers={"x-session-affinity": key_for(1)})
+        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": f"And question {turn}?"}]
+    after = {g: group_stats(deployment, g) for g in ("prefill-0", "prefill-1")}
+    assert after["prefill-1"]["transfers_published"] - before["prefill-1"]["transfers_published"] == 3
+    assert after["prefill-0"]["transfers_published"] == before["prefill-0"]["transfers_published"]
+    # Turns 2 and 3 found the earlier turns' pages in that group's prefix cache.
+    assert after["prefill-1"]["prefix_hit_tokens"] - before["prefill-1"]["prefix_hit_tokens"] >= 2 * 16
+
+
+def test_killing_a_prefill_group_before_it_publishes(deployment, colocated_reference):
+    pid = deployment.health["groups"]["prefill-0"]["pid"]
     # Frozen first, so the request is certainly waiting on a prefill that never publishes.
     os.kill(pid, signal.SIGSTOP)
     result: dict = {}
 
     def request():
         try:
-            ask(deployment.url, {"prompt": "Tell me about the ocean.", "max_tokens": 8})
+            ask(deployment.url, {"prompt": "Tell me about the ocean.", "max_tokens": 8},
+                extra_headers={"x-session-affinity": key_for(0)})
         except Exception as e:  # noqa: BLE001 - the assertion below checks what it was
             result["error"] = e
         result["at"] = time.time()
@@ -59,6 +102,9 @@ def test_killing_prefill_before_it_publishes_fails_the_request(deployment):
     assert result["at"] - killed_at < 5
     assert "prefill group 'prefill-0' failed before publishing" in str(result["error"])
     health = httpx.get(deployment.url + "/health", timeout=5)
-    assert health.json()["status"] == "degraded" and health.json()["groups"]["prefill-0"]["alive"] is False
-    # The decode group holds nothing for the failed request.
-    assert deployment.stats("decode")["pages_used"] == 0
+    assert health.status_code == 200 and health.json()["status"] == "degraded"
+    assert health.json()["groups"]["prefill-0"]["alive"] is False
+    assert group_stats(deployment, "decode-0")["pages_used"] == 0  # nothing held for the failed request
+    # The next requests, whatever their key, are served by the group still up.
+    assert_same_as_colocated(deployment.url, PROMPTS[:1], colocated_reference[:1],
+                             extra_headers={"x-session-affinity": key_for(0)})
