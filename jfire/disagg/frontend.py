@@ -31,6 +31,7 @@ from jfire.errors import JfireError
 from jfire.sampling import SamplingParams
 
 HEALTH_POLL_S = 0.5
+SLOW_POLLS_DOWN = 3  # consecutive timed-out polls before a group that still accepts connections is down
 
 
 class _GroupState:
@@ -40,6 +41,7 @@ class _GroupState:
         self.alive = False
         self.stats: dict = {}
         self.in_flight = 0
+        self.slow_polls = 0
         self.problem: str | None = None
 
     def describe(self) -> dict:
@@ -103,9 +105,13 @@ class RemoteEngine:
                 try:
                     r = self._http.get(state.info["control"] + "/stats", timeout=2.0)
                     r.raise_for_status()
-                    state.stats, state.alive, state.problem = r.json(), True, None
-                except httpx.HTTPError as e:
+                    state.stats, state.alive, state.problem, state.slow_polls = r.json(), True, None, 0
+                except httpx.ConnectError as e:  # nothing listens: the process is gone
                     self._mark_down(state, f"not answering ({type(e).__name__})")
+                except httpx.HTTPError as e:  # busy or stuck: down only if it stays that way
+                    state.slow_polls += 1
+                    if state.slow_polls >= SLOW_POLLS_DOWN:
+                        self._mark_down(state, f"not answering for {state.slow_polls} polls ({type(e).__name__})")
 
     def _mark_down(self, state: _GroupState, problem: str) -> None:
         if state.alive:
