@@ -41,6 +41,32 @@ def enable_compilation_cache(path: str) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+def context_limit(cfg, requested: int | None) -> int:
+    """Tokens a request may span: `requested` (--max-context), else the model's context capped
+    at 4096; never more than the model's."""
+    return min(requested or min(cfg.max_position_embeddings, 4096), cfg.max_position_embeddings)
+
+
+def check_request(prompt_ids: list[int], sampling: SamplingParams, cfg, max_model_len: int,
+                  has_tokenizer: bool) -> None:
+    """The checks any engine (local, or a frontend in front of remote groups) makes before
+    accepting a request: JfireError says what is wrong and what would be right."""
+    if not prompt_ids:
+        raise JfireError("the prompt is empty; give at least one token")
+    bad = [i for i in prompt_ids if not 0 <= i < cfg.vocab_size]
+    if bad:
+        raise JfireError(f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
+    n, limit = len(prompt_ids), max_model_len
+    if n >= limit:
+        raise JfireError(f"the prompt has {n} tokens but the context holds {limit}; "
+                         f"shorten the prompt to at most {limit - 1} tokens")
+    if n + sampling.max_tokens > limit:
+        raise JfireError(f"prompt ({n} tokens) + max_tokens ({sampling.max_tokens}) exceeds the context of "
+                         f"{limit}; use max_tokens <= {limit - n}")
+    if sampling.stop and not has_tokenizer:
+        raise JfireError("stop strings need a tokenizer; this model has none (use EOS or max_tokens)")
+
+
 class QueueFull(JfireError):
     """The waiting queue is at its bound; retry later."""
 
@@ -147,8 +173,7 @@ class Engine:
         self.model = model
         self.cfg = model.config
         self.config = config
-        self.max_model_len = min(config.max_model_len or min(self.cfg.max_position_embeddings, 4096),
-                                 self.cfg.max_position_embeddings)
+        self.max_model_len = context_limit(self.cfg, config.max_model_len)
         dtype = model.params["embed"].dtype
         mesh = model.mesh
         # kv_cache_bytes is per device: pages split over pp (layers) and tp (KV heads).
@@ -228,23 +253,11 @@ class Engine:
 
     def validate(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
         """Raises JfireError when this request can never run; nothing is queued."""
-        if not prompt_ids:
-            raise JfireError("the prompt is empty; give at least one token")
-        bad = [i for i in prompt_ids if not 0 <= i < self.cfg.vocab_size]
-        if bad:
-            raise JfireError(f"token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
-        n, limit = len(prompt_ids), self.max_model_len
-        if n >= limit:
-            raise JfireError(f"the prompt has {n} tokens but the context holds {limit}; "
-                             f"shorten the prompt to at most {limit - 1} tokens")
-        if n + sampling.max_tokens > limit:
-            raise JfireError(f"prompt ({n} tokens) + max_tokens ({sampling.max_tokens}) exceeds the context of "
-                             f"{limit}; use max_tokens <= {limit - n}")
-        if self.scheduler.pages_needed(n + sampling.max_tokens) > self.pool.num_pages:
-            raise JfireError(f"this request needs {self.scheduler.pages_needed(n + sampling.max_tokens)} KV pages "
+        check_request(prompt_ids, sampling, self.cfg, self.max_model_len, self.model.tokenizer is not None)
+        needed = self.scheduler.pages_needed(len(prompt_ids) + sampling.max_tokens)
+        if needed > self.pool.num_pages:
+            raise JfireError(f"this request needs {needed} KV pages "
                              f"but the pool has {self.pool.num_pages}; lower max_tokens or enlarge the KV cache")
-        if sampling.stop and self.model.tokenizer is None:
-            raise JfireError("stop strings need a tokenizer; this model has none (use EOS or max_tokens)")
 
     def submit(self, prompt_ids: list[int], sampling: SamplingParams, *, request_id: str | None = None,
                on_output: Callable[[RequestOutput], None] | None = None, affinity: str | None = None) -> RequestHandle:

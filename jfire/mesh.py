@@ -101,18 +101,23 @@ class MeshSpec:
         return cls(name=text, **sizes)
 
 
-def mesh_files() -> list[Path]:
-    """The mesh files in meshes/ (deployment files live beside them: those have no [mesh])."""
+def files_with_table(table: str) -> list[Path]:
+    """The readable .toml files in meshes/ that have `table`: mesh files have [mesh], deployment
+    files (which live beside them) [[groups]]."""
     if not MESHES_DIR.is_dir():
         return []
     out = []
     for path in sorted(MESHES_DIR.glob("*.toml")):
         try:
-            if "mesh" in tomllib.loads(path.read_text()):
+            if table in tomllib.loads(path.read_text()):
                 out.append(path)
         except (OSError, tomllib.TOMLDecodeError):
             continue
     return out
+
+
+def mesh_files() -> list[Path]:
+    return files_with_table("mesh")
 
 
 def resolve(arg: str | None) -> MeshSpec:

@@ -99,7 +99,7 @@ class Deployment:
         if not path.is_file():
             path = meshes.MESHES_DIR / f"{arg}.toml"
         if not path.is_file():
-            known = sorted(p.stem for p in meshes.MESHES_DIR.glob("*.toml") if _is_deployment(p))
+            known = [p.stem for p in meshes.files_with_table("groups")]
             raise JfireError(f"no deployment {arg!r}: give a .toml file or one of: {', '.join(known) or '(none)'}")
         try:
             doc = tomllib.loads(path.read_text())
@@ -115,13 +115,6 @@ class Deployment:
                    coordinator_port=_int(doc.get("coordinator", {}), "port", DEFAULT_COORDINATOR_PORT,
                                          where + " [coordinator]"),
                    transfer_timeout_s=float(doc.get("transfer", {}).get("timeout_s", 30.0)), path=path)
-
-
-def _is_deployment(path: Path) -> bool:
-    try:
-        return "groups" in tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError):
-        return False
 
 
 def _int(table: dict, key: str, default: int, where: str) -> int:

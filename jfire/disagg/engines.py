@@ -245,7 +245,7 @@ class DecodeEngine(Engine):
             self._fail(incoming, None)
             return
         arrays = incoming.pull.arrays
-        self.pages = self.insert.insert(self.pages, arrays, incoming.pages[: t["num_pages"]], self.pool.num_pages)
+        self.pages = self.insert.insert(self.pages, arrays, incoming.pages[: t["num_pages"]])
         self.kv_transfer_bytes += sum(a.nbytes for a in arrays)
         self.transfer_counts["pulled"] += 1
         seq.pages, seq.computed = incoming.pages, len(seq.prompt_ids)

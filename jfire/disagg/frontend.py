@@ -26,7 +26,7 @@ import httpx
 from jfire.disagg import cluster
 from jfire.disagg.deployment import Deployment
 from jfire.disagg.worker import sampling_to_json
-from jfire.engine import RequestOutput
+from jfire.engine import RequestOutput, check_request, context_limit
 from jfire.errors import JfireError
 from jfire.sampling import SamplingParams
 
@@ -58,8 +58,7 @@ class RemoteEngine:
         self.store = store
         self.cfg = config
         self.model = SimpleNamespace(tokenizer=tokenizer, config=config)
-        self.max_model_len = min(max_model_len or min(config.max_position_embeddings, 4096),
-                                 config.max_position_embeddings)
+        self.max_model_len = context_limit(config, max_model_len)
         self.max_waiting = max_waiting
         self.groups = {g.name: _GroupState(g.name, g.role) for g in deployment.groups}
         self.ready = threading.Event()
@@ -148,20 +147,8 @@ class RemoteEngine:
     # -- requests --------------------------------------------------------------------------
 
     def validate(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
-        if not prompt_ids:
-            raise JfireError("the prompt is empty; give at least one token")
-        bad = [i for i in prompt_ids if not 0 <= i < self.cfg.vocab_size]
-        if bad:
-            raise JfireError(f"token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
-        n, limit = len(prompt_ids), self.max_model_len
-        if n >= limit:
-            raise JfireError(f"the prompt has {n} tokens but the context holds {limit}; "
-                             f"shorten the prompt to at most {limit - 1} tokens")
-        if n + sampling.max_tokens > limit:
-            raise JfireError(f"prompt ({n} tokens) + max_tokens ({sampling.max_tokens}) exceeds the context of "
-                             f"{limit}; use max_tokens <= {limit - n}")
-        if sampling.stop and self.model.tokenizer is None:
-            raise JfireError("stop strings need a tokenizer; this model has none (use EOS or max_tokens)")
+        # The page check is the decode group's: it knows its pool.
+        check_request(prompt_ids, sampling, self.cfg, self.max_model_len, self.model.tokenizer is not None)
 
     def submit(self, prompt_ids, sampling: SamplingParams, *, request_id: str | None = None, on_output=None,
                affinity: str | None = None):

@@ -19,7 +19,6 @@ built-in timeout is not relied on.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import secrets
 import threading
 import time
@@ -97,7 +96,6 @@ def new_uuid() -> int:
 # -- the programs: pages -> wire arrays, wire arrays -> pages --------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("replication",))
 def gather_pages(pages, page_ids, *, replication: int):
     """page_ids [w] -> w arrays [2, layers, kv_heads, page_size, head_dim] (checkpoint heads)."""
     k = pages["k"][:, ::replication][:, :, page_ids]
@@ -106,7 +104,6 @@ def gather_pages(pages, page_ids, *, replication: int):
     return tuple(both[:, :, :, i] for i in range(page_ids.shape[0]))
 
 
-@functools.partial(jax.jit, static_argnames=("replication",), donate_argnames=("pages",))
 def insert_pages(pages, arrays, page_ids, *, replication: int):
     """Writes wire arrays into the pages named by page_ids; an id past the pool is dropped
     (padding up to the compiled width)."""
@@ -143,10 +140,11 @@ class TransferPrograms:
         ids = jax.ShapeDtypeStruct((w,), jnp.int32, sharding=self._ids_sharding)
         if self.kind == "gather":
             out = tuple([self.layout.page_sharding()] * w)
-            return jax.jit(gather_pages.__wrapped__, static_argnames=("replication",), out_shardings=out).lower(
+            return jax.jit(gather_pages, static_argnames=("replication",), out_shardings=out).lower(
                 self._pages, ids, replication=self.layout.replication)
         page = jax.ShapeDtypeStruct(self.layout.page_shape, self.layout.dtype, sharding=self.layout.page_sharding())
-        return insert_pages.lower(self._pages, tuple([page] * w), ids, replication=self.layout.replication)
+        return jax.jit(insert_pages, static_argnames=("replication",), donate_argnames=("pages",)).lower(
+            self._pages, tuple([page] * w), ids, replication=self.layout.replication)
 
     def width_for(self, n: int) -> int:
         return next(w for w in self.widths if w >= n)
@@ -157,9 +155,9 @@ class TransferPrograms:
         ids[: len(page_ids)] = page_ids
         return list(self._compiled[w](pages, jax.device_put(ids, self._ids_sharding))[: len(page_ids)])
 
-    def insert(self, pages, arrays: list[jax.Array], page_ids: list[int], num_pages: int):
+    def insert(self, pages, arrays: list[jax.Array], page_ids: list[int]):
         w = self.width_for(len(page_ids))
-        ids = np.full(w, num_pages, np.int32)  # past the pool: dropped
+        ids = np.full(w, pages["k"].shape[2], np.int32)  # past the pool: dropped
         ids[: len(page_ids)] = page_ids
         arrays = [jax.device_put(a, self.layout.page_sharding()) for a in arrays]
         arrays += [self.padding] * (w - len(arrays))

@@ -69,7 +69,7 @@ def test_pages_survive_the_move_between_meshes(server, src_spec, src_devices, sr
     server.await_pull(uuid, wire)
     pulled = server.connect(server.address()).pull(uuid, dst.wire_structs(len(sent_ids), shards))
     assert sum(a.nbytes for a in pulled) == len(sent_ids) * 2 * CFG.num_layers * CFG.num_kv_heads * PAGE * CFG.head_dim * 4
-    out = insert.insert(dst_pages, pulled, received_ids, PAGES)
+    out = insert.insert(dst_pages, pulled, received_ids)
 
     got_k, got_v = np.asarray(out["k"]), np.asarray(out["v"])
     for s, r in zip(sent_ids, received_ids):

@@ -15,9 +15,9 @@ import uvicorn
 from hypothesis import HealthCheck, given, settings
 
 from jfire.checkpoint.load import load_model
+from jfire.disagg.launch import free_port
 from jfire.engine import Engine, EngineConfig
 from serve.app import ServerState, create_app
-from tests.serve.server_process import free_port
 
 
 @pytest.fixture(scope="module")
