@@ -174,15 +174,16 @@ class Engine:
         self.cfg = model.config
         self.config = config
         self.max_model_len = context_limit(self.cfg, config.max_model_len)
-        dtype = model.params["embed"].dtype
+        dtype = model.dtype_of_params
         mesh = model.mesh
-        # kv_cache_bytes is per device: pages split over pp (layers) and tp (KV heads).
-        split = (mesh.shape["pp"] * mesh.shape["tp"]) if mesh is not None else 1
-        per_page = page_bytes(self.cfg, config.page_size, dtype) / split
+        cache_shardings = sharding.cache_shardings(self.cfg, mesh) if mesh is not None else None
+        # kv_cache_bytes is per device: what one page costs on the device holding the most of it.
+        per_page = page_bytes(self.cfg, config.page_size, dtype)
+        if cache_shardings is not None:
+            per_page = sharding.page_bytes_per_device(self.cfg, config.page_size, dtype, cache_shardings)
         num_pages = config.num_pages or max(1, int(config.kv_cache_bytes // per_page))
         self.pool = BlockPool(num_pages, config.page_size)
-        self.pages = init_pages(self.cfg, num_pages, config.page_size, dtype,
-                                sharding.cache_sharding(self.cfg, mesh) if mesh is not None else None)
+        self.pages = init_pages(self.cfg, num_pages, config.page_size, dtype, cache_shardings)
         layer_stack = None
         if mesh is not None and mesh.shape["pp"] > 1:
             layer_stack = Pipeline(mesh, model.mesh_spec.num_microbatches)
@@ -198,7 +199,7 @@ class Engine:
                                    max_prefill_rows=config.max_prefill_rows, prefix_caching=config.prefix_caching)
         self.programs = CompiledPrograms(self.cfg, model.params, self.pages, self.buckets, config.attention,
                                          lazy=not config.aot, mesh=mesh, layer_stack=layer_stack,
-                                         kinds=self.PROGRAM_KINDS)
+                                         kinds=self.PROGRAM_KINDS, parallel=model.parallel)
         self.eos_ids = frozenset(self.cfg.eos_token_ids) | (model.tokenizer.eos_ids if model.tokenizer else frozenset())
         self._commands: queue.Queue = queue.Queue()
         self._live: dict[str, _Live] = {}

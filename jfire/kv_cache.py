@@ -2,8 +2,10 @@
 
 Host: `BlockPool` owns page ids: a free list, reference counts, and the hashes of full pages
 so a prompt that shares whole pages with an earlier one reuses them (prefix caching).
-Device: `init_pages` builds the page arrays `[layers, kv_heads, pages, page_size, head_dim]`
-that every program call receives donated and returns updated.
+Device: `init_pages` builds the page arrays the model family declares (`cache_specs()`: e.g.
+keys and values `[layers, kv_heads, pages, page_size, head_dim]`) that every program call
+receives donated and returns updated. The pool only counts pages; what a page holds is the
+family's business.
 
 A freed page that holds a full, hashed block stays findable until it is handed out again:
 the free list is least-recently-freed first, so popular prefixes survive longest.
@@ -19,18 +21,18 @@ from typing import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from jfire.models.llama import LlamaConfig
+from jfire.models.family import Family
 
 
-def init_pages(cfg: LlamaConfig, num_pages: int, page_size: int, dtype, sharding=None) -> dict:
-    """Zeroed page arrays, created directly with `sharding` (each device allocates its part)."""
-    shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
-    return {"k": jnp.zeros(shape, dtype, device=sharding), "v": jnp.zeros(shape, dtype, device=sharding)}
+def init_pages(cfg: Family, num_pages: int, page_size: int, dtype, shardings: dict | None = None) -> dict:
+    """Zeroed page arrays, created directly with their shardings (each device allocates its part)."""
+    return {c.name: jnp.zeros(c.shape(num_pages, page_size), dtype, device=(shardings or {}).get(c.name))
+            for c in cfg.cache_specs()}
 
 
-def page_bytes(cfg: LlamaConfig, page_size: int, dtype) -> int:
-    """Bytes one page takes across all layers, keys and values."""
-    return 2 * cfg.num_layers * cfg.num_kv_heads * page_size * cfg.head_dim * np.dtype(dtype).itemsize
+def page_bytes(cfg: Family, page_size: int, dtype) -> int:
+    """Bytes one page takes across all layers and cache arrays."""
+    return cfg.kv_bytes_per_token(dtype) * page_size
 
 
 def block_hashes(token_ids: Sequence[int], page_size: int) -> list[bytes]:

@@ -1,8 +1,8 @@
 """Device meshes: declared in `meshes/*.toml` (or inline, `pp=2,tp=4`), checked against the
 devices present and the model, and built as a named JAX mesh with axes (dp, pp, tp, ep).
 
-  dp  data-parallel replicas of the batch       pp  pipeline stages (contiguous layers)
-  tp  tensor parallelism (heads, ffn, vocab)     ep  experts (reserved; must be 1 for now)
+  dp  data-parallel replicas (refused for now)  pp  pipeline stages (contiguous layers)
+  tp  tensor parallelism (heads, ffn, vocab)     ep  expert parallelism (experts split over ep)
 
 A mesh file:
 
@@ -15,6 +15,9 @@ A mesh file:
     [hosts]               # optional, for deployments spanning hosts
     count = 2
     devices_per_host = 8
+    [device]              # optional: what each device is, for `jfire plan`
+    kind = "H200"
+    memory_gib = 140.0    # usable memory per device, as the driver reports it
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import jax
 import numpy as np
 
 from jfire.errors import JfireError
-from jfire.models.llama import LlamaConfig
+from jfire.models.family import Family, MeshShape
 
 AXES = ("dp", "pp", "tp", "ep")
 MESHES_DIR = Path(__file__).resolve().parents[1] / "meshes"
@@ -43,19 +46,24 @@ class MeshSpec:
     microbatches: int | None = None  # pipeline micro-batches; None = one per stage
     hosts: int = 1
     devices_per_host: int | None = None
+    device_kind: str | None = None  # [device] kind, e.g. "H200" (named in plans)
+    device_memory_gib: float | None = None  # [device] memory_gib: usable memory of one device
 
     def __post_init__(self):
         for axis in AXES:
             size = getattr(self, axis)
             if not isinstance(size, int) or size < 1:
                 raise JfireError(f"mesh {self.name!r}: axis {axis} must be a positive integer, got {size!r}")
-        if self.ep != 1:
-            raise JfireError(f"mesh {self.name!r}: ep={self.ep}, but expert parallelism is not supported yet; use ep=1")
         if self.microbatches is not None and self.microbatches < 1:
             raise JfireError(f"mesh {self.name!r}: microbatches must be >= 1, got {self.microbatches}")
         if self.devices_per_host is not None and self.hosts * self.devices_per_host != self.size:
             raise JfireError(f"mesh {self.name!r}: dp*pp*tp*ep = {self.size} devices, but hosts declare "
                              f"{self.hosts} x {self.devices_per_host} = {self.hosts * self.devices_per_host}")
+        memory = self.device_memory_gib
+        if memory is not None and (isinstance(memory, bool) or not isinstance(memory, (int, float)) or not memory > 0):
+            raise JfireError(f"mesh {self.name!r}: [device] memory_gib must be a positive number of GiB, got {memory!r}")
+        if self.device_kind is not None and not isinstance(self.device_kind, str):
+            raise JfireError(f"mesh {self.name!r}: [device] kind must be a string like \"H200\", got {self.device_kind!r}")
 
     @property
     def size(self) -> int:
@@ -84,9 +92,14 @@ class MeshSpec:
         if unknown:
             raise JfireError(f"mesh file {path}: unknown axes {sorted(unknown)}; axes are {', '.join(AXES)}")
         hosts = doc.get("hosts", {})
+        device = doc.get("device", {})
+        if not isinstance(device, dict) or set(device) - {"kind", "memory_gib"}:
+            raise JfireError(f"mesh file {path}: [device] takes kind (e.g. \"H200\") and memory_gib (e.g. 140.0), "
+                             f"got {sorted(device) if isinstance(device, dict) else device!r}")
         return cls(name=doc.get("name", Path(path).stem), **mesh,
                    microbatches=doc.get("pipeline", {}).get("microbatches"),
-                   hosts=hosts.get("count", 1), devices_per_host=hosts.get("devices_per_host"))
+                   hosts=hosts.get("count", 1), devices_per_host=hosts.get("devices_per_host"),
+                   device_kind=device.get("kind"), device_memory_gib=device.get("memory_gib"))
 
     @classmethod
     def inline(cls, text: str) -> "MeshSpec":
@@ -137,36 +150,35 @@ def resolve(arg: str | None) -> MeshSpec:
                      + (", ".join(known) or "(none found)"))
 
 
-def check_fits(spec: MeshSpec, cfg: LlamaConfig, num_devices: int) -> None:
-    """Refuses a mesh the devices or the model cannot take, saying why and what would fit."""
-    problems = []
+def problems(spec: MeshSpec, cfg: Family, num_devices: int) -> list[str]:
+    """Why this mesh cannot run this model on num_devices devices (empty: it can)."""
+    found = []
     if spec.size > num_devices:
-        problems.append(f"it needs {spec.size} devices (dp*pp*tp) but {num_devices} are present")
-    tp, pp = spec.tp, spec.pp
-    if cfg.num_heads % tp:
-        problems.append(f"tp={tp} does not divide the {cfg.num_heads} attention heads")
-    if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
-        problems.append(f"tp={tp} and the {cfg.num_kv_heads} KV heads do not divide one another")
-    if cfg.intermediate_size % tp:
-        problems.append(f"tp={tp} does not divide the MLP width {cfg.intermediate_size}")
-    if pp > cfg.num_layers:
-        problems.append(f"pp={pp} is more stages than the {cfg.num_layers} layers")
-    elif cfg.num_layers % pp:
-        problems.append(f"pp={pp} does not divide the {cfg.num_layers} layers into equal stages")
-    if problems:
-        raise JfireError(f"mesh {spec.name!r} does not fit: " + "; ".join(problems)
+        found.append(f"it needs {spec.size} devices (dp*pp*tp*ep) but {num_devices} are present")
+    if spec.dp > 1:
+        # Rows are not split over dp yet: each replica would repeat the whole batch's work.
+        found.append(f"dp={spec.dp} is not supported yet (every replica would repeat the same work); run "
+                     "separate groups or engines instead, and use dp=1")
+    return found + cfg.mesh_problems(MeshShape(dp=spec.dp, pp=spec.pp, tp=spec.tp, ep=spec.ep))
+
+
+def check_fits(spec: MeshSpec, cfg: Family, num_devices: int) -> None:
+    """Refuses a mesh the devices or the model cannot take, saying why and what would fit."""
+    found = problems(spec, cfg, num_devices)
+    if found:
+        raise JfireError(f"mesh {spec.name!r} does not fit: " + "; ".join(found)
                          + f". Would fit: {suggest(cfg, num_devices)}")
 
 
-def suggest(cfg: LlamaConfig, num_devices: int) -> str:
-    """Meshes (pp x tp, dp=1) that fit this model on at most num_devices devices."""
+def suggest(cfg: Family, num_devices: int) -> str:
+    """Meshes (pp x tp x ep, dp=1) that fit this model on at most num_devices devices."""
     fits = []
-    for tp in range(1, num_devices + 1):
-        ok_tp = (cfg.num_heads % tp == 0 and (cfg.num_kv_heads % tp == 0 or tp % cfg.num_kv_heads == 0)
-                 and cfg.intermediate_size % tp == 0)
-        for pp in range(1, num_devices // tp + 1):
-            if ok_tp and cfg.num_layers % pp == 0:
-                fits.append(f"pp={pp},tp={tp}")
+    for ep in range(1, num_devices + 1):
+        for tp in range(1, num_devices // ep + 1):
+            for pp in range(1, num_devices // (ep * tp) + 1):
+                candidate = MeshSpec(name="candidate", pp=pp, tp=tp, ep=ep)
+                if not problems(candidate, cfg, num_devices):
+                    fits.append(f"pp={pp},tp={tp}" + (f",ep={ep}" if ep > 1 else ""))
     return ", ".join(fits[-6:]) if fits else "none"
 
 

@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jfire.models.llama import LlamaConfig, run_layers
 
 
 def schedule(num_stages: int, num_microbatches: int) -> list[list[int | None]]:
@@ -30,8 +29,9 @@ def schedule(num_stages: int, num_microbatches: int) -> list[list[int | None]]:
 
 @dataclasses.dataclass(frozen=True)
 class Pipeline:
-    """A pipelined layer stack for `decoder(..., layer_stack=...)`; hashable, so programs can
-    take it as a static argument."""
+    """A pipelined layer stack for a family's `decoder(..., layer_stack=...)`; hashable, so
+    programs can take it as a static argument. It knows nothing of the model: it is handed
+    the segment's layer loop `run` and its stacked weights."""
 
     mesh: jax.sharding.Mesh
     microbatches: int
@@ -40,13 +40,13 @@ class Pipeline:
     def stages(self) -> int:
         return self.mesh.shape["pp"]
 
-    def __call__(self, layers, cfg: LlamaConfig, x, positions, pages, page_table, attention_impl=None):
+    def __call__(self, run, layers, x, positions, pages, page_table):
         rows = x.shape[0]
         m = max(1, min(self.microbatches, rows))
         while rows % m:  # micro-batches must split the rows evenly
             m -= 1
         split = lambda a: a.reshape(m, rows // m, *a.shape[1:])
-        stage_fn = functools.partial(_stages, cfg=cfg, num_stages=self.stages, attention_impl=attention_impl)
+        stage_fn = functools.partial(_stages, run=run, num_stages=self.stages)
         run = jax.shard_map(
             stage_fn, mesh=self.mesh, axis_names=frozenset({"pp"}), check_vma=False,
             in_specs=(P("pp"), P(), P(), P(), P("pp")),
@@ -56,10 +56,12 @@ class Pipeline:
         return out.reshape(rows, *out.shape[2:]), pages
 
 
-def _stages(layers, xs, positions, tables, pages, *, cfg, num_stages, attention_impl):
+def _stages(layers, xs, positions, tables, pages, *, run, num_stages):
     """One stage's view: its layers and cache; xs/positions/tables hold every micro-batch."""
     stage = jax.lax.axis_index("pp")
     m = xs.shape[0]
+    # The stage's first layer in the model (for per-layer data); in its cache slice, layer 0.
+    first_layer = run.segment.first + stage * (run.segment.count // num_stages)
     forward = [(i, (i + 1) % num_stages) for i in range(num_stages)]
 
     def tick(carry, t):
@@ -69,7 +71,7 @@ def _stages(layers, xs, positions, tables, pages, *, cfg, num_stages, attention_
         mb = jnp.clip(mb, 0, m - 1)
         x = jnp.where(stage == 0, xs[mb], received)
         pos = jnp.where(active, positions[mb], -1)
-        y, pages = run_layers(layers, cfg, x, pos, pages, tables[mb], attention_impl)
+        y, pages = run(layers, x, pos, pages, tables[mb], first_layer, 0)
         keep = active & (stage == num_stages - 1)
         outs = outs.at[mb].set(jnp.where(keep, y, outs[mb]))
         return (jax.lax.ppermute(y, "pp", forward), pages, outs), None

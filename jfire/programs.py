@@ -18,19 +18,21 @@ import jax
 import jax.numpy as jnp
 
 from jfire.kernels.paged_attention import paged_attention
-from jfire.models.llama import LlamaConfig, decoder, logits_from_hidden
+from jfire.models.family import Family
 from jfire.sampling import sample
 
 ATTENTION_IMPLS = ("reference", "pallas", "pallas-interpret")
 
 
-def _decode_attention(attention: str, cfg: LlamaConfig):
+def _decode_attention(attention: str):
+    """The model's attention hook for decode: None (the reference) or the Pallas kernel."""
     if attention == "reference":
         return None
 
-    def kernel(q, k_pages, v_pages, layer, page_table, positions):
+    def kernel(q, k_pages, v_pages, layer, page_table, positions, sliding_window=None, chunk=None):
         out = paged_attention(q[:, 0], k_pages, v_pages, layer, page_table, positions[:, 0] + 1,
-                              sliding_window=cfg.sliding_window, interpret=attention == "pallas-interpret")
+                              sliding_window=sliding_window, chunk=0 if chunk is None else chunk,
+                              interpret=attention == "pallas-interpret")
         return out[:, None]
 
     return kernel
@@ -91,27 +93,30 @@ def _smallest_at_least(options, n: int, what: str) -> int:
     raise ValueError(f"{what} {n} exceeds the largest compiled bucket {max(options)}")
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "layer_stack"), donate_argnames=("pages",))
+@functools.partial(jax.jit, static_argnames=("cfg", "layer_stack", "parallel"), donate_argnames=("pages",))
 def prefill(params, pages, tokens, positions, page_table, last_index, seeds, temperature, top_k, top_p, *,
-            cfg: LlamaConfig, layer_stack=None):
+            cfg: Family, layer_stack=None, parallel=None):
     """Chunks of prompts: tokens/positions [b, t] (position -1 = padding), page_table [b, w];
     last_index [b] picks the token whose next-token logits are wanted.
     Returns (next ids [b], their logits [b, v], pages)."""
-    hidden, pages = decoder(params, cfg, tokens, positions, pages, page_table, layer_stack=layer_stack)
+    hidden, pages = cfg.decoder(params, tokens, positions, pages, page_table, layer_stack=layer_stack,
+                                parallel=parallel)
     rows = jnp.arange(tokens.shape[0])
-    logits = logits_from_hidden(params, cfg, hidden[rows, last_index])
+    logits = cfg.logits(params, hidden[rows, last_index])
     steps = positions[rows, last_index].astype(jnp.uint32)
     return sample(logits, seeds, steps, temperature, top_k, top_p), logits, pages
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "attention", "layer_stack"), donate_argnames=("pages",))
+@functools.partial(jax.jit, static_argnames=("cfg", "attention", "layer_stack", "parallel"),
+                   donate_argnames=("pages",))
 def decode(params, pages, tokens, positions, page_table, seeds, temperature, top_k, top_p, *,
-           cfg: LlamaConfig, attention: str = "reference", layer_stack=None):
+           cfg: Family, attention: str = "reference", layer_stack=None, parallel=None):
     """One token per row: tokens/positions [b] (position -1 = an empty row), page_table [b, w].
     Returns (next ids [b], logits [b, v], pages)."""
-    hidden, pages = decoder(params, cfg, tokens[:, None], positions[:, None], pages, page_table,
-                            attention_impl=_decode_attention(attention, cfg), layer_stack=layer_stack)
-    logits = logits_from_hidden(params, cfg, hidden[:, 0])
+    hidden, pages = cfg.decoder(params, tokens[:, None], positions[:, None], pages, page_table,
+                                attention_impl=_decode_attention(attention), layer_stack=layer_stack,
+                                parallel=parallel)
+    logits = cfg.logits(params, hidden[:, 0])
     return sample(logits, seeds, positions.astype(jnp.uint32), temperature, top_k, top_p), logits, pages
 
 
@@ -122,11 +127,12 @@ class CompiledPrograms:
     never a silent compilation in the middle of traffic.
     """
 
-    def __init__(self, cfg: LlamaConfig, params, pages, buckets: Buckets, attention: str = "reference",
-                 lazy: bool = False, mesh=None, layer_stack=None, kinds=("prefill", "decode")):
+    def __init__(self, cfg: Family, params, pages, buckets: Buckets, attention: str = "reference",
+                 lazy: bool = False, mesh=None, layer_stack=None, kinds=("prefill", "decode"), parallel=None):
         self.cfg = cfg
         self.kinds = kinds  # a disaggregated group compiles only its own role's programs
         self.layer_stack = layer_stack
+        self.parallel = parallel
         # Per-row inputs are small: replicated over the mesh (or on the default device).
         self._input_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh else None
         # lazy: compile a bucket on its first use instead (one-shot CLI runs use two shapes).
@@ -165,13 +171,14 @@ class CompiledPrograms:
             self._decode[(n, w)] = decode.lower(
                 self._params, self._pages, s((n,), i32), s((n,), i32), s((n, w), i32),
                 s((n,), u32), s((n,), f32), s((n,), i32), s((n,), f32), cfg=self.cfg, attention=self.attention,
-                layer_stack=self.layer_stack,
+                layer_stack=self.layer_stack, parallel=self.parallel,
             ).compile()
         else:
             _, r, t, w = shape
             self._prefill[(r, t, w)] = prefill.lower(
                 self._params, self._pages, s((r, t), i32), s((r, t), i32), s((r, w), i32), s((r,), i32),
                 s((r,), u32), s((r,), f32), s((r,), i32), s((r,), f32), cfg=self.cfg, layer_stack=self.layer_stack,
+                parallel=self.parallel,
             ).compile()
 
     def decode(self, rows: int, width: int):

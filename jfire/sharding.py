@@ -3,12 +3,11 @@
 Model code names its dimensions (`ParamSpec.axes`); this one table turns names into mesh
 axes. Tensor parallelism follows from it: attention heads and the MLP width split over tp
 (column-parallel in, row-parallel out, so XLA inserts one all-reduce after each block),
-the vocabulary splits over tp (embedding and LM head), layers split over pp.
+the vocabulary splits over tp (embedding and LM head), layers split over pp, experts over ep.
 """
 
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +15,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jfire.errors import JfireError
-from jfire.models.llama import LlamaConfig
+from jfire.models.family import Family
 from jfire.models.params import get_path, set_path
 
 RULES: dict[str, str | tuple[str, ...] | None] = {
@@ -29,14 +28,14 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "kv_heads": "tp",
     "ffn": "tp",
     "experts": "ep",
+    # A router's output axis: every expert-parallel shard scores all experts.
+    "experts_replicated": None,
     "embed": None,
     "head_dim": None,
     "sequence": None,
     "pages": None,
     "page_slots": None,
 }
-
-CACHE_AXES = ("layers", "kv_heads", "pages", "page_slots", "head_dim")
 
 
 def partition_spec(axes: tuple[str, ...], mesh: jax.sharding.Mesh, shape: tuple[int, ...] | None = None) -> PartitionSpec:
@@ -62,35 +61,27 @@ def partition_spec(axes: tuple[str, ...], mesh: jax.sharding.Mesh, shape: tuple[
     return PartitionSpec(*out)
 
 
-def param_shardings(cfg: LlamaConfig, mesh) -> dict:
+def param_shardings(cfg: Family, mesh) -> dict:
     tree: dict = {}
     for spec in cfg.param_specs():
         set_path(tree, spec.name, NamedSharding(mesh, partition_spec(spec.axes, mesh, spec.shape)))
     return tree
 
 
-def cache_sharding(cfg: LlamaConfig, mesh) -> NamedSharding:
-    return NamedSharding(mesh, partition_spec(CACHE_AXES, mesh, (cfg.num_layers, cfg.num_kv_heads, 1, 1, 1)))
+def cache_shardings(cfg: Family, mesh) -> dict:
+    """Each cache array's sharding, from its declared axes (the pages axis stays whole)."""
+    return {c.name: NamedSharding(mesh, partition_spec(c.axes, mesh, c.shape(1, 1))) for c in cfg.cache_specs()}
 
 
-# -- KV heads when tp exceeds them ---------------------------------------------------------------
+# -- adapting to the tensor-parallel width --------------------------------------------------------
 
 
-def kv_replication(cfg: LlamaConfig, tp: int) -> int:
-    """How many times each KV head is repeated so every tp shard owns one (1 = none)."""
-    return tp // cfg.num_kv_heads if tp > cfg.num_kv_heads else 1
-
-
-def expand_kv_heads(cfg: LlamaConfig, params: dict, mesh) -> tuple[LlamaConfig, dict]:
-    """With tp > KV heads, repeats each KV head so the heads split evenly over tp.
-
-    Query head h uses KV head h // (H / KVH); after repeating each KV head r times in place,
-    h // (H / (KVH * r)) names a copy of that same head, so attention is unchanged.
-    """
-    r = kv_replication(cfg, mesh.shape["tp"])
+def adapt_to_mesh(cfg: Family, params: dict, mesh) -> tuple[Family, dict, int]:
+    """(config, params, r) for the mesh's tp width: where the family repeats its cache heads so
+    every tp shard owns one (r times each), the params along `kv_heads` are repeated in place."""
+    wide, r = cfg.adapt_to_tp(mesh.shape["tp"])
     if r == 1:
-        return cfg, params
-    wide = dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * r)
+        return cfg, params, 1
     targets = param_shardings(wide, mesh)
     out = jax.tree.map(lambda x: x, params)
     for spec in wide.param_specs():
@@ -99,10 +90,10 @@ def expand_kv_heads(cfg: LlamaConfig, params: dict, mesh) -> tuple[LlamaConfig, 
         axis = spec.axes.index("kv_heads")
         repeat = jax.jit(lambda x, axis=axis: jnp.repeat(x, r, axis=axis), out_shardings=get_path(targets, spec.name))
         set_path(out, spec.name, repeat(get_path(params, spec.name)))
-    return wide, out
+    return wide, out, r
 
 
-def place(host_params: dict, cfg: LlamaConfig, mesh) -> dict:
+def place(host_params: dict, cfg: Family, mesh) -> dict:
     """Host arrays onto the mesh: each device receives only its own shard."""
     shardings = param_shardings(cfg, mesh)
     return jax.tree.map(lambda x, s: jax.device_put(np.asarray(x), s), host_params, shardings)
@@ -115,3 +106,12 @@ def addressable_bytes(params: dict) -> dict:
         for shard in leaf.addressable_shards:
             per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
     return per_device
+
+
+def page_bytes_per_device(cfg: Family, page_size: int, dtype, cache_shardings: dict) -> int:
+    """Bytes of one page on one device: each cache array's shard of a page."""
+    total = 0
+    for c in cfg.cache_specs():
+        shard = cache_shardings[c.name].shard_shape(c.shape(1, page_size))
+        total += int(np.prod(shard)) * np.dtype(dtype).itemsize
+    return total

@@ -65,7 +65,7 @@ def main(argv=None) -> int:
         spec = meshes.MeshSpec(name=f"pp=4,tp=2,microbatches={micro}", pp=4, tp=2, microbatches=micro)
         mesh = meshes.build(spec)
         params = sharding.place(host, cfg, mesh)
-        pages = init_pages(cfg, b * width, page, jnp.float32, sharding.cache_sharding(cfg, mesh))
+        pages = init_pages(cfg, b * width, page, jnp.float32, sharding.cache_shardings(cfg, mesh))
         stack = Pipeline(mesh, micro)
         state = {"pages": pages}
         tokens = np.ones(b, np.int32)

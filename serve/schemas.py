@@ -70,12 +70,26 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+class ImagePart(BaseModel):
+    """Accepted by the schema only to be refused with a clear message: jfire serves text."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["image_url", "input_image", "image"]
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[TextPart] | None = None
+    content: StrictStr | list[Union[TextPart, ImagePart]] | None = None
     name: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self):
+        if isinstance(self.content, list) and any(isinstance(p, ImagePart) for p in self.content):
+            raise ValueError("image content parts are not supported: jfire serves the text model only "
+                             "(a multimodal checkpoint's vision tower is not loaded); send text parts")
+        return self
 
     def text(self) -> str:
         if self.content is None:

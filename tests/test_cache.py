@@ -18,7 +18,9 @@ import numpy as np
 import pytest
 
 from jfire import programs
-from jfire.models.llama import LlamaConfig, RopeScaling, forward, init_cache
+from jfire.models.blocks import RopeScaling
+from jfire.models.family import forward, init_cache
+from jfire.models.llama import LlamaConfig
 from jfire.models.params import get_path, init_params, set_path
 
 TOL = 1e-5  # relative error, float32

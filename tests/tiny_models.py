@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -42,13 +43,84 @@ FAMILIES = {
         tie_word_embeddings=True, rope_theta=100000.0, num_key_value_heads=1)),
 }
 
+# The text model of the tiny Llama 4: 4 layers, so that within a ~30-token test sequence
+#   layer 0: NoPE (global, temperature-tuned), dense MLP (intermediate_size_mlp)
+#   layer 1: RoPE + qk norm, chunked (8), MoE (intermediate_size, shared expert)
+#   layer 2: RoPE + qk norm, chunked (8), dense MLP
+#   layer 3: NoPE (global, temperature-tuned), MoE
+# Temperature tuning: q *= 1 + attn_scale * log1p(floor((pos + 1) / floor_scale)), so > 1 from
+# position 3. llama3 rope bands with head_dim 32, theta 5e5 and original context 64: pair 0
+# keeps its frequency, pairs 1-2 are smoothed, the rest divided by the factor.
+LLAMA4_TEXT = dict(
+    num_hidden_layers=4,
+    head_dim=32,
+    intermediate_size=96,
+    intermediate_size_mlp=160,
+    num_local_experts=4,
+    num_experts_per_tok=1,
+    interleave_moe_layer_step=2,
+    no_rope_layers=[0, 1, 1, 0],
+    attention_chunk_size=8,
+    attn_temperature_tuning=True,
+    floor_scale=4,
+    attn_scale=0.25,
+    use_qk_norm=True,
+    tie_word_embeddings=False,
+    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 8.0, "original_max_position_embeddings": 64},
+)
+
+# MoE families. Kept out of FAMILIES, which the dense parity tests run over; build and save
+# them with the same functions. Routers and experts are drawn with initializer_range like the
+# other weights, so routing margins are wide.
+MOE_FAMILIES = {
+    # Mixtral: 4 experts, top-2, softmax over all experts then renormalised over the chosen two.
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, dict(
+        num_local_experts=4, num_experts_per_tok=2, rope_theta=1000000.0)),
+    # Qwen3-MoE: every layer sparse, expert width unlike the (unused here) dense width,
+    # q/k norms, head_dim not equal to hidden / heads, top-k renormalised.
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, dict(
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, moe_intermediate_size=48,
+        head_dim=32, tie_word_embeddings=False)),
+    # Qwen3-MoE with decoder_sparse_step 2: layers 0 and 2 dense (intermediate_size), 1 and 3
+    # sparse (moe_intermediate_size); top-k weights not renormalised.
+    "qwen3_moe_sparse": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, dict(
+        num_hidden_layers=4, decoder_sparse_step=2, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=False, moe_intermediate_size=48, head_dim=32, tie_word_embeddings=False)),
+    # Llama 4 text-only (Llama4ForCausalLM, model_type llama4_text): see LLAMA4_TEXT.
+    "llama4": (transformers.Llama4TextConfig, transformers.Llama4ForCausalLM, LLAMA4_TEXT),
+    # Llama 4 as released (Llama4ForConditionalGeneration, model_type llama4): the same text model
+    # under language_model.*, a 1-layer vision tower and the projector. COMMON goes into text_config.
+    "llama4_mm": (transformers.Llama4Config, transformers.Llama4ForConditionalGeneration, dict(
+        text_config=LLAMA4_TEXT,
+        vision_config=dict(
+            hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=128,
+            image_size=28, patch_size=14, vision_output_dim=32, projector_input_dim=32,
+            projector_output_dim=32, pixel_shuffle_ratio=0.5, initializer_range=0.2),
+        image_token_index=250, boi_token_index=251, eoi_token_index=252,
+    )),
+}
+
+ALL_FAMILIES = {**FAMILIES, **MOE_FAMILIES}
+
+
+def tiny_hf_config(family: str):
+    config_cls, _, extra = ALL_FAMILIES[family]
+    if "text_config" in extra:
+        # A composite (multimodal) config: COMMON describes its language model.
+        config = config_cls(**{**extra, "text_config": {**COMMON, **extra["text_config"]}})
+    else:
+        config = config_cls(**{**COMMON, **extra})
+    # Eager attention and the per-expert loop: the exact reference, not a fused kernel.
+    config._attn_implementation = "eager"
+    config._experts_implementation = "eager"
+    return config
+
 
 def build_tiny_hf_model(family: str, seed: int = 0):
-    config_cls, model_cls, extra = FAMILIES[family]
+    _, model_cls, _ = ALL_FAMILIES[family]
     torch.manual_seed(seed)
-    config = config_cls(**{**COMMON, **extra})
-    config._attn_implementation = "eager"
-    model = model_cls(config).eval()
+    model = model_cls(tiny_hf_config(family)).eval()
     with torch.no_grad():
         # Biases and norm weights start at 0 / 1; randomise them so they are really tested.
         for name, p in model.named_parameters():
@@ -61,4 +133,32 @@ def save_tiny_hf_model(family: str, path: Path, *, max_shard_size: str | None = 
     model = build_tiny_hf_model(family, seed)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
+    return Path(path)
+
+
+def hf_text_model(path, dtype=torch.float32):
+    """The HF causal LM to compare a saved directory against: eager attention, eager experts.
+
+    For a multimodal Llama 4 directory this is the text model inside it
+    (Llama4ForConditionalGeneration.language_model, a Llama4ForCausalLM): the outer model's own
+    forward fails on text-only input in transformers 5.24.
+    """
+    kwargs = dict(attn_implementation="eager", experts_implementation="eager", dtype=dtype)
+    model_type = json.loads((Path(path) / "config.json").read_text())["model_type"]
+    if model_type == "llama4":
+        return transformers.Llama4ForConditionalGeneration.from_pretrained(path, **kwargs).language_model.eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
+
+
+def save_byte_tokenizer(path: Path) -> Path:
+    """A byte-level tokenizer whose 256 ids are the 256 bytes: it fits the tiny models'
+    vocabulary, so they can be served and asked text prompts over HTTP."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(Path(path) / "tokenizer.json"))
     return Path(path)

@@ -12,7 +12,8 @@ and compared with the manifest, so a corrupted or truncated checkpoint is refuse
 never loaded as wrong weights.
 
 Layer-stacked weights are coded per layer (a unit), so `keep_compressed=True` can leave
-them compressed in device memory for `decompress_layer` to decode inside the layer loop.
+them compressed in device memory for `jfire.kernels.layer_weights.layer_slice` to decode
+inside the layer loop.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ import numpy as np
 
 from jfire.checkpoint import codec, store
 from jfire.errors import JfireError
-from jfire.kernels.bf16_decode import CODE_BITS, Compressed, Layout, bf16_decode, bf16_decode_reference, pad_payload
+from jfire.kernels.bf16_decode import CODE_BITS, Compressed, Layout, pad_payload
+from jfire.kernels.layer_weights import decode, default_decoder
 from jfire.models.params import get_path, set_path
 from jfire.sharding import RULES
 
@@ -39,7 +41,6 @@ CODEC_VERSION = 1
 # layout, so that every shard is a set of whole rows (docs/compression.md). The layout is
 # recorded per tensor, so later rule changes do not affect existing checkpoints.
 SHARDABLE_AXES = tuple(name for name, rule in RULES.items() if rule)
-DECODERS = ("pallas", "pallas-interpret", "reference")
 ARRAYS = ("code_lengths", "lane_bits", "raw", "payload")
 
 
@@ -120,21 +121,6 @@ def abstract_tree(specs, section: dict, sharding) -> dict:
 # -- decoding and checking --------------------------------------------------------------------------
 
 
-def default_decoder() -> str:
-    return "pallas" if jax.default_backend() == "gpu" else "pallas-interpret"
-
-
-def decode(c: Compressed, decoder: str, unit=None) -> jax.Array:
-    """The tensor (or one unit of it) in bf16, by the named decoder."""
-    if decoder == "reference":
-        return bf16_decode_reference(c, unit)
-    if decoder == "pallas-interpret":
-        return bf16_decode(c, unit, interpret=True, block_lanes=16384)  # few, wide programs: the grid is a loop on CPU
-    if decoder == "pallas":
-        return bf16_decode(c, unit)
-    raise JfireError(f"unknown decoder {decoder!r}; use one of: {', '.join(DECODERS)}")
-
-
 @jax.jit
 def device_checksum(x: jax.Array) -> jax.Array:
     """codec.checksum computed on the device from bf16 values: a u32 scalar."""
@@ -205,24 +191,6 @@ def decode_tree(path: Path, specs, section: dict, stored: dict, dtype, decoder: 
 # -- keeping layers compressed ------------------------------------------------------------------------
 
 
-def decompress_layer(layers: dict, i, *, dtype=jnp.bfloat16, decoder: str | None = None) -> dict:
-    """Layer `i` of a stacked layer tree whose leaves may be `Compressed`: what the layer
-    loop's body needs, decoded just before it runs. `i` may be a traced scan index.
-
-    The model's scan then carries the compressed tree as a constant and scans over layer
-    ids only: `p = decompress_layer(params["layers"], i, dtype=x.dtype)`.
-    """
-    decoder = decoder or default_decoder()
-    out = {}
-    for name, leaf in layers.items():
-        if isinstance(leaf, Compressed):
-            value = decode(leaf, decoder, unit=i)
-        else:
-            value = jax.lax.dynamic_index_in_dim(leaf, i, keepdims=False)
-        out[name] = value.astype(dtype)
-    return out
-
-
 def compressed_bytes(params: dict) -> int:
     """Device bytes held by a params tree, counting compressed leaves at their stored size."""
     leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, Compressed))
@@ -254,10 +222,8 @@ def restore(path: Path, manifest: dict, dtype, *, decoder: str | None = None, ke
     """
     if keep_compressed and shardings is not None:
         raise JfireError("keeping layers compressed is not supported on a mesh yet")
-    from jfire.models.llama import LlamaConfig
-
     path = Path(path).absolute()
-    config = LlamaConfig.from_dict(manifest["config"])
+    config = store.config_of(manifest)
     specs = config.param_specs()
     section = check_section(path, manifest, specs)
     target = abstract_tree(specs, section, jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))

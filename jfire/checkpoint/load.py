@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -18,7 +19,7 @@ from jfire import sharding
 from jfire.checkpoint import store
 from jfire.checkpoint.sources import GGUFSource, HFDirSource
 from jfire.errors import JfireError
-from jfire.models.llama import LlamaConfig
+from jfire.models.family import Family, Parallel
 from jfire.models.params import set_path
 from jfire.tokenizer import Tokenizer
 
@@ -27,7 +28,7 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 @dataclasses.dataclass
 class LoadedModel:
-    config: LlamaConfig
+    config: Family
     params: dict
     tokenizer: Tokenizer | None
     name: str  # what the user asked for, for messages and /v1/models
@@ -35,6 +36,17 @@ class LoadedModel:
     mesh: jax.sharding.Mesh | None = None  # where the params live; None = the default device
     mesh_spec: object = None  # the jfire.mesh.MeshSpec the mesh was built from
     kv_replication: int = 1  # each of the checkpoint's KV heads appears this many times in `config`
+
+    @property
+    def dtype_of_params(self):
+        return DTYPES[self.dtype]
+
+    @property
+    def parallel(self) -> Parallel | None:
+        """The mesh for blocks that place their own collectives (expert dispatch)."""
+        if self.mesh is None or (self.mesh.shape["ep"] == 1 and self.mesh.shape["tp"] == 1):
+            return None
+        return Parallel(self.mesh)
 
 
 def parse_dtype(name: str):
@@ -54,31 +66,53 @@ def open_source(path: Path):
     return HFDirSource(path)
 
 
-def read_params(source, config: LlamaConfig, dtype, progress: Callable | None = None) -> dict:
+def read_params(source, config: Family, dtype, progress: Callable | None = None) -> dict:
     """Reads every declared parameter from `source` (HF names and layout), checked and cast,
     as host (numpy) arrays: placing them is the caller's choice (one device, or a mesh where
     each device receives only its shard)."""
     np_dtype = np.dtype(dtype)
+    note_skipped(source, config)
     params: dict = {}
     for spec in config.param_specs():
-        layers = range(config.num_layers) if spec.per_layer else [None]
+        layers = spec.layers if spec.per_layer else [None]
         slices = []
         for i in layers:
-            name = spec.hf.format(i=i) if i is not None else spec.hf
-            tensor = source.get(name, spec)
-            if tuple(tensor.shape) != spec.source_shape:
-                raise JfireError(
-                    f"tensor '{name}' has shape {tuple(tensor.shape)} but the config implies {spec.source_shape}"
-                )
-            slices.append(spec.from_source(np.asarray(tensor)).astype(np_dtype))
-            if progress:
-                progress(name)
+            name = spec.hf.format(i=i, e="{e}") if i is not None else spec.hf
+            if spec.per_expert:
+                experts = [_read_one(source, spec, name.format(e=e), np_dtype, progress)
+                           for e in range(spec.shape[1 if spec.per_layer else 0])]
+                slices.append(np.stack(experts))
+            else:
+                slices.append(_read_one(source, spec, name, np_dtype, progress))
         set_path(params, spec.name, np.stack(slices) if spec.per_layer else slices[0])
     return params
 
 
-def count_source_tensors(config: LlamaConfig) -> int:
-    return sum(config.num_layers if s.per_layer else 1 for s in config.param_specs())
+def note_skipped(source, config: Family) -> str | None:
+    """One line naming the source tensors the family deliberately leaves unread (a vision
+    tower beside the text model), printed to stderr; None when there are none."""
+    prefixes = config.skipped_source_prefixes()
+    skipped = [n for n in source.names() if n.startswith(prefixes)] if prefixes else []
+    if not skipped:
+        return None
+    line = (f"jfire: {source.path.name}: skipping {len(skipped)} tensors under "
+            f"{', '.join(p.rstrip('.') for p in prefixes)} (not part of the text model jfire serves)")
+    print(line, file=sys.stderr, flush=True)
+    return line
+
+
+def _read_one(source, spec, name: str, np_dtype, progress) -> np.ndarray:
+    tensor = source.get(name, spec)
+    if tuple(tensor.shape) != spec.source_shape:
+        raise JfireError(f"tensor '{name}' has shape {tuple(tensor.shape)} but the config implies {spec.source_shape}")
+    if progress:
+        progress(name)
+    return spec.from_source(np.asarray(tensor)).astype(np_dtype)
+
+
+def count_source_tensors(config: Family) -> int:
+    return sum((s.shape[0] if s.per_layer else 1) * (s.shape[1 if s.per_layer else 0] if s.per_expert else 1)
+               for s in config.param_specs())
 
 
 def resolve_model_path(model: str | None, checkpoints_dir: Path | None = None) -> tuple[Path, str]:
@@ -91,7 +125,7 @@ def resolve_model_path(model: str | None, checkpoints_dir: Path | None = None) -
 
 
 def load_config_and_tokenizer(model: str | None, checkpoints_dir: Path | None = None
-                              ) -> tuple[LlamaConfig, Tokenizer | None, str]:
+                              ) -> tuple[Family, Tokenizer | None, str]:
     """What a frontend needs without the weights: (config, tokenizer, name)."""
     path, name = resolve_model_path(model, checkpoints_dir)
     if store.is_checkpoint(path):
@@ -127,13 +161,12 @@ def load_model(model: str | None, dtype: str = "float32", *, checkpoints_dir: Pa
         params = sharding.place(host, config, mesh) if mesh else jax.device_put(host)
         tokenizer = Tokenizer.from_gguf(source.reader) if isinstance(source, GGUFSource) else Tokenizer.from_dir(path)
     if mesh is not None:
-        replication = sharding.kv_replication(config, mesh.shape["tp"])
-        config, params = sharding.expand_kv_heads(config, params, mesh)
+        config, params, replication = sharding.adapt_to_mesh(config, params, mesh)
     return LoadedModel(config=config, params=params, tokenizer=tokenizer, name=name, dtype=dtype, mesh=mesh,
                        mesh_spec=mesh_spec if mesh is not None else None, kv_replication=replication)
 
 
-def _mesh_for(mesh_spec, config: LlamaConfig, devices=None):
+def _mesh_for(mesh_spec, config: Family, devices=None):
     """The jax Mesh for a MeshSpec over `devices` (default: all), after checking it fits them
     and this model."""
     if mesh_spec is None or mesh_spec.size == 1:

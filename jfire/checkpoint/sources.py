@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 
 from jfire.errors import JfireError
-from jfire.models.llama import LlamaConfig
 from jfire.models.params import ParamSpec
+from jfire.models.registry import config_from_gguf, config_from_hf
 
 
 class HFDirSource:
@@ -33,7 +33,7 @@ class HFDirSource:
         if not isinstance(self.hf_config, dict):
             raise JfireError(f"{config_file} must hold a JSON object, not a {type(self.hf_config).__name__}")
         try:
-            self.config = LlamaConfig.from_hf(self.hf_config)
+            self.config = config_from_hf(self.hf_config)
         except JfireError:
             raise
         except KeyError as e:
@@ -42,6 +42,9 @@ class HFDirSource:
             raise JfireError(f"{config_file} has a value of the wrong type ({e})") from None
         self._file_of = self._index()
         self._open: dict[Path, object] = {}
+
+    def names(self) -> list[str]:
+        return list(self._file_of)
 
     def _index(self) -> dict[str, Path]:
         index = self.path / "model.safetensors.index.json"
@@ -102,7 +105,7 @@ class GGUFSource:
             raise JfireError(f"{self.path} is not a readable GGUF file ({e})") from None
         self.metadata = gguf_metadata(self.reader)
         self._tensors = {t.name: t for t in self.reader.tensors}
-        self.config = LlamaConfig.from_gguf(self.metadata, has_output_tensor="output.weight" in self._tensors)
+        self.config = config_from_gguf(self.metadata, has_output_tensor="output.weight" in self._tensors)
         # llama.cpp's converter interleaves the rotary halves of Q and K for the 'llama' arch.
         self._permuted = self.metadata["general.architecture"] == "llama"
 
@@ -115,10 +118,12 @@ class GGUFSource:
             raise JfireError(f"{self.path.name}: tensor '{gguf_name}' is missing (expected shape {spec.source_shape})")
         data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         data = np.asarray(data, dtype=np.float32).reshape(tuple(reversed([int(n) for n in tensor.shape])))
-        if self._permuted and spec.name in ("layers.wq", "layers.wk"):
-            heads = self.config.num_heads if spec.name == "layers.wq" else self.config.num_kv_heads
-            data = _unpermute_rotary(data, heads)
+        if self._permuted and spec.gguf_rotary_heads:
+            data = _unpermute_rotary(data, spec.gguf_rotary_heads)
         return data
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
 
 
 def _gguf_name(hf_name: str, spec: ParamSpec) -> str:

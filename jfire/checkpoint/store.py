@@ -1,6 +1,6 @@
 """The jfire checkpoint directory: orbax-checkpoint weights, the model config, the tokenizer.
 
-  DST/jfire.json          {"format": 1, "family": "llama", "dtype": ..., "config": {...}}
+  DST/jfire.json          {"format": 1, "family": "llama" (the model family), "dtype": ..., "config": {...}}
   DST/params/             orbax-checkpoint (StandardCheckpointer) of the params tree
   DST/tokenizer.json, tokenizer_config.json   when the source had a tokenizer
 
@@ -17,8 +17,9 @@ from pathlib import Path
 import jax
 
 from jfire.errors import JfireError
-from jfire.models.llama import LlamaConfig
+from jfire.models.family import Family
 from jfire.models.params import abstract_params
+from jfire.models.registry import config_from_dict
 
 FORMAT_VERSION = 1
 COMPRESSED_FORMAT = 2
@@ -29,7 +30,7 @@ def is_checkpoint(path: Path) -> bool:
     return (Path(path) / MANIFEST).is_file()
 
 
-def save(dst: Path, config: LlamaConfig, params: dict, dtype_name: str, compression: dict | None = None) -> None:
+def save(dst: Path, config: Family, params: dict, dtype_name: str, compression: dict | None = None) -> None:
     """Writes the params tree and the manifest; `compression` (the compressed format's
     section) marks a tree of compressed arrays."""
     import orbax.checkpoint as ocp
@@ -40,7 +41,7 @@ def save(dst: Path, config: LlamaConfig, params: dict, dtype_name: str, compress
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(dst / "params", params, force=True)
         ckptr.wait_until_finished()
-    manifest = {"format": COMPRESSED_FORMAT if compression else FORMAT_VERSION, "family": "llama",
+    manifest = {"format": COMPRESSED_FORMAT if compression else FORMAT_VERSION, "family": config.family,
                 "dtype": dtype_name, "config": config.to_dict()}
     if compression:
         manifest["compression"] = compression
@@ -62,11 +63,15 @@ def read_manifest(path: Path) -> dict:
     return manifest
 
 
-def read_config(path: Path) -> LlamaConfig:
-    return LlamaConfig.from_dict(read_manifest(path)["config"])
+def read_config(path: Path) -> Family:
+    return config_of(read_manifest(path))
 
 
-def restore(path: Path, dtype, shardings: dict | None = None, keep_compressed: bool = False) -> tuple[LlamaConfig, dict]:
+def config_of(manifest: dict) -> Family:
+    return config_from_dict(manifest.get("family", "llama"), manifest["config"])
+
+
+def restore(path: Path, dtype, shardings: dict | None = None, keep_compressed: bool = False) -> tuple[Family, dict]:
     """Config and params from a checkpoint, cast to `dtype` as they are read. With
     `shardings` (a tree of NamedShardings) each device reads only its own shards. With
     `keep_compressed` a compressed checkpoint's layer weights stay compressed on the device."""
@@ -80,7 +85,7 @@ def restore(path: Path, dtype, shardings: dict | None = None, keep_compressed: b
         return compressed.restore(path, manifest, dtype, shardings=shardings, keep_compressed=keep_compressed)
     if keep_compressed:
         raise JfireError(f"{path} is not compressed; --keep-compressed needs a checkpoint converted with --compress")
-    config = LlamaConfig.from_dict(manifest["config"])
+    config = config_of(manifest)
     target = abstract_params(config.param_specs(), dtype)
     if shardings is None:
         single = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])

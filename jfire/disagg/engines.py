@@ -17,7 +17,6 @@ import collections
 import dataclasses
 import time
 
-import jax
 
 from jfire.disagg import cluster
 from jfire.disagg.kv_transfer import KVLayout, Pull, TransferPrograms, drain, new_uuid
@@ -31,7 +30,7 @@ ACK_POLL_S = 0.01
 
 def _layout(engine: Engine) -> KVLayout:
     return KVLayout(engine.cfg, engine.model.kv_replication, engine.config.page_size,
-                    engine.model.params["embed"].dtype, engine.model.mesh)
+                    engine.model.dtype_of_params, engine.model.mesh)
 
 
 @dataclasses.dataclass
@@ -77,8 +76,7 @@ class PrefillEngine(Engine):
         pages = seq.pages[: self.scheduler.pages_needed(len(seq.prompt_ids))]
         self.pool.retain(pages)
         shards = self.layout.usable_shards(self._shards.pop(seq.request_id, 1))
-        wire_sharding = self.layout.wire_sharding(shards)
-        arrays = [jax.device_put(a, wire_sharding) for a in self.gather.gather(self.pages, pages)]
+        arrays = self.layout.to_wire(self.gather.gather(self.pages, pages), shards)
         uuid = new_uuid()
         self.server.await_pull(uuid, arrays)
         self._published[uuid] = _Published(pages, arrays, self.layout.wire_structs(len(pages), shards),

@@ -1,15 +1,16 @@
 """Moving one request's KV cache from a prefill group's pages into a decode group's pages.
 
-The wire format is one array per page, `[2 (k, v), layers, kv_heads, page_size, head_dim]`,
-with the checkpoint's own KV heads (copies made so tensor parallelism can split them are
-dropped before sending and made again on arrival). Sending exactly the request's pages makes
-the bytes moved equal its cache size, and one fixed shape per page keeps every program
-compiled ahead of time.
+The wire format follows the family's cache declaration: for each page of the request, one
+array per declared cache array (`cache_specs()`, e.g. keys then values) with the `pages`
+axis dropped, e.g. `[layers, kv_heads, page_size, head_dim]`, page-major. Cache heads that
+were repeated so tensor parallelism could split them are dropped before sending and made
+again on arrival. Sending exactly the request's pages makes the bytes moved equal its cache
+size, and fixed shapes per page keep every program compiled ahead of time.
 
-On the wire the arrays are split over KV heads into `shards` pieces, on the first `shards`
-devices of each side, so JAX's transfer server moves them shard for shard. Each side reshards
-between that layout and its own cache layout on its own devices: the two groups may use
-different meshes.
+On the wire an array with a `kv_heads` axis may be split over it into `shards` pieces, on
+the first `shards` devices of each side, so JAX's transfer server moves it shard for shard.
+Each side reshards between that layout and its own cache layout on its own devices: the two
+groups may use different meshes.
 
 The prefill side publishes with `await_pull` and holds the pages until the decode side
 acknowledges (through the cluster store) or its own timeout passes; the transfer server's
@@ -29,64 +30,81 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from jfire import sharding
-from jfire.models.llama import LlamaConfig
+from jfire.models.family import PAGES, CacheSpec, Family
+
+HEADS = "kv_heads"  # the cache axis tensor parallelism splits (and may repeat)
 
 
 @dataclasses.dataclass(frozen=True)
 class KVLayout:
     """What one side knows about its cache: enough to build the wire and cache shardings."""
 
-    cfg: LlamaConfig  # the engine's config (KV heads possibly repeated for tp)
-    replication: int  # how many times each checkpoint KV head is repeated in the cache
+    cfg: Family  # the engine's config (cache heads possibly repeated for tp)
+    replication: int  # how many times each checkpoint cache head is repeated in the cache
     page_size: int
     dtype: object
     mesh: Mesh | None  # None: one device
 
     @property
-    def kv_heads(self) -> int:
-        """The checkpoint's KV heads: what travels."""
-        return self.cfg.num_kv_heads // self.replication
+    def arrays(self) -> tuple[CacheSpec, ...]:
+        return self.cfg.cache_specs()
 
-    @property
-    def page_shape(self) -> tuple[int, ...]:
-        return (2, self.cfg.num_layers, self.kv_heads, self.page_size, self.cfg.head_dim)
+    def wire_shape(self, c: CacheSpec) -> tuple[int, ...]:
+        """One page of one cache array as it travels (the checkpoint's own heads)."""
+        shape = list(c.page_shape(self.page_size))
+        if HEADS in c.page_axes():
+            shape[c.page_axes().index(HEADS)] //= self.replication
+        return tuple(shape)
 
     @property
     def page_nbytes(self) -> int:
-        return int(np.prod(self.page_shape)) * np.dtype(self.dtype).itemsize
+        return sum(int(np.prod(self.wire_shape(c))) for c in self.arrays) * np.dtype(self.dtype).itemsize
+
+    @property
+    def wire_heads(self) -> int:
+        """Heads every array can be split by on the wire (1: some array has no head axis)."""
+        heads = [self.wire_shape(c)[c.page_axes().index(HEADS)] for c in self.arrays if HEADS in c.page_axes()]
+        return min(heads) if len(heads) == len(self.arrays) else 1
 
     def devices(self) -> list:
         return list(self.mesh.devices.flat) if self.mesh is not None else [jax.local_devices()[0]]
 
     def preferred_shards(self) -> int:
-        """How many KV-head pieces this side's cache is split into (the decode side asks for this)."""
+        """How many head pieces this side's cache is split into (the decode side asks for this)."""
         if self.mesh is None:
             return 1
         tp = self.mesh.shape["tp"]
-        return tp if tp > 1 and self.kv_heads % tp == 0 else 1
+        return tp if tp > 1 and self.wire_heads % tp == 0 else 1
 
-    def wire_sharding(self, shards: int):
-        """The transfer layout: KV heads in `shards` pieces, on this side's tp devices in order."""
+    def wire_sharding(self, c: CacheSpec, shards: int):
+        """The transfer layout of one array: heads in `shards` pieces, on this side's tp devices."""
         if shards == 1:
             return SingleDeviceSharding(self.devices()[0])
         # The devices of one tensor-parallel group (dp = pp = ep = 0), in tp order.
         tp_devices = self.mesh.devices[0, 0, :, 0] if self.mesh.shape["tp"] >= shards else self.devices()
-        return NamedSharding(Mesh(np.array(list(tp_devices)[:shards]), ("kv",)), PartitionSpec(None, None, "kv"))
+        spec = PartitionSpec(*("kv" if a == HEADS else None for a in c.page_axes()))
+        return NamedSharding(Mesh(np.array(list(tp_devices)[:shards]), ("kv",)), spec)
 
-    def page_sharding(self):
-        """One page in this side's cache layout (layers over pp, KV heads over tp where they divide)."""
+    def page_sharding(self, c: CacheSpec):
+        """One page of one array in this side's cache layout (as the cache, less the pages axis)."""
         if self.mesh is None:
             return SingleDeviceSharding(self.devices()[0])
-        spec = sharding.partition_spec(("layers", "kv_heads", "page_slots", "head_dim"), self.mesh, self.page_shape[1:])
-        return NamedSharding(self.mesh, PartitionSpec(None, *spec))
+        return NamedSharding(self.mesh, sharding.partition_spec(c.page_axes(), self.mesh, self.wire_shape(c)))
 
     def wire_structs(self, num_pages: int, shards: int) -> list[jax.ShapeDtypeStruct]:
-        s = jax.ShapeDtypeStruct(self.page_shape, self.dtype, sharding=self.wire_sharding(shards))
-        return [s] * num_pages
+        """What travels for num_pages pages: page-major, one struct per cache array."""
+        one = [jax.ShapeDtypeStruct(self.wire_shape(c), self.dtype, sharding=self.wire_sharding(c, shards))
+               for c in self.arrays]
+        return one * num_pages
+
+    def to_wire(self, arrays: list, shards: int) -> list[jax.Array]:
+        """Gathered page arrays moved into their wire layout."""
+        n = len(self.arrays)
+        return [jax.device_put(a, self.wire_sharding(self.arrays[i % n], shards)) for i, a in enumerate(arrays)]
 
     def usable_shards(self, wanted: int) -> int:
         """`wanted` if this side has that many devices and the heads split that way, else 1."""
-        return wanted if wanted > 1 and len(self.devices()) >= wanted and self.kv_heads % wanted == 0 else 1
+        return wanted if wanted > 1 and len(self.devices()) >= wanted and self.wire_heads % wanted == 0 else 1
 
 
 def new_uuid() -> int:
@@ -96,22 +114,36 @@ def new_uuid() -> int:
 # -- the programs: pages -> wire arrays, wire arrays -> pages --------------------------------
 
 
-def gather_pages(pages, page_ids, *, replication: int):
-    """page_ids [w] -> w arrays [2, layers, kv_heads, page_size, head_dim] (checkpoint heads)."""
-    k = pages["k"][:, ::replication][:, :, page_ids]
-    v = pages["v"][:, ::replication][:, :, page_ids]
-    both = jnp.stack([k, v])  # [2, layers, heads, w, page_size, head_dim]
-    return tuple(both[:, :, :, i] for i in range(page_ids.shape[0]))
+def _heads_every(x, c: CacheSpec, replication: int):
+    """The checkpoint's own heads of a cache array (every replication-th)."""
+    if replication == 1 or HEADS not in c.axes:
+        return x
+    return jax.lax.slice_in_dim(x, 0, None, replication, axis=c.axes.index(HEADS))
 
 
-def insert_pages(pages, arrays, page_ids, *, replication: int):
-    """Writes wire arrays into the pages named by page_ids; an id past the pool is dropped
-    (padding up to the compiled width)."""
-    stacked = jnp.stack(arrays, axis=3)  # [2, layers, heads, w, page_size, head_dim]
-    if replication > 1:
-        stacked = jnp.repeat(stacked, replication, axis=2)
-    return {"k": pages["k"].at[:, :, page_ids].set(stacked[0], mode="drop"),
-            "v": pages["v"].at[:, :, page_ids].set(stacked[1], mode="drop")}
+def gather_pages(pages, page_ids, *, arrays: tuple[CacheSpec, ...], replication: int):
+    """page_ids [w] -> w * len(arrays) wire arrays, page-major."""
+    taken = []
+    for c in arrays:
+        axis = c.axes.index(PAGES)
+        x = jnp.take(_heads_every(pages[c.name], c, replication), page_ids, axis=axis)
+        taken.append([jax.lax.index_in_dim(x, i, axis, keepdims=False) for i in range(page_ids.shape[0])])
+    return tuple(taken[a][i] for i in range(page_ids.shape[0]) for a in range(len(arrays)))
+
+
+def insert_pages(pages, wire, page_ids, *, arrays: tuple[CacheSpec, ...], replication: int):
+    """Writes wire arrays (page-major) into the pages named by page_ids; an id past the pool
+    is dropped (padding up to the compiled width)."""
+    out = dict(pages)
+    n = len(arrays)
+    for a, c in enumerate(arrays):
+        axis = c.axes.index(PAGES)
+        stacked = jnp.stack(wire[a::n], axis=axis)
+        if replication > 1 and HEADS in c.axes:
+            stacked = jnp.repeat(stacked, replication, axis=c.axes.index(HEADS))
+        index = (slice(None),) * axis + (page_ids,)
+        out[c.name] = pages[c.name].at[index].set(stacked, mode="drop")
+    return out
 
 
 class TransferPrograms:
@@ -120,10 +152,11 @@ class TransferPrograms:
     def __init__(self, layout: KVLayout, pages, widths: tuple[int, ...], kind: str):
         self.layout, self.kind, self.widths = layout, kind, widths
         self._pages = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), pages)
+        self._num_pages = next(iter(pages.values())).shape[layout.arrays[0].axes.index(PAGES)]
         self._compiled: dict[int, object] = {}
         ids = layout.mesh and NamedSharding(layout.mesh, PartitionSpec())
         self._ids_sharding = ids or SingleDeviceSharding(layout.devices()[0])
-        self.padding = None  # decode side: a zero page standing in for unused slots
+        self.padding = None  # decode side: zero pages standing in for unused slots
 
     @property
     def num_compiled(self) -> int:
@@ -133,18 +166,23 @@ class TransferPrograms:
         for w in self.widths:
             self._compiled[w] = self._lower(w).compile()
         if self.kind == "insert":
-            self.padding = jax.device_put(np.zeros(self.layout.page_shape, self.layout.dtype),
-                                          self.layout.page_sharding())
+            self.padding = [jax.device_put(np.zeros(self.layout.wire_shape(c), self.layout.dtype),
+                                           self.layout.page_sharding(c)) for c in self.layout.arrays]
+
+    def _page_structs(self, w: int) -> tuple:
+        one = [jax.ShapeDtypeStruct(self.layout.wire_shape(c), self.layout.dtype, sharding=self.layout.page_sharding(c))
+               for c in self.layout.arrays]
+        return tuple(one * w)
 
     def _lower(self, w: int):
         ids = jax.ShapeDtypeStruct((w,), jnp.int32, sharding=self._ids_sharding)
+        static = dict(arrays=self.layout.arrays, replication=self.layout.replication)
         if self.kind == "gather":
-            out = tuple([self.layout.page_sharding()] * w)
-            return jax.jit(gather_pages, static_argnames=("replication",), out_shardings=out).lower(
-                self._pages, ids, replication=self.layout.replication)
-        page = jax.ShapeDtypeStruct(self.layout.page_shape, self.layout.dtype, sharding=self.layout.page_sharding())
-        return jax.jit(insert_pages, static_argnames=("replication",), donate_argnames=("pages",)).lower(
-            self._pages, tuple([page] * w), ids, replication=self.layout.replication)
+            out = tuple(s.sharding for s in self._page_structs(w))
+            return jax.jit(gather_pages, static_argnames=("arrays", "replication"), out_shardings=out).lower(
+                self._pages, ids, **static)
+        return jax.jit(insert_pages, static_argnames=("arrays", "replication"), donate_argnames=("pages",)).lower(
+            self._pages, self._page_structs(w), ids, **static)
 
     def width_for(self, n: int) -> int:
         return next(w for w in self.widths if w >= n)
@@ -153,14 +191,15 @@ class TransferPrograms:
         w = self.width_for(len(page_ids))
         ids = np.zeros(w, np.int32)
         ids[: len(page_ids)] = page_ids
-        return list(self._compiled[w](pages, jax.device_put(ids, self._ids_sharding))[: len(page_ids)])
+        return list(self._compiled[w](pages, jax.device_put(ids, self._ids_sharding))[: len(page_ids) * len(self.layout.arrays)])
 
     def insert(self, pages, arrays: list[jax.Array], page_ids: list[int]):
         w = self.width_for(len(page_ids))
-        ids = np.full(w, pages["k"].shape[2], np.int32)  # past the pool: dropped
+        ids = np.full(w, self._num_pages, np.int32)  # past the pool: dropped
         ids[: len(page_ids)] = page_ids
-        arrays = [jax.device_put(a, self.layout.page_sharding()) for a in arrays]
-        arrays += [self.padding] * (w - len(arrays))
+        n = len(self.layout.arrays)
+        arrays = [jax.device_put(a, self.layout.page_sharding(self.layout.arrays[i % n])) for i, a in enumerate(arrays)]
+        arrays += self.padding * (w - len(page_ids))
         return self._compiled[w](pages, tuple(arrays), jax.device_put(ids, self._ids_sharding))
 
 

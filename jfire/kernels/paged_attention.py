@@ -21,10 +21,12 @@ from jax.experimental import pallas as pl
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def attention(q, k, v, positions, sliding_window: int | None = None):
+def attention(q, k, v, positions, sliding_window: int | None = None, chunk=None):
     """Grouped-query attention over contiguous keys: slot j holds position j.
 
     q [b, t, h, d]; k/v [b, s, k, d]; positions [b, t] (-1 = padding, which sees nothing).
+    `chunk` (a static or traced scalar; <= 0 or None = off) is chunked local attention: a
+    token sees only earlier tokens of its own chunk of that many positions (Llama 4).
     """
     b, t, h, d = q.shape
     kvh = k.shape[2]
@@ -34,6 +36,9 @@ def attention(q, k, v, positions, sliding_window: int | None = None):
     visible = slots[None, None, :] <= positions[:, :, None]  # [b, t, s]
     if sliding_window is not None:
         visible &= slots[None, None, :] > positions[:, :, None] - sliding_window
+    if chunk is not None:
+        size = jnp.maximum(chunk, 1)
+        visible &= (chunk <= 0) | (slots[None, None, :] // size == positions[:, :, None] // size)
     scores = jnp.where(visible[:, None, None], scores, MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
@@ -47,17 +52,17 @@ def gather_pages(pages, layer, page_table):
     return rows.transpose(0, 1, 3, 2, 4).reshape(b, w * ps, kvh, d)
 
 
-def paged_attention_reference(q, k_pages, v_pages, layer, page_table, positions, sliding_window=None):
+def paged_attention_reference(q, k_pages, v_pages, layer, page_table, positions, sliding_window=None, chunk=None):
     """q [b, t, h, d] at positions [b, t]; pages as above; page_table [b, w]. Returns [b, t, h, d]."""
     k = gather_pages(k_pages, layer, page_table)
     v = gather_pages(v_pages, layer, page_table)
-    return attention(q, k, v, positions, sliding_window)
+    return attention(q, k, v, positions, sliding_window, chunk)
 
 
 # -- the Pallas decode kernel ------------------------------------------------------------------
 
 
-def _decode_kernel(layer_ref, table_ref, length_ref, q_ref, k_ref, v_ref, o_ref, *,
+def _decode_kernel(layer_ref, chunk_ref, table_ref, length_ref, q_ref, k_ref, v_ref, o_ref, *,
                    page_size: int, pages_per_block: int, num_blocks: int, scale: float,
                    sliding_window: int | None):
     """One (row, kv head) pair: online softmax over the row's pages, a block of pages at a time.
@@ -72,6 +77,10 @@ def _decode_kernel(layer_ref, table_ref, length_ref, q_ref, k_ref, v_ref, o_ref,
     g, d = q.shape
     block = pages_per_block * page_size
     first_visible = 0 if sliding_window is None else jnp.maximum(length - sliding_window, 0)
+    # Chunked local attention: the query (at length - 1) sees only its own chunk.
+    chunk = chunk_ref[0]
+    first_visible = jnp.where(chunk > 0, jnp.maximum(first_visible, (length - 1) // jnp.maximum(chunk, 1) * chunk),
+                              first_visible)
 
     def body(i, carry):
         m, l, acc = carry
@@ -97,12 +106,13 @@ def _decode_kernel(layer_ref, table_ref, length_ref, q_ref, k_ref, v_ref, o_ref,
 
 
 @functools.partial(jax.jit, static_argnames=("sliding_window", "pages_per_block", "interpret", "num_warps"))
-def paged_attention(q, k_pages, v_pages, layer, page_table, lengths, *, sliding_window=None,
+def paged_attention(q, k_pages, v_pages, layer, page_table, lengths, *, sliding_window=None, chunk=0,
                     pages_per_block: int = 8, interpret: bool = False, num_warps: int = 4):
     """Decode attention with a Pallas (Triton-style GPU) kernel: one query per row.
 
     q [b, h, d]; k/v pages [layers, k, num_pages, page_size, d]; layer a scalar; page_table
-    [b, w]; lengths [b] (the query sits at position length-1 and sees positions < length).
+    [b, w]; lengths [b] (the query sits at position length-1 and sees positions < length);
+    chunk a scalar, > 0 for chunked local attention (may be traced: it varies per layer).
     Returns [b, h, d].
     """
     from jax.experimental.pallas import triton as plgpu
@@ -127,6 +137,7 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, lengths, *, sliding_
         grid=(b, kvh),
         in_specs=[
             pl.BlockSpec((1,), lambda i, j: (0,)),  # layer
+            pl.BlockSpec((1,), lambda i, j: (0,)),  # chunk
             pl.BlockSpec((None, w), lambda i, j: (i, 0)),  # this row's page table
             pl.BlockSpec((1,), lambda i, j: (i,)),  # this row's length
             pl.BlockSpec((None, None, g_pad, d), lambda i, j: (i, j, 0, 0)),
@@ -138,6 +149,6 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, lengths, *, sliding_
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
         name="jfire_paged_decode_attention",
-    )(jnp.reshape(layer, (1,)).astype(jnp.int32), page_table.astype(jnp.int32), lengths.astype(jnp.int32),
+    )(jnp.reshape(layer, (1,)).astype(jnp.int32), jnp.reshape(chunk, (1,)).astype(jnp.int32), page_table.astype(jnp.int32), lengths.astype(jnp.int32),
       q, k_pages, v_pages)
     return out[:, :, :g].reshape(b, h, d)

@@ -1,55 +1,61 @@
-"""The Llama family of decoders: Llama 2/3.x, Mistral, Qwen2, Qwen3 and SmolLM2.
+"""The Llama family of decoders: Llama 2/3.x, Mistral, Qwen2, Qwen3, SmolLM2, and their
+mixture-of-experts forms Mixtral and Qwen3-MoE.
 
 They share one architecture (pre-norm RMSNorm, rotary positions, grouped-query attention,
 SwiGLU MLP) and differ only in switches this config carries: q/k/v biases (Qwen2), q/k
-norms (Qwen3), Llama-3 rope scaling, a sliding window (Mistral v0.1), tied embeddings.
+norms (Qwen3), Llama-3 rope scaling, a sliding window (Mistral v0.1), tied embeddings, and
+routed experts in place of the MLP (Mixtral: softmax over the chosen logits; Qwen3-MoE:
+softmax over all experts, optionally renormalised, with some layers kept dense).
 
 Einsum letters:
   b batch, t query tokens, s key/cache slots, e embed, h query heads, k kv heads,
-  g query heads per kv head, d head dim, f ffn, v vocab.
+  g query heads per kv head, d head dim, f ffn, v vocab, x experts.
 
-Parameters are stacked over layers (leading `layers` axis) so the layer loop is one
-`lax.scan`: one compiled layer body, and a single axis for pipeline stages to split.
+Parameters are stacked over layers (leading `layers` axis) so a run of identical layers is
+one `lax.scan`: one compiled layer body, and a single axis for pipeline stages to split.
+Layers with experts and dense layers form separate runs (segments).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jfire.errors import JfireError
 from jfire.kernels.paged_attention import paged_attention_reference
+from jfire.models.blocks import (RopeScaling, gqa_mesh_problems, kv_cache_specs, repeat_kv_heads, apply_rope, cache_slots, gated_mlp, lm_head, out_projection, rms_norm,
+                                 rope_angles, rope_inv_freq, rope_params, write_heads)
+from jfire.models.family import CacheSpec, Family, MeshShape, run_segments, segments_of, scan_layers
 from jfire.models.params import ParamSpec
 
-# HF `architectures[0]` -> the name GGUF files use for the same family.
+# HF `architectures[0]` -> the name GGUF files use for the same family (None: not read from GGUF).
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": None,
+    "Qwen3MoeForCausalLM": None,
 }
-_GGUF_TO_HF = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# Routers (jfire.models.moe.Router kinds) and where each family keeps its experts on disk.
+_MOE = {
+    "MixtralForCausalLM": ("softmax_topk", "block_sparse_moe.gate.weight",
+                           ("block_sparse_moe.experts.{e}.w1.weight", "block_sparse_moe.experts.{e}.w3.weight",
+                            "block_sparse_moe.experts.{e}.w2.weight")),
+    "Qwen3MoeForCausalLM": ("softmax", "mlp.gate.weight",
+                            ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
+                             "mlp.experts.{e}.down_proj.weight")),
+}
 
 
 @dataclasses.dataclass(frozen=True)
-class RopeScaling:
-    """Rotary frequency scaling: "linear" or "llama3" (the only kinds these families ship)."""
+class LlamaConfig(Family):
+    family: ClassVar[str] = "llama"
 
-    kind: str
-    factor: float
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-
-@dataclasses.dataclass(frozen=True)
-class LlamaConfig:
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -69,6 +75,13 @@ class LlamaConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mixture of experts (num_experts = 0: every layer dense).
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    router: str = ""  # a jfire.models.moe.Router kind
+    norm_topk_prob: bool = False
+    dense_layers: tuple[int, ...] = ()  # layers that keep the dense MLP in an MoE model
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -78,6 +91,9 @@ class LlamaConfig:
             )
         if self.head_dim % 2:
             raise JfireError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
+            raise JfireError(f"num_experts_per_tok ({self.experts_per_token}) must be between 1 and the "
+                             f"{self.num_experts} experts")
 
     # -- construction -------------------------------------------------------------------
 
@@ -87,60 +103,69 @@ class LlamaConfig:
         archs = hf.get("architectures") or []
         arch = archs[0] if archs else None
         if arch not in SUPPORTED_ARCHITECTURES:
-            raise JfireError(
-                f"unsupported architecture {arch!r} in config.json; jfire supports "
-                + ", ".join(sorted(SUPPORTED_ARCHITECTURES))
-            )
+            raise JfireError(f"unsupported architecture {arch!r} in config.json")
         if hf.get("mlp_bias"):
             raise JfireError("config.json sets mlp_bias=true, which jfire does not support")
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise JfireError(f"unsupported hidden_act {act!r}; the Llama family uses 'silu'")
-        # transformers 5 folds rope_theta and rope_scaling into rope_parameters.
-        rope = dict(hf.get("rope_parameters") or {})
-        legacy_scaling = hf.get("rope_scaling") or {}
-        rope = {**legacy_scaling, **rope}
-        theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+        theta, scaling = rope_params(hf)
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
         head_dim = hf.get("head_dim") or hidden // num_heads
         window = hf.get("sliding_window")
-        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
             if hf.get("use_sliding_window"):
                 raise JfireError(f"{arch} with use_sliding_window=true is not supported")
             window = None
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        layers = int(hf["num_hidden_layers"])
+        moe = {}
+        if arch == "MixtralForCausalLM":
+            moe = dict(num_experts=int(hf["num_local_experts"]), experts_per_token=int(hf["num_experts_per_tok"]),
+                       moe_intermediate_size=int(hf["intermediate_size"]), router="softmax_topk")
+        elif arch == "Qwen3MoeForCausalLM":
+            step = int(hf.get("decoder_sparse_step", 1) or 1)
+            only = set(int(i) for i in hf.get("mlp_only_layers") or ())
+            dense = tuple(i for i in range(layers) if i in only or (i + 1) % step)
+            moe = dict(num_experts=int(hf.get("num_experts") or hf["num_local_experts"]), experts_per_token=int(hf["num_experts_per_tok"]),
+                       moe_intermediate_size=int(hf["moe_intermediate_size"]), router="softmax",
+                       norm_topk_prob=bool(hf.get("norm_topk_prob", False)), dense_layers=dense)
         return cls(
             architecture=arch,
             vocab_size=int(hf["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
+            num_layers=layers,
             num_heads=num_heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
             head_dim=int(head_dim),
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
-            rope_scaling=_rope_scaling(rope),
+            rope_scaling=scaling,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=bool(hf.get("attention_bias", False)) or arch == "Qwen2ForCausalLM",
-            o_bias=bool(hf.get("attention_bias", False)) and arch != "Qwen2ForCausalLM",
-            qk_norm=arch == "Qwen3ForCausalLM",
+            o_bias=bool(hf.get("attention_bias", False)) and arch not in ("Qwen2ForCausalLM",),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_window=int(window) if window else None,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **moe,
         )
 
     @classmethod
     def from_gguf(cls, meta: Mapping[str, Any], has_output_tensor: bool) -> "LlamaConfig":
         """Builds the config from GGUF metadata (`general.architecture` and its `ARCH.*` keys)."""
         arch = meta.get("general.architecture")
-        if arch not in _GGUF_TO_HF:
+        if arch not in GGUF_ARCHITECTURES:
             raise JfireError(
-                f"unsupported GGUF architecture {arch!r}; jfire supports " + ", ".join(sorted(_GGUF_TO_HF))
+                f"unsupported GGUF architecture {arch!r}; jfire supports " + ", ".join(sorted(GGUF_ARCHITECTURES))
             )
+        if meta.get(f"{arch}.expert_count"):
+            raise JfireError(f"this GGUF file holds a mixture-of-experts model ({arch}.expert_count = "
+                             f"{meta[f'{arch}.expert_count']}); jfire reads MoE models from HF directories only")
 
         def key(name, default=None):
             value = meta.get(f"{arch}.{name}", default)
@@ -157,7 +182,7 @@ class LlamaConfig:
             scaling = RopeScaling("linear", float(meta[f"{arch}.rope.scaling.factor"]))
         eos = meta.get("tokenizer.ggml.eos_token_id")
         return cls(
-            architecture=_GGUF_TO_HF[arch],
+            architecture=GGUF_ARCHITECTURES[arch],
             vocab_size=int(vocab),
             hidden_size=hidden,
             intermediate_size=int(key("feed_forward_length")),
@@ -176,18 +201,15 @@ class LlamaConfig:
             eos_token_ids=() if eos is None else (int(eos),),
         )
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+    # -- the declarations ----------------------------------------------------------------------
 
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "LlamaConfig":
-        d = dict(d)
-        if d.get("rope_scaling"):
-            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
-        d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
-        return cls(**d)
+    def layer_kinds(self) -> list[str]:
+        if not self.num_experts:
+            return ["dense"] * self.num_layers
+        return ["dense" if i in self.dense_layers else "moe" for i in range(self.num_layers)]
 
-    # -- the one declaration of parameters ------------------------------------------------
+    def segments(self):
+        return segments_of(self.layer_kinds())
 
     def param_specs(self) -> tuple[ParamSpec, ...]:
         """Every parameter: shape, logical axes, and where it lives in HF and GGUF files.
@@ -195,168 +217,123 @@ class LlamaConfig:
         Layer parameters carry a leading `layers` axis; `{i}` in a source name is the layer.
         `n_in` marks a linear layer whose first n_in dims are inputs: HF stores it [out, in].
         """
-        L, E, F, V = self.num_layers, self.hidden_size, self.intermediate_size, self.vocab_size
-        H, K, D = self.num_heads, self.num_kv_heads, self.head_dim
-        hf = "model.layers.{i}."
+        E, V = self.hidden_size, self.vocab_size
         specs = [
             ParamSpec("embed", (V, E), ("vocab", "embed"), "model.embed_tokens.weight", "token_embd.weight",
                       flat_source=False),
             ParamSpec("final_norm", (E,), ("embed",), "model.norm.weight", "output_norm.weight", init="ones"),
-            ParamSpec("layers.attn_norm", (L, E), ("layers", "embed"), hf + "input_layernorm.weight",
-                      "blk.{i}.attn_norm.weight", init="ones"),
-            ParamSpec("layers.wq", (L, E, H, D), ("layers", "embed", "q_heads", "head_dim"),
-                      hf + "self_attn.q_proj.weight", "blk.{i}.attn_q.weight", n_in=1),
-            ParamSpec("layers.wk", (L, E, K, D), ("layers", "embed", "kv_heads", "head_dim"),
-                      hf + "self_attn.k_proj.weight", "blk.{i}.attn_k.weight", n_in=1),
-            ParamSpec("layers.wv", (L, E, K, D), ("layers", "embed", "kv_heads", "head_dim"),
-                      hf + "self_attn.v_proj.weight", "blk.{i}.attn_v.weight", n_in=1),
-            ParamSpec("layers.wo", (L, H, D, E), ("layers", "q_heads", "head_dim", "embed"),
-                      hf + "self_attn.o_proj.weight", "blk.{i}.attn_output.weight", n_in=2),
-            ParamSpec("layers.mlp_norm", (L, E), ("layers", "embed"), hf + "post_attention_layernorm.weight",
-                      "blk.{i}.ffn_norm.weight", init="ones"),
-            ParamSpec("layers.w_gate", (L, E, F), ("layers", "embed", "ffn"), hf + "mlp.gate_proj.weight",
-                      "blk.{i}.ffn_gate.weight", n_in=1),
-            ParamSpec("layers.w_up", (L, E, F), ("layers", "embed", "ffn"), hf + "mlp.up_proj.weight",
-                      "blk.{i}.ffn_up.weight", n_in=1),
-            ParamSpec("layers.w_down", (L, F, E), ("layers", "ffn", "embed"), hf + "mlp.down_proj.weight",
-                      "blk.{i}.ffn_down.weight", n_in=1),
         ]
-        if self.qkv_bias:
-            specs += [
-                ParamSpec("layers.bq", (L, H, D), ("layers", "q_heads", "head_dim"), hf + "self_attn.q_proj.bias",
-                          "blk.{i}.attn_q.bias", init="zeros"),
-                ParamSpec("layers.bk", (L, K, D), ("layers", "kv_heads", "head_dim"), hf + "self_attn.k_proj.bias",
-                          "blk.{i}.attn_k.bias", init="zeros"),
-                ParamSpec("layers.bv", (L, K, D), ("layers", "kv_heads", "head_dim"), hf + "self_attn.v_proj.bias",
-                          "blk.{i}.attn_v.bias", init="zeros"),
-            ]
-        if self.o_bias:
-            specs.append(ParamSpec("layers.bo", (L, E), ("layers", "embed"), hf + "self_attn.o_proj.bias",
-                                   "blk.{i}.attn_output.bias", init="zeros"))
-        if self.qk_norm:
-            specs += [
-                ParamSpec("layers.q_norm", (L, D), ("layers", "head_dim"), hf + "self_attn.q_norm.weight",
-                          "blk.{i}.attn_q_norm.weight", init="ones"),
-                ParamSpec("layers.k_norm", (L, D), ("layers", "head_dim"), hf + "self_attn.k_norm.weight",
-                          "blk.{i}.attn_k_norm.weight", init="ones"),
-            ]
+        for segment in self.segments():
+            specs += self._layer_specs(segment)
         if not self.tie_word_embeddings:
             specs.append(ParamSpec("lm_head", (E, V), ("embed", "vocab"), "lm_head.weight", "output.weight", n_in=1))
         return tuple(specs)
 
+    def _layer_specs(self, segment) -> list[ParamSpec]:
+        L, E, F = segment.count, self.hidden_size, self.intermediate_size
+        H, K, D = self.num_heads, self.num_kv_heads, self.head_dim
+        hf, s = "model.layers.{i}.", segment.name + "."
 
-def _rope_scaling(rope: Mapping[str, Any]) -> RopeScaling | None:
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind in (None, "default"):
-        return None
-    if kind == "linear":
-        return RopeScaling("linear", float(rope["factor"]))
-    if kind == "llama3":
-        return RopeScaling(
-            "llama3",
-            float(rope["factor"]),
-            float(rope.get("low_freq_factor", 1.0)),
-            float(rope.get("high_freq_factor", 4.0)),
-            int(rope.get("original_max_position_embeddings", 8192)),
-        )
-    raise JfireError(f"unsupported rope scaling {kind!r}; jfire supports 'default', 'linear' and 'llama3'")
+        def spec(name, shape, axes, hf_name, gguf, **kw):
+            return ParamSpec(s + name, (L, *shape), ("layers", *axes), hf + hf_name if hf_name else None, gguf,
+                             first_layer=segment.first, **kw)
+
+        specs = [
+            spec("attn_norm", (E,), ("embed",), "input_layernorm.weight", "blk.{i}.attn_norm.weight", init="ones"),
+            spec("wq", (E, H, D), ("embed", "q_heads", "head_dim"), "self_attn.q_proj.weight", "blk.{i}.attn_q.weight",
+                 n_in=1, gguf_rotary_heads=H),
+            spec("wk", (E, K, D), ("embed", "kv_heads", "head_dim"), "self_attn.k_proj.weight", "blk.{i}.attn_k.weight",
+                 n_in=1, gguf_rotary_heads=K),
+            spec("wv", (E, K, D), ("embed", "kv_heads", "head_dim"), "self_attn.v_proj.weight", "blk.{i}.attn_v.weight",
+                 n_in=1),
+            spec("wo", (H, D, E), ("q_heads", "head_dim", "embed"), "self_attn.o_proj.weight",
+                 "blk.{i}.attn_output.weight", n_in=2),
+            spec("mlp_norm", (E,), ("embed",), "post_attention_layernorm.weight", "blk.{i}.ffn_norm.weight",
+                 init="ones"),
+        ]
+        if segment.kind == "moe":
+            X, I = self.num_experts, self.moe_intermediate_size
+            _, gate, (w_gate, w_up, w_down) = _MOE[self.architecture]
+            specs += [
+                spec("router", (E, X), ("embed", "experts_replicated"), gate, None, n_in=1),
+                spec("we_gate", (X, E, I), ("experts", "embed", "ffn"), w_gate, None, n_in=1, per_expert=True),
+                spec("we_up", (X, E, I), ("experts", "embed", "ffn"), w_up, None, n_in=1, per_expert=True),
+                spec("we_down", (X, I, E), ("experts", "ffn", "embed"), w_down, None, n_in=1, per_expert=True),
+            ]
+        else:
+            specs += [
+                spec("w_gate", (E, F), ("embed", "ffn"), "mlp.gate_proj.weight", "blk.{i}.ffn_gate.weight", n_in=1),
+                spec("w_up", (E, F), ("embed", "ffn"), "mlp.up_proj.weight", "blk.{i}.ffn_up.weight", n_in=1),
+                spec("w_down", (F, E), ("ffn", "embed"), "mlp.down_proj.weight", "blk.{i}.ffn_down.weight", n_in=1),
+            ]
+        if self.qkv_bias:
+            specs += [
+                spec("bq", (H, D), ("q_heads", "head_dim"), "self_attn.q_proj.bias", "blk.{i}.attn_q.bias", init="zeros"),
+                spec("bk", (K, D), ("kv_heads", "head_dim"), "self_attn.k_proj.bias", "blk.{i}.attn_k.bias", init="zeros"),
+                spec("bv", (K, D), ("kv_heads", "head_dim"), "self_attn.v_proj.bias", "blk.{i}.attn_v.bias", init="zeros"),
+            ]
+        if self.o_bias:
+            specs.append(spec("bo", (E,), ("embed",), "self_attn.o_proj.bias", "blk.{i}.attn_output.bias", init="zeros"))
+        if self.qk_norm:
+            specs += [
+                spec("q_norm", (D,), ("head_dim",), "self_attn.q_norm.weight", "blk.{i}.attn_q_norm.weight", init="ones"),
+                spec("k_norm", (D,), ("head_dim",), "self_attn.k_norm.weight", "blk.{i}.attn_k_norm.weight", init="ones"),
+            ]
+        return specs
+
+    def cache_specs(self) -> tuple[CacheSpec, ...]:
+        return kv_cache_specs(self.num_layers, self.num_kv_heads, self.head_dim)
+
+    def mesh_problems(self, shape: MeshShape) -> list[str]:
+        problems = super().mesh_problems(shape)
+        tp, ep = shape.tp, shape.ep
+        problems += gqa_mesh_problems(self.num_heads, self.num_kv_heads, tp)
+        if "dense" in self.layer_kinds() and self.intermediate_size % tp:
+            problems.append(f"tp={tp} does not divide the MLP width {self.intermediate_size}")
+        if self.num_experts:
+            if self.num_experts % ep:
+                problems.append(f"ep={ep} does not divide the {self.num_experts} experts")
+            if self.moe_intermediate_size % tp:
+                problems.append(f"tp={tp} does not divide the expert width {self.moe_intermediate_size}")
+        elif ep > 1:
+            problems.append(f"ep={ep} needs a model with experts; this one has none (use ep=1)")
+        return problems
+
+    def adapt_to_tp(self, tp: int):
+        return repeat_kv_heads(self, tp)
+
+    # -- the forward pass --------------------------------------------------------------------
+
+    def decoder(self, params, tokens, positions, pages, page_table, *, attention_impl=None, layer_stack=None,
+                parallel=None):
+        x = params["embed"][tokens]  # [b, t, e]
+        x, pages = run_segments(self, params, x, positions, pages, page_table, run=run_segment,
+                                attention_impl=attention_impl, layer_stack=layer_stack, parallel=parallel)
+        return rms_norm(x, params["final_norm"], self.rms_norm_eps), pages
+
+    def logits(self, params, hidden):
+        return lm_head(hidden, params, self.tie_word_embeddings)
 
 
-# -- the forward pass ----------------------------------------------------------------------
+def run_segment(cfg: LlamaConfig, segment, stack: dict, x, positions, pages: dict, page_table, layer_offset,
+                cache_offset, *, attention_impl=None, parallel=None):
+    """One segment's stacked layers over activations x [b, t, e]; layer j of the stack reads
+    and writes cache layer cache_offset + j.
 
-
-def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
-    """Inverse rotary frequencies [D/2], computed the way transformers does (float32)."""
-    D = cfg.head_dim
-    inv = (1.0 / (cfg.rope_theta ** (np.arange(0, D, 2, dtype=np.int64).astype(np.float32) / D))).astype(np.float32)
-    s = cfg.rope_scaling
-    if s is None:
-        return inv
-    if s.kind == "linear":
-        return (inv / s.factor).astype(np.float32)
-    # Llama 3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
-    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-    wavelen = 2 * math.pi / inv
-    scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
-    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
-    blended = (1 - smooth) * scaled / s.factor + smooth * scaled
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return np.where(medium, blended, scaled).astype(np.float32)
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    # Normalise in float32 and scale in the activation dtype, as the reference does.
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight * x32.astype(x.dtype)
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotates halves (not interleaved pairs): the HF layout. x [b, t, h, d]; cos/sin [b, t, d/2]."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-    c, s = cos[:, :, None, :], sin[:, :, None, :]
-    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
-
-
-def init_cache(cfg: LlamaConfig, batch: int, max_len: int, dtype, page_size: int = 16) -> dict:
-    """A fresh cache for `batch` rows of up to `max_len` positions, each row owning its own
-    consecutive pages: the contiguous layout, expressed as pages and a page table."""
-    per_row = -(-max_len // page_size)
-    shape = (cfg.num_layers, cfg.num_kv_heads, batch * per_row, page_size, cfg.head_dim)
-    return {
-        "k": jnp.zeros(shape, dtype),
-        "v": jnp.zeros(shape, dtype),
-        "page_table": jnp.arange(batch * per_row, dtype=jnp.int32).reshape(batch, per_row),
-    }
-
-
-def forward(params: dict, cfg: LlamaConfig, tokens: jax.Array, positions: jax.Array, cache: dict):
-    """Logits [b, t, v] (float32) for every token, and the updated cache (from `init_cache`)."""
-    pages = {"k": cache["k"], "v": cache["v"]}
-    hidden, pages = decoder(params, cfg, tokens, positions, pages, cache["page_table"])
-    return logits_from_hidden(params, cfg, hidden), {**pages, "page_table": cache["page_table"]}
-
-
-def decoder(params: dict, cfg: LlamaConfig, tokens, positions, pages: dict, page_table, *, attention_impl=None,
-            layer_stack=None):
-    """Runs tokens [b, t] at `positions` [b, t] against the paged cache; returns (hidden [b, t, e], pages).
-
-    pages: {"k", "v"} [layers, kv_heads, num_pages, page_size, d]; page_table [b, w].
     New keys and values are written into their slots before attention, so the same function
     serves prefill (t = a prompt chunk) and decode (t = 1). Padding tokens carry position -1:
     their writes are dropped. `attention_impl(q, k_pages, v_pages, layer, page_table,
-    positions)` replaces the reference attention (the Pallas decode kernel plugs in here).
-    `layer_stack` replaces `run_layers` (a pipeline over stages plugs in here).
+    positions, sliding_window=, chunk=)` replaces the reference attention (the Pallas decode
+    kernel plugs in here).
     """
-    x = params["embed"][tokens]  # [b, t, e]
-    stack = layer_stack or run_layers
-    x, pages = stack(params["layers"], cfg, x, positions, pages, page_table, attention_impl)
-    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), pages
+    cos, sin = rope_angles(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+    page, slot = cache_slots(positions, page_table, pages["k"].shape[2], pages["k"].shape[3])
+    attend = attention_impl or paged_attention_reference
+    moe = segment.kind == "moe"
 
-
-def run_layers(layers: dict, cfg: LlamaConfig, x, positions, pages: dict, page_table, attention_impl=None):
-    """The stacked layers `layers` (leading axis: layer) over activations x [b, t, e].
-
-    `pages` holds exactly these layers' cache ({"k", "v"} [len(layers), ...]); layer i of the
-    stack reads and writes slice i.
-    """
-    inv_freq = jnp.asarray(rope_inv_freq(cfg))
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [b, t, d/2]
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
-    num_pages, page_size = pages["k"].shape[2], pages["k"].shape[3]
-    page_table = jnp.asarray(page_table)
-    rows = jnp.arange(x.shape[0])[:, None]
-    # Padding writes go to page `num_pages` (out of range), which the scatter drops.
-    valid = positions >= 0
-    write_page = jnp.where(valid, page_table[rows, jnp.where(valid, positions, 0) // page_size], num_pages)
-    write_slot = jnp.where(valid, positions, 0) % page_size
-    attend = attention_impl or functools.partial(paged_attention_reference, sliding_window=cfg.sliding_window)
-
-    def layer(carry, xs):
+    def layer(carry, p, j):
         x, k_pages, v_pages = carry
-        p, i = xs
+        i = cache_offset + j
         with jax.named_scope("attention"):
             h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
             q = jnp.einsum("bte,ehd->bthd", h, p["wq"])
@@ -368,46 +345,24 @@ def run_layers(layers: dict, cfg: LlamaConfig, x, positions, pages: dict, page_t
                 q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
                 k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            # Indexed [layer, :, page, slot] the update is [b, t, k, d]: k's own layout.
-            k_pages = k_pages.at[i, :, write_page, write_slot].set(k.astype(k_pages.dtype), mode="drop")
-            v_pages = v_pages.at[i, :, write_page, write_slot].set(v.astype(v_pages.dtype), mode="drop")
-            out = attend(q, k_pages, v_pages, i, page_table, positions)
-            # One contraction over h*d: XLA CPU otherwise transposes wo on every call.
-            b, t, h, d = out.shape
-            x = x + jnp.einsum("btf,fe->bte", out.reshape(b, t, h * d), p["wo"].reshape(h * d, -1))
+            k_pages = write_heads(k_pages, i, page, slot, k)
+            v_pages = write_heads(v_pages, i, page, slot, v)
+            out = attend(q, k_pages, v_pages, i, page_table, positions, sliding_window=cfg.sliding_window)
+            x = x + out_projection(out, p["wo"])
             if cfg.o_bias:
                 x = x + p["bo"]
-        with jax.named_scope("mlp"):
-            h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-            gate = jax.nn.silu(jnp.einsum("bte,ef->btf", h, p["w_gate"]))
-            up = jnp.einsum("bte,ef->btf", h, p["w_up"])
-            x = x + jnp.einsum("btf,fe->bte", gate * up, p["w_down"])
+        h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+        if moe:
+            from jfire.models.experts import routed_experts
+
+            with jax.named_scope("experts"):
+                x = x + routed_experts(h, p["router"], p["we_gate"], p["we_up"], p["we_down"], kind=cfg.router,
+                                       top_k=cfg.experts_per_token, renormalize=cfg.norm_topk_prob,
+                                       parallel=parallel)
+        else:
+            with jax.named_scope("mlp"):
+                x = x + gated_mlp(h, p["w_gate"], p["w_up"], p["w_down"])
         return (x, k_pages, v_pages), None
 
-    # The whole cache rides in the carry so each layer updates it in place (a scanned-over
-    # output would be a second full copy of the pool).
-    num_layers = pages["k"].shape[0]
-    layer_ids = jnp.arange(num_layers, dtype=jnp.int32)
-    carry = (x, pages["k"], pages["v"])
-    if _has_compressed(layers):
-        # Weights kept compressed in device memory: each layer is decoded just before it runs.
-        from jfire.checkpoint.compressed import decompress_layer
-
-        step = lambda c, i: layer(c, (decompress_layer(layers, i, dtype=x.dtype), i))
-        (x, k, v), _ = jax.lax.scan(step, carry, layer_ids)
-    else:
-        (x, k, v), _ = jax.lax.scan(layer, carry, (layers, layer_ids))
+    x, k, v = scan_layers(layer, stack, (x, pages["k"], pages["v"]), x.dtype)
     return x, {"k": k, "v": v}
-
-
-def _has_compressed(layers: dict) -> bool:
-    from jfire.kernels.bf16_decode import Compressed
-
-    return any(isinstance(leaf, Compressed) for leaf in layers.values())
-
-
-def logits_from_hidden(params: dict, cfg: LlamaConfig, x: jax.Array) -> jax.Array:
-    with jax.named_scope("lm_head"):
-        if cfg.tie_word_embeddings:
-            return jnp.einsum("...e,ve->...v", x, params["embed"], preferred_element_type=jnp.float32)
-        return jnp.einsum("...e,ev->...v", x, params["lm_head"], preferred_element_type=jnp.float32)

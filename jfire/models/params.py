@@ -19,37 +19,54 @@ class ParamSpec:
     name: str  # dotted path in the params tree, e.g. "layers.wq"
     shape: tuple[int, ...]
     axes: tuple[str, ...]  # logical axis names, one per dim
-    hf: str | None  # name in a HF checkpoint ({i} = layer) — stored [out, in] for linears
+    hf: str | None  # name in a HF checkpoint ({i} = layer, {e} = expert) — stored [out, in] for linears
     gguf: str | None  # name in a GGUF file ({i} = layer)
     n_in: int | None = None  # linear layers: how many leading (per-layer) dims are inputs
     init: str = "normal"  # "normal", "ones" or "zeros"
     flat_source: bool = True  # non-linears (norms, biases) are vectors in HF; the embedding is not
+    first_layer: int = 0  # per-layer params: the model layer of this stack's first entry
+    per_expert: bool = False  # the source holds one tensor per expert ({e}), stacked after `layers`
+    take: tuple[int, int] | None = None  # a slice [start, stop) of the source's last axis (fused tensors)
+    source_full: int | None = None  # with `take`: the size of that last axis in the source
+    gguf_rotary_heads: int | None = None  # llama.cpp permutes Q/K rows for rotary: heads to undo it
 
     @property
     def per_layer(self) -> bool:
         return self.axes[0] == "layers"
 
     @property
+    def layers(self) -> range:
+        """The model layers this (per-layer) param holds."""
+        return range(self.first_layer, self.first_layer + self.shape[0])
+
+    @property
+    def unit_shape(self) -> tuple[int, ...]:
+        """One source tensor's worth in this param's layout: one layer's (and expert's) slice."""
+        return self.shape[(1 if self.per_layer else 0) + (1 if self.per_expert else 0):]
+
+    @property
     def source_shape(self) -> tuple[int, ...]:
-        """The shape of one source tensor (one layer's slice) as HF stores it."""
-        shape = self.shape[1:] if self.per_layer else self.shape
+        """The shape of one source tensor (one layer's, or one expert's, slice) as HF stores it."""
+        shape = self.unit_shape
         if self.n_in is None:
+            if self.take is not None:
+                return (*shape[:-1], self.source_full)
             return (math.prod(shape),) if self.flat_source else shape
         return (math.prod(shape[self.n_in:]), math.prod(shape[: self.n_in]))
 
     def from_source(self, tensor: np.ndarray) -> np.ndarray:
-        """One source tensor (already shape-checked) in this param's per-layer layout."""
-        shape = self.shape[1:] if self.per_layer else self.shape
+        """One source tensor (already shape-checked) in this param's per-unit layout."""
+        if self.take is not None:
+            tensor = tensor[..., self.take[0]:self.take[1]]
         if self.n_in is not None:
             tensor = tensor.T
-        return tensor.reshape(shape)
+        return tensor.reshape(self.unit_shape)
 
     def to_source(self, array: np.ndarray) -> np.ndarray:
-        """Inverse of from_source: one layer's slice back in the HF layout."""
+        """Inverse of from_source (not for sliced fused tensors): one unit back in the HF layout."""
         if self.n_in is None:
             return array.reshape(self.source_shape)
-        shape = self.shape[1:] if self.per_layer else self.shape
-        return array.reshape(math.prod(shape[: self.n_in]), -1).T
+        return array.reshape(math.prod(self.unit_shape[: self.n_in]), -1).T
 
 
 def set_path(tree: dict, dotted: str, value) -> None:

@@ -55,9 +55,9 @@ class Running:
         return self.process.returncode
 
 
-def launch(deployment: Path, log: Path, timeout: float = 900) -> Running:
+def launch(deployment: Path, log: Path, timeout: float = 900, extra: tuple[str, ...] = ()) -> Running:
     port = free_port()
-    cmd = [sys.executable, "-m", "jfire.cli", "launch", str(deployment), "--port", str(port), *ENGINE_ARGS]
+    cmd = [sys.executable, "-m", "jfire.cli", "launch", str(deployment), "--port", str(port), *ENGINE_ARGS, *extra]
     process = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPO,
                                start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -77,23 +77,23 @@ def launch(deployment: Path, log: Path, timeout: float = 900) -> Running:
     raise RuntimeError(f"deployment not ready after {timeout} s:\n{log.read_text()}")
 
 
-def colocated(prompts: list[dict], tmp_path: Path) -> list[dict]:
+def colocated(prompts: list[dict], tmp_path: Path, model: str = "default") -> list[dict]:
     """The same prompts through colocated `jfire generate` (one process, one engine)."""
     src, out = tmp_path / "prompts.jsonl", tmp_path / "colocated.jsonl"
     src.write_text("".join(json.dumps(p) + "\n" for p in prompts))
     subprocess.run([sys.executable, "-m", "jfire.cli", "generate", "--prompts-file", str(src), "--output", str(out),
-                    "--max-context", "512"], check=True, cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"},
-                   capture_output=True)
+                    "--max-context", "512", "--model", model], check=True, cwd=REPO,
+                   env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     return [r for r in sorted(rows, key=lambda r: r["index"])]
 
 
-def expected_kv_bytes(prompt_tokens: list[int], page_size: int = 16) -> int:
+def expected_kv_bytes(prompt_tokens: list[int], page_size: int = 16, model: str = "default") -> int:
     """The prompt KV cache of these requests, from the model's own config: whole pages of
     [k, v] x layers x KV heads x page slots x head dim, float32."""
     from jfire.checkpoint.load import load_config_and_tokenizer
 
-    cfg, _, _ = load_config_and_tokenizer("default")
+    cfg, _, _ = load_config_and_tokenizer(model)
     page = 2 * cfg.num_layers * cfg.num_kv_heads * page_size * cfg.head_dim * 4
     return sum(-(-n // page_size) * page for n in prompt_tokens)
 

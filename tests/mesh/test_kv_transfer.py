@@ -29,7 +29,7 @@ def side(spec_text, devices, replication):
     """(layout, pages, programs) of one side; pages hold random values in its own layout."""
     mesh = meshes.build(meshes.MeshSpec.inline(spec_text), devices) if spec_text else None
     cfg = dataclasses.replace(CFG, num_kv_heads=CFG.num_kv_heads * replication)
-    pages = init_pages(cfg, PAGES, PAGE, jnp.float32, sharding.cache_sharding(cfg, mesh) if mesh else None)
+    pages = init_pages(cfg, PAGES, PAGE, jnp.float32, sharding.cache_shardings(cfg, mesh) if mesh else None)
     return KVLayout(cfg, replication, PAGE, jnp.float32, mesh), pages
 
 
@@ -63,7 +63,8 @@ def test_pages_survive_the_move_between_meshes(server, src_spec, src_devices, sr
     insert.compile_all()
 
     sent_ids, received_ids = [7, 2, 9, 4, 0], [1, 5, 3, 11, 8]
-    wire = [jax.device_put(a, src.wire_sharding(shards)) for a in gather.gather(src_pages, sent_ids)]
+    wire = src.to_wire(gather.gather(src_pages, sent_ids), shards)
+    assert len(wire) == 2 * len(sent_ids)  # one key and one value array per page
     assert len(wire[0].addressable_shards) == shards
     uuid = new_uuid()
     server.await_pull(uuid, wire)

@@ -19,7 +19,7 @@ from jfire.models.llama import LlamaConfig
 from jfire.models.params import init_params
 from jfire.pipeline import Pipeline, schedule
 
-MESHES = ["pp=1,tp=8", "pp=2,tp=4", "pp=4,tp=2", "pp=8,tp=1", "dp=2,pp=2,tp=2"]
+MESHES = ["pp=1,tp=8", "pp=2,tp=4", "pp=4,tp=2", "pp=8,tp=1"]
 CFG = LlamaConfig(architecture="LlamaForCausalLM", vocab_size=512, hidden_size=128, intermediate_size=256,
                   num_layers=8, num_heads=16, num_kv_heads=8, head_dim=8, max_position_embeddings=256,
                   rope_theta=10000.0, qkv_bias=True)
@@ -40,8 +40,8 @@ def setup(host, spec_text):
     spec = meshes.MeshSpec.inline(spec_text)
     meshes.check_fits(spec, CFG, jax.device_count())
     mesh = meshes.build(spec)
-    cfg, params = sharding.expand_kv_heads(CFG, sharding.place(host, CFG, mesh), mesh)
-    pages = init_pages(cfg, PAGES, PAGE, jnp.float32, sharding.cache_sharding(cfg, mesh))
+    cfg, params, _ = sharding.adapt_to_mesh(CFG, sharding.place(host, CFG, mesh), mesh)
+    pages = init_pages(cfg, PAGES, PAGE, jnp.float32, sharding.cache_shardings(cfg, mesh))
     stack = Pipeline(mesh, spec.num_microbatches) if spec.pp > 1 else None
     return cfg, params, pages, stack, mesh
 
@@ -102,7 +102,7 @@ def test_kv_heads_are_replicated_when_tp_exceeds_them(host_params):
     narrow = dataclasses.replace(CFG, num_kv_heads=2)
     host = jax.tree.map(np.asarray, init_params(narrow.param_specs(), jax.random.key(1), jnp.float32, scale=0.1))
     mesh = meshes.build(meshes.MeshSpec.inline("tp=8"))
-    wide, params = sharding.expand_kv_heads(narrow, sharding.place(host, narrow, mesh), mesh)
+    wide, params, _ = sharding.adapt_to_mesh(narrow, sharding.place(host, narrow, mesh), mesh)
     assert wide.num_kv_heads == 8
     tokens = np.arange(1, 11, dtype=np.int32)[None]
     positions = np.arange(10, dtype=np.int32)[None]
@@ -110,7 +110,7 @@ def test_kv_heads_are_replicated_when_tp_exceeds_them(host_params):
     knobs = (np.zeros(1, np.uint32), np.zeros(1, np.float32), np.zeros(1, np.int32), np.ones(1, np.float32))
     _, want, _ = programs.prefill(jax.device_put(host), init_pages(narrow, 8, PAGE, jnp.float32), tokens, positions,
                                   table, np.array([9]), *knobs, cfg=narrow)
-    _, got, _ = programs.prefill(params, init_pages(wide, 8, PAGE, jnp.float32, sharding.cache_sharding(wide, mesh)),
+    _, got, _ = programs.prefill(params, init_pages(wide, 8, PAGE, jnp.float32, sharding.cache_shardings(wide, mesh)),
                                  tokens, positions, table, np.array([9]), *knobs, cfg=wide)
     assert np.linalg.norm(np.asarray(got) - np.asarray(want)) / np.linalg.norm(np.asarray(want)) < 1e-5
 
@@ -171,6 +171,8 @@ def test_pp4_with_four_microbatches_schedule():
     ("tp=3", "does not divide the 16 attention heads"),
     ("pp=16", "needs 16 devices"),
     ("pp=3", "does not divide the 8 layers"),
+    ("dp=2,pp=2,tp=2", "dp=2 is not supported yet"),
+    ("ep=2,tp=2", "ep=2 needs a model with experts"),
 ])
 def test_meshes_that_do_not_fit_are_refused(spec, why):
     with pytest.raises(JfireError, match=why) as err:

@@ -11,16 +11,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-import transformers
 
 from jfire import programs
 from jfire.checkpoint.load import load_model
 from jfire.engine import Engine, EngineConfig
-from jfire.models.llama import forward, init_cache
+from jfire.models.family import forward, init_cache
 from jfire.sampling import SamplingParams
-from tests.tiny_models import FAMILIES
+from tests.tiny_models import ALL_FAMILIES, hf_text_model
 
-PROMPT_LEN = 12
+PROMPT_LEN = 20  # past two of the tiny Llama 4's 8-token attention chunks
 DECODE_STEPS = 8
 GREEDY_STEPS = 16
 
@@ -30,7 +29,7 @@ def rel_err(a, b) -> float:
 
 
 def hf_model(path):
-    return transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
+    return hf_text_model(path)
 
 
 def hf_logits(model, ids) -> np.ndarray:
@@ -43,7 +42,7 @@ def greedy_knobs():
     return (jnp.zeros(1, jnp.uint32), jnp.zeros(1, jnp.float32), jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.float32))
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", sorted(ALL_FAMILIES))
 def test_prefill_and_decode_logits_match_transformers(family, tiny_hf_dir):
     path = tiny_hf_dir(family)
     ref_model = hf_model(path)
@@ -60,9 +59,9 @@ def test_prefill_and_decode_logits_match_transformers(family, tiny_hf_dir):
     # the whole sequence from scratch.
     cache = init_cache(cfg, 1, 64, jnp.float32)
     seeds, temperature, top_k, top_p = greedy_knobs()
-    tokens = np.zeros((1, 16), np.int32)
+    tokens = np.zeros((1, 32), np.int32)
     tokens[0, :PROMPT_LEN] = prompt
-    positions = np.full((1, 16), -1, np.int32)
+    positions = np.full((1, 32), -1, np.int32)
     positions[0, :PROMPT_LEN] = np.arange(PROMPT_LEN)
     table = cache.pop("page_table")
     ids, step_logits, cache = programs.prefill(
@@ -79,7 +78,7 @@ def test_prefill_and_decode_logits_match_transformers(family, tiny_hf_dir):
             cfg=cfg)
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", sorted(ALL_FAMILIES))
 def test_greedy_tokens_match_transformers_generate(family, tiny_hf_dir):
     path = tiny_hf_dir(family)
     ref_model = hf_model(path)

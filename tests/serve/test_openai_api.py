@@ -200,6 +200,16 @@ def test_chat_bad_inputs(server):
     assert r.status_code == 404 and "error" in r.json()
 
 
+def test_chat_with_image_parts_is_refused_clearly(server):
+    parts = [{"type": "text", "text": "What is in this picture?"},
+             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
+    r = httpx.post(server.url + "/v1/chat/completions", headers=auth(), timeout=60,
+                   json={"model": "default", "messages": [{"role": "user", "content": parts}]})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and "image content parts are not supported" in error["message"]
+
+
 def test_metrics_count_requests_latency_and_tokens(server, client):
     client.completions.create(model="default", prompt="Count: one, two,", max_tokens=8, temperature=0)
     text = httpx.get(server.url + "/metrics", headers=auth()).text

@@ -1,0 +1,160 @@
+"""Blocks every family composes: norms, rotary positions, the gated MLP, paged cache writes.
+
+Einsum letters: b batch, t query tokens, e embed, h heads, d head dim, f ffn.
+Each is written once, the way transformers computes it (float32 where the reference is).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jfire.errors import JfireError
+from jfire.models.family import CacheSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Rotary frequency scaling: "linear" or "llama3"."""
+
+    kind: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+def rope_params(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
+    """(theta, scaling) from a HF config (transformers 5 folds both into rope_parameters)."""
+    rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind in (None, "default"):
+        return theta, None
+    if kind == "linear":
+        return theta, RopeScaling("linear", float(rope["factor"]))
+    if kind == "llama3":
+        return theta, RopeScaling("llama3", float(rope["factor"]), float(rope.get("low_freq_factor", 1.0)),
+                                  float(rope.get("high_freq_factor", 4.0)),
+                                  int(rope.get("original_max_position_embeddings", 8192)))
+    raise JfireError(f"unsupported rope scaling {kind!r}; jfire supports 'default', 'linear' and 'llama3'")
+
+
+def rope_inv_freq(head_dim: int, theta: float, s: RopeScaling | None) -> np.ndarray:
+    """Inverse rotary frequencies [d/2], computed the way transformers does (float32)."""
+    inv = (1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))).astype(np.float32)
+    if s is None:
+        return inv
+    if s.kind == "linear":
+        return (inv / s.factor).astype(np.float32)
+    # Llama 3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
+    # Scout's config has high == low factor: an empty band, whose blend is never used.
+    with np.errstate(divide="ignore", invalid="ignore"):
+        smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    blended = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, blended, scaled).astype(np.float32)
+
+
+def rope_angles(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """(cos, sin) [b, t, d/2] for positions [b, t]."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotates halves (the HF Llama layout). x [b, t, h, d]; cos/sin [b, t, d/2]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+def apply_rope_interleaved(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotates adjacent pairs (x[2i], x[2i+1]) as complex numbers (Llama 4, DeepSeek)."""
+    pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)
+    a, b = pairs[..., 0], pairs[..., 1]
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    return jnp.stack([a * c - b * s, b * c + a * s], axis=-1).reshape(x.shape).astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
+    """RMSNorm: normalise in float32, scale in the activation dtype, as the reference does.
+    weight None is the weightless form (Llama 4's q/k L2 norm)."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return x32.astype(x.dtype) if weight is None else weight * x32.astype(x.dtype)
+
+
+def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """SwiGLU: (silu(x W_gate) * x W_up) W_down. x [..., e]; w_gate/w_up [e, f]; w_down [f, e]."""
+    gate = jax.nn.silu(jnp.einsum("...e,ef->...f", x, w_gate))
+    up = jnp.einsum("...e,ef->...f", x, w_up)
+    return jnp.einsum("...f,fe->...e", gate * up, w_down)
+
+
+def cache_slots(positions: jax.Array, page_table: jax.Array, num_pages: int, page_size: int):
+    """(page, slot) [b, t] each token's cache entry is written to. Padding (position -1) is
+    sent to page `num_pages`, past the pool, where a scatter with mode="drop" discards it."""
+    rows = jnp.arange(positions.shape[0])[:, None]
+    valid = positions >= 0
+    safe = jnp.where(valid, positions, 0)
+    page = jnp.where(valid, jnp.asarray(page_table)[rows, safe // page_size], num_pages)
+    return page, safe % page_size
+
+
+def write_heads(pages: jax.Array, layer, page, slot, values: jax.Array) -> jax.Array:
+    """Writes values [b, t, k, d] into pages [layers, k, num_pages, page_size, d] at layer."""
+    # Indexed [layer, :, page, slot] the update is [b, t, k, d]: the values' own layout.
+    return pages.at[layer, :, page, slot].set(values.astype(pages.dtype), mode="drop")
+
+
+def out_projection(out: jax.Array, wo: jax.Array) -> jax.Array:
+    """Attention output [b, t, h, d] through wo [h, d, e]: one contraction over h*d (XLA CPU
+    otherwise transposes wo on every call)."""
+    b, t, h, d = out.shape
+    return jnp.einsum("btf,fe->bte", out.reshape(b, t, h * d), wo.reshape(h * d, -1))
+
+
+def lm_head(x: jax.Array, params: dict, tied: bool) -> jax.Array:
+    """Float32 logits from the final hidden states (tied: through the embedding)."""
+    with jax.named_scope("lm_head"):
+        if tied:
+            return jnp.einsum("...e,ve->...v", x, params["embed"], preferred_element_type=jnp.float32)
+        return jnp.einsum("...e,ev->...v", x, params["lm_head"], preferred_element_type=jnp.float32)
+
+
+# -- grouped-query attention: its cache, its mesh constraints ------------------------------------
+
+
+def kv_cache_specs(num_layers: int, num_kv_heads: int, head_dim: int) -> tuple[CacheSpec, ...]:
+    """Keys and values per KV head: [layers, kv_heads, pages, page_slots, head_dim] each."""
+    axes = ("layers", "kv_heads", "pages", "page_slots", "head_dim")
+    sizes = (num_layers, num_kv_heads, None, None, head_dim)
+    return (CacheSpec("k", axes, sizes), CacheSpec("v", axes, sizes))
+
+
+def gqa_mesh_problems(num_heads: int, num_kv_heads: int, tp: int) -> list[str]:
+    problems = []
+    if num_heads % tp:
+        problems.append(f"tp={tp} does not divide the {num_heads} attention heads")
+    if num_kv_heads % tp and tp % num_kv_heads:
+        problems.append(f"tp={tp} and the {num_kv_heads} KV heads do not divide one another")
+    return problems
+
+
+def repeat_kv_heads(cfg, tp: int):
+    """(cfg, r) for a tp-way mesh: with tp > KV heads each KV head is repeated r times so every
+    tp shard owns one. Query head h uses KV head h // (H / K); after repeating each KV head r
+    times in place, h // (H / (K r)) names a copy of that same head, so attention is unchanged."""
+    r = tp // cfg.num_kv_heads if tp > cfg.num_kv_heads else 1
+    return (dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * r) if r > 1 else cfg), r

@@ -1,0 +1,280 @@
+"""Llama 4 (the text model of Scout and Maverick), as transformers' `modeling_llama4.py`
+computes it.
+
+Differences from the Llama family:
+  - RoPE on three of every four layers (`no_rope_layers`), applied to adjacent pairs
+    (interleaved, as complex numbers); llama3 frequency scaling.
+  - On RoPE layers: a weightless L2 norm of q and k after RoPE (`use_qk_norm`) and chunked
+    local attention (a token sees only earlier tokens of its own `attention_chunk_size`
+    chunk). NoPE layers attend globally, with attention temperature tuning: q scaled by
+    1 + attn_scale * log1p(floor((position + 1) / floor_scale)).
+  - Mixture-of-experts layers every `interleave_moe_layer_step` layers: a top-k router whose
+    sigmoid score scales each chosen expert's INPUT, plus a shared expert for every token;
+    the other layers have a dense MLP of width `intermediate_size_mlp`.
+These per-layer switches (RoPE or not, chunk size) are scanned data, not Python branches.
+MoE and dense layers are separate segments.
+
+Einsum letters: b batch, t query tokens, e embed, h query heads, k kv heads, d head dim,
+f ffn, v vocab, x experts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jfire.errors import JfireError
+from jfire.kernels.paged_attention import paged_attention_reference
+from jfire.models.blocks import (RopeScaling, gqa_mesh_problems, kv_cache_specs, repeat_kv_heads, apply_rope_interleaved, cache_slots, gated_mlp, lm_head,
+                                 out_projection, rms_norm, rope_angles, rope_inv_freq, rope_params, write_heads)
+from jfire.models.family import CacheSpec, Family, MeshShape, run_segments, segments_of, scan_layers
+from jfire.models.params import ParamSpec
+
+# Both layouts serve the same text model; the multimodal one nests it under `language_model.`.
+SUPPORTED_ARCHITECTURES = ("Llama4ForCausalLM", "Llama4ForConditionalGeneration")
+_MULTIMODAL_PREFIX = "language_model."
+_VISION_PREFIXES = ("vision_model.", "multi_modal_projector.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama4Config(Family):
+    family: ClassVar[str] = "llama4"
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int  # each routed expert's and the shared expert's width
+    intermediate_size_mlp: int  # the dense layers' MLP width
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    num_experts: int
+    experts_per_token: int
+    moe_layers: tuple[int, ...]
+    rope_layers: tuple[int, ...]  # layers that apply RoPE (the others are NoPE)
+    attention_chunk_size: int | None
+    use_qk_norm: bool = True
+    attn_temperature_tuning: bool = True
+    floor_scale: float = 8192.0
+    attn_scale: float = 0.1
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    hf_prefix: str = ""  # "language_model." in the released multimodal layout
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise JfireError(f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
+                             f"({self.num_kv_heads})")
+
+    # -- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any]) -> "Llama4Config":
+        arch = (hf.get("architectures") or [None])[0]
+        prefix = ""
+        if arch == "Llama4ForConditionalGeneration" or "text_config" in hf:
+            if not isinstance(hf.get("text_config"), dict):
+                raise JfireError("a Llama4ForConditionalGeneration config.json needs its 'text_config'")
+            outer, hf, prefix = hf, hf["text_config"], _MULTIMODAL_PREFIX
+            hf = {**{k: outer[k] for k in ("eos_token_id", "bos_token_id", "tie_word_embeddings") if k in outer}, **hf}
+        if hf.get("attention_bias"):
+            raise JfireError("config.json sets attention_bias=true, which jfire's Llama 4 does not support")
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise JfireError(f"unsupported hidden_act {act!r}; Llama 4 uses 'silu'")
+        layers = int(hf["num_hidden_layers"])
+        # As Llama4TextConfig derives them: no_rope_layers[i] = 1 means layer i USES RoPE.
+        interval = int(hf.get("no_rope_layer_interval", 4))
+        use_rope = hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
+        step = int(hf.get("interleave_moe_layer_step", 1))
+        moe = hf.get("moe_layers")
+        moe = list(range(step - 1, layers, step)) if moe is None else moe
+        theta, scaling = rope_params(hf)
+        heads, hidden = int(hf["num_attention_heads"]), int(hf["hidden_size"])
+        eos = hf.get("eos_token_id")
+        chunk = hf.get("attention_chunk_size")
+        return cls(
+            architecture=arch or "Llama4ForCausalLM",
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(hf["intermediate_size"]),
+            intermediate_size_mlp=int(hf.get("intermediate_size_mlp", hf["intermediate_size"])),
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or 128),  # as Llama4TextConfig defaults it
+            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            num_experts=int(hf.get("num_local_experts", 16)),
+            experts_per_token=int(hf.get("num_experts_per_tok", 1)),
+            moe_layers=tuple(int(i) for i in moe),
+            rope_layers=tuple(i for i in range(layers) if use_rope[i]),
+            attention_chunk_size=int(chunk) if chunk else None,
+            use_qk_norm=bool(hf.get("use_qk_norm", True)),
+            attn_temperature_tuning=bool(hf.get("attn_temperature_tuning", True)),
+            floor_scale=float(hf.get("floor_scale", 8192)),
+            attn_scale=float(hf.get("attn_scale", 0.1)),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
+            hf_prefix=prefix,
+        )
+
+    @classmethod
+    def from_gguf(cls, meta, has_output_tensor):
+        raise JfireError("jfire reads Llama 4 from Hugging Face directories, not GGUF files")
+
+    def skipped_source_prefixes(self) -> tuple[str, ...]:
+        return _VISION_PREFIXES if self.hf_prefix else ()
+
+    # -- declarations --------------------------------------------------------------------------
+
+    def segments(self):
+        return segments_of(["moe" if i in self.moe_layers else "dense" for i in range(self.num_layers)])
+
+    def param_specs(self) -> tuple[ParamSpec, ...]:
+        E, V, pre = self.hidden_size, self.vocab_size, self.hf_prefix
+        specs = [
+            ParamSpec("embed", (V, E), ("vocab", "embed"), pre + "model.embed_tokens.weight", None, flat_source=False),
+            ParamSpec("final_norm", (E,), ("embed",), pre + "model.norm.weight", None, init="ones"),
+        ]
+        for segment in self.segments():
+            specs += self._layer_specs(segment)
+        if not self.tie_word_embeddings:
+            specs.append(ParamSpec("lm_head", (E, V), ("embed", "vocab"), pre + "lm_head.weight", None, n_in=1))
+        return tuple(specs)
+
+    def _layer_specs(self, segment) -> list[ParamSpec]:
+        L, E, H, K, D = segment.count, self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
+        hf, s = self.hf_prefix + "model.layers.{i}.", segment.name + "."
+
+        def spec(name, shape, axes, hf_name, **kw):
+            return ParamSpec(s + name, (L, *shape), ("layers", *axes), hf + hf_name, None, first_layer=segment.first,
+                             **kw)
+
+        specs = [
+            spec("attn_norm", (E,), ("embed",), "input_layernorm.weight", init="ones"),
+            spec("wq", (E, H, D), ("embed", "q_heads", "head_dim"), "self_attn.q_proj.weight", n_in=1),
+            spec("wk", (E, K, D), ("embed", "kv_heads", "head_dim"), "self_attn.k_proj.weight", n_in=1),
+            spec("wv", (E, K, D), ("embed", "kv_heads", "head_dim"), "self_attn.v_proj.weight", n_in=1),
+            spec("wo", (H, D, E), ("q_heads", "head_dim", "embed"), "self_attn.o_proj.weight", n_in=2),
+            spec("mlp_norm", (E,), ("embed",), "post_attention_layernorm.weight", init="ones"),
+        ]
+        if segment.kind == "moe":
+            X, F = self.num_experts, self.intermediate_size
+            # gate_up_proj is fused [x, e, 2f], inputs first: gate is the first half.
+            fused = dict(flat_source=False, source_full=2 * F)
+            specs += [
+                spec("router", (E, X), ("embed", "experts_replicated"), "feed_forward.router.weight", n_in=1),
+                spec("we_gate", (X, E, F), ("experts", "embed", "ffn"), "feed_forward.experts.gate_up_proj",
+                     take=(0, F), **fused),
+                spec("we_up", (X, E, F), ("experts", "embed", "ffn"), "feed_forward.experts.gate_up_proj",
+                     take=(F, 2 * F), **fused),
+                spec("we_down", (X, F, E), ("experts", "ffn", "embed"), "feed_forward.experts.down_proj",
+                     flat_source=False),
+                spec("ws_gate", (E, F), ("embed", "ffn"), "feed_forward.shared_expert.gate_proj.weight", n_in=1),
+                spec("ws_up", (E, F), ("embed", "ffn"), "feed_forward.shared_expert.up_proj.weight", n_in=1),
+                spec("ws_down", (F, E), ("ffn", "embed"), "feed_forward.shared_expert.down_proj.weight", n_in=1),
+            ]
+        else:
+            F = self.intermediate_size_mlp
+            specs += [
+                spec("w_gate", (E, F), ("embed", "ffn"), "feed_forward.gate_proj.weight", n_in=1),
+                spec("w_up", (E, F), ("embed", "ffn"), "feed_forward.up_proj.weight", n_in=1),
+                spec("w_down", (F, E), ("ffn", "embed"), "feed_forward.down_proj.weight", n_in=1),
+            ]
+        return specs
+
+    def cache_specs(self) -> tuple[CacheSpec, ...]:
+        return kv_cache_specs(self.num_layers, self.num_kv_heads, self.head_dim)
+
+    def mesh_problems(self, shape: MeshShape) -> list[str]:
+        problems = super().mesh_problems(shape)
+        tp, ep = shape.tp, shape.ep
+        problems += gqa_mesh_problems(self.num_heads, self.num_kv_heads, tp)
+        for what, width in (("expert width", self.intermediate_size), ("dense MLP width", self.intermediate_size_mlp)):
+            if width % tp:
+                problems.append(f"tp={tp} does not divide the {what} {width}")
+        if self.num_experts % ep:
+            problems.append(f"ep={ep} does not divide the {self.num_experts} experts")
+        return problems
+
+    def adapt_to_tp(self, tp: int):
+        return repeat_kv_heads(self, tp)
+
+    def layer_data(self) -> dict[str, np.ndarray]:
+        """Per-layer switches, indexed by model layer inside the scan."""
+        rope = np.array([i in self.rope_layers for i in range(self.num_layers)])
+        chunk = np.where(rope, self.attention_chunk_size or 0, 0).astype(np.int32)
+        return {"rope": rope, "chunk": chunk}
+
+    # -- the forward pass ----------------------------------------------------------------------
+
+    def decoder(self, params, tokens, positions, pages, page_table, *, attention_impl=None, layer_stack=None,
+                parallel=None):
+        x = params["embed"][tokens]  # [b, t, e]
+        x, pages = run_segments(self, params, x, positions, pages, page_table, run=run_segment,
+                                attention_impl=attention_impl, layer_stack=layer_stack, parallel=parallel)
+        return rms_norm(x, params["final_norm"], self.rms_norm_eps), pages
+
+    def logits(self, params, hidden):
+        return lm_head(hidden, params, self.tie_word_embeddings)
+
+
+def run_segment(cfg: Llama4Config, segment, stack: dict, x, positions, pages: dict, page_table, layer_offset,
+                cache_offset, *, attention_impl=None, parallel=None):
+    """One segment's stacked layers over x [b, t, e]; see jfire.models.llama.run_segment."""
+    cos, sin = rope_angles(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+    page, slot = cache_slots(positions, page_table, pages["k"].shape[2], pages["k"].shape[3])
+    attend = attention_impl or paged_attention_reference
+    data = {k: jnp.asarray(v) for k, v in cfg.layer_data().items()}
+    # Temperature tuning for NoPE layers, per absolute position [b, t, 1, 1].
+    temperature = 1.0 + cfg.attn_scale * jnp.log1p(jnp.floor((positions.astype(jnp.float32) + 1.0) / cfg.floor_scale))
+    temperature = temperature[:, :, None, None]
+    moe = segment.kind == "moe"
+
+    def layer(carry, p, j):
+        x, k_pages, v_pages = carry
+        i, layer_id = cache_offset + j, layer_offset + j
+        use_rope, chunk = data["rope"][layer_id], data["chunk"][layer_id]
+        with jax.named_scope("attention"):
+            h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+            q = jnp.einsum("bte,ehd->bthd", h, p["wq"])
+            k = jnp.einsum("bte,ekd->btkd", h, p["wk"])
+            v = jnp.einsum("bte,ekd->btkd", h, p["wv"])
+            q_rope, k_rope = apply_rope_interleaved(q, cos, sin), apply_rope_interleaved(k, cos, sin)
+            if cfg.use_qk_norm:
+                q_rope, k_rope = rms_norm(q_rope, None, cfg.rms_norm_eps), rms_norm(k_rope, None, cfg.rms_norm_eps)
+            q_nope = (q * temperature).astype(q.dtype) if cfg.attn_temperature_tuning else q
+            q, k = jnp.where(use_rope, q_rope, q_nope), jnp.where(use_rope, k_rope, k)
+            k_pages = write_heads(k_pages, i, page, slot, k)
+            v_pages = write_heads(v_pages, i, page, slot, v)
+            out = attend(q, k_pages, v_pages, i, page_table, positions, chunk=chunk)
+            x = x + out_projection(out, p["wo"])
+        h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+        if moe:
+            from jfire.models.experts import routed_experts
+
+            with jax.named_scope("experts"):
+                routed = routed_experts(h, p["router"], p["we_gate"], p["we_up"], p["we_down"], kind="sigmoid_input",
+                                        top_k=cfg.experts_per_token, parallel=parallel, scale_input=True)
+                x = x + gated_mlp(h, p["ws_gate"], p["ws_up"], p["ws_down"]) + routed
+        else:
+            with jax.named_scope("mlp"):
+                x = x + gated_mlp(h, p["w_gate"], p["w_up"], p["w_down"])
+        return (x, k_pages, v_pages), None
+
+    x, k, v = scan_layers(layer, stack, (x, pages["k"], pages["v"]), x.dtype)
+    return x, {"k": k, "v": v}

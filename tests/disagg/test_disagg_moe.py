@@ -1,0 +1,58 @@
+"""A mixture-of-experts model through the unchanged serving paths: a tiny Llama 4 (routed and
+shared experts, chunked attention, NoPE layers) served by `jfire serve` and by a real
+`jfire launch local-1p1d` deployment, each equal to colocated `jfire generate`, with the KV
+bytes moved equal to the prompts' cache size from the model's own declaration."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.disagg.clients import assert_same_as_colocated
+from tests.disagg.deployment_process import colocated, deployment_file, launch, metric
+from tests.serve.server_process import start_server
+from tests.tiny_models import save_byte_tokenizer, save_tiny_hf_model
+
+PROMPTS = [
+    {"prompt": "The capital of France is", "max_tokens": 12},
+    {"prompt": "Write a short poem about the sea and the wind. " * 2, "max_tokens": 16},
+    {"prompt": "List three prime numbers: 2, 3,", "max_tokens": 10},
+]
+SMALL = ("--max-batch", "4", "--prefill-budget", "64", "--max-context", "512", "--kv-cache-gb", "0.02",
+         "--served-model-name", "default")
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama4")
+    save_tiny_hf_model("llama4", path)
+    return str(save_byte_tokenizer(path))
+
+
+@pytest.fixture(scope="module")
+def reference(moe_dir, tmp_path_factory):
+    return colocated(PROMPTS, tmp_path_factory.mktemp("colocated-moe"), model=moe_dir)
+
+
+def test_serve_equals_generate(moe_dir, reference, tmp_path):
+    server = start_server(["--model", moe_dir, *SMALL], tmp_path / "serve.log")
+    try:
+        assert_same_as_colocated(server.url, PROMPTS, reference)
+    finally:
+        server.stop()
+
+
+def test_launch_1p1d_equals_generate(moe_dir, reference, tmp_path):
+    running = launch(deployment_file(tmp_path, "local-1p1d", timeout_s=30), tmp_path / "launch.log",
+                     extra=("--model", moe_dir, "--served-model-name", "default"))
+    try:
+        lengths = assert_same_as_colocated(running.url, PROMPTS, reference)
+        hf = json.loads((Path(moe_dir) / "config.json").read_text())
+        # K and V x layers x KV heads x head dim x float32, for each of a page's 16 slots.
+        page = 2 * hf["num_hidden_layers"] * hf["num_key_value_heads"] * hf["head_dim"] * 4 * 16
+        assert metric(running.url, "jfire_kv_transfer_bytes_total") == sum(-(-n // 16) * page for n in lengths)
+    finally:
+        code = running.stop()
+    assert code == 0, running.log.read_text()[-3000:]
