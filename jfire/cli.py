@@ -147,6 +147,28 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--decoder", default="reference", choices=["reference", "pallas", "pallas-interpret"],
                    help="decoder for the round-trip check (default: the plain-jnp reference)")
     r.add_argument("--json", action="store_true", help="print the report as one JSON object")
+
+    pl = sub.add_parser("plan", help="memory per device of a model on a mesh (weights, workspace, KV cache room), "
+                                     "from its config alone",
+                        description="Plans a model's memory on a mesh without reading weights or touching an "
+                                    "accelerator; exits 1 when the model does not fit.")
+    pl.add_argument("--model", required=True,
+                    help="a model directory (config.json is enough), a jfire checkpoint or a .gguf file")
+    pl.add_argument("--mesh", required=True,
+                    help="a meshes/ name, a .toml file, or inline like 'pp=1,tp=2' (then give --device-memory-gib)")
+    pl.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="dtype of weights and KV cache (default: bfloat16)")
+    pl.add_argument("--device-memory-gib", type=float, default=None,
+                    help="usable memory per device in GiB (default: the mesh file's [device] memory_gib)")
+    pl.add_argument("--max-batch", type=int, default=None, help="as for serve (default 64): sizes the decode program")
+    pl.add_argument("--prefill-budget", type=int, default=None,
+                    help="as for serve (default 256): sizes the prefill program")
+    pl.add_argument("--max-context", type=int, default=None,
+                    help="as for serve (default: the model's, at most 4096): pages per row of the programs")
+    pl.add_argument("--no-compile", action="store_true",
+                    help="estimate the programs' workspace with a stated formula instead of compiling them on "
+                         "XLA:CPU (faster)")
+    pl.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     return parser
 
 
@@ -338,8 +360,28 @@ def cmd_launch(args) -> int:
                           args.served_model_name or served_name(args.model))
 
 
+def cmd_plan(args) -> int:
+    from jfire import mesh
+
+    spec = mesh.resolve(args.mesh)
+    # The plan compiles on fake CPU devices, one per mesh device, even on a GPU host; JAX has
+    # been imported but has started no backend yet.
+    _use_cpu_devices(spec.size)
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    from jfire import plan
+
+    result = plan.plan(args.model, spec, dtype=args.dtype, compile=not args.no_compile,
+                       device_memory_gib=args.device_memory_gib,
+                       limits=plan.Limits(max_batch=args.max_batch, prefill_budget=args.prefill_budget,
+                                          max_context=args.max_context))
+    print(json.dumps(result) if args.json else plan.format_plan(result))
+    return 0 if result["fits"] else 1
+
+
 COMMANDS = {"generate": cmd_generate, "convert": cmd_convert, "bench": cmd_bench, "serve": cmd_serve,
-            "compress-report": cmd_compress_report, "launch": cmd_launch}
+            "compress-report": cmd_compress_report, "launch": cmd_launch, "plan": cmd_plan}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,6 @@
 """GPU check of the bf16 decode kernel: bit-exact against the reference decoder on the GPU, and
-its decode GB/s against a device-to-device copy of the same bytes.
+its decode GB/s against a device-to-device copy of the same bytes; and the MoE grouped matmul
+(ragged_dot) against dense all-experts for a Llama 4 Scout layer.
 
     python scripts/gpu_check.py [--output gpu_check.json]   # one call on one GPU (H200: a few minutes)
     python scripts/gpu_check.py --smoke                    # CPU-sized, interpret mode (run by the tests)
@@ -11,7 +12,10 @@ infinities, subnormals and signed zeros planted in every tensor. Then:
   1. every tensor decoded by the reference and by the Pallas kernel, compared bit for bit;
   2. layers of stacked tensors decoded one at a time (the keep-compressed mode);
   3. decode GB/s (bf16 out) of both decoders, and of a copy kernel, per tensor and in total;
-  4. a sweep of the kernel's tile size and warps on the largest tensor.
+  4. a sweep of the kernel's tile size and warps on the largest tensor;
+  5. one Scout-shaped MoE layer (hidden 5120, 16 experts of width 8192, top-1, bf16): the
+     dropless grouped matmul (`jax.lax.ragged_dot`, which may lower to a padded dense matmul)
+     against computing every expert, at 1, 16 and 256 tokens, results compared.
 Prints a summary and writes all figures as JSON; exits 1 if anything is not bit-exact.
 """
 
@@ -34,6 +38,7 @@ from bench_compression import measure, median_seconds  # noqa: E402  (beside thi
 from jfire.checkpoint import codec  # noqa: E402
 from jfire.checkpoint.compressed import layout_for  # noqa: E402
 from jfire.kernels.bf16_decode import bf16_decode, pad_payload  # noqa: E402
+from jfire.models import moe  # noqa: E402
 from jfire.models.llama import LlamaConfig  # noqa: E402
 
 SMOLLM2_135M = LlamaConfig(architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -95,6 +100,30 @@ def sweep(name, bits, c, configs, interpret: bool, repeats: int) -> list[dict]:
     return rows
 
 
+def moe_check(smoke: bool, repeats: int) -> list[dict]:
+    """Grouped (dropless, ragged_dot) against dense all-experts time for one MoE layer; the two
+    must agree (bf16 inputs, float32 accumulation, so to bf16 rounding)."""
+    hidden, ffn, experts, top_k = (64, 128, 4, 1) if smoke else (5120, 8192, 16, 1)
+    key = jax.random.key(7)
+    w = [(0.02 * jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32)).astype(jnp.bfloat16)
+         for i, shape in enumerate([(experts, hidden, ffn), (experts, hidden, ffn), (experts, ffn, hidden)])]
+    grouped = jax.jit(lambda *a: moe.experts_dropless(*a, scale_input=True))
+    dense = jax.jit(lambda *a: moe.experts_dense_reference(*a, scale_input=True))
+    rows = []
+    for tokens in (1, 16, 256):
+        x = jax.random.normal(jax.random.fold_in(key, 100 + tokens), (tokens, hidden), jnp.float32).astype(jnp.bfloat16)
+        logits = jax.random.normal(jax.random.fold_in(key, 200 + tokens), (tokens, experts), jnp.float32)
+        weights, chosen = moe.route(logits, moe.Router("sigmoid_input", top_k))
+        a = np.asarray(grouped(x, weights, chosen, *w), np.float32)
+        b = np.asarray(dense(x, weights, chosen, *w), np.float32)
+        close = bool(np.allclose(a, b, rtol=2e-2, atol=2e-2 * float(np.abs(b).max())))
+        t_grouped = median_seconds(lambda: grouped(x, weights, chosen, *w).block_until_ready(), repeats)
+        t_dense = median_seconds(lambda: dense(x, weights, chosen, *w).block_until_ready(), repeats)
+        rows.append({"tokens": tokens, "grouped_ms": 1e3 * t_grouped, "dense_ms": 1e3 * t_dense,
+                     "grouped_over_dense": t_grouped / t_dense, "agree": close})
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="CPU-sized shapes, the kernel in interpret mode")
@@ -119,10 +148,12 @@ def main(argv=None) -> int:
     result["units"] = check_units(tensors, encoded, kernel)
     name, bits, _ = max(tensors, key=lambda t: t[1].size)
     result["sweep"] = sweep(name, bits, encoded[name], configs, interpret=args.smoke, repeats=repeats)
+    result["moe"] = moe_check(args.smoke, repeats)
     result["seconds"] = time.perf_counter() - start
 
     t = result["total"]
     exact = t["exact"] and all(r["exact"] for r in result["units"] + result["sweep"])
+    exact = exact and all(r["agree"] for r in result["moe"])
     best = max(result["sweep"], key=lambda r: r["gbps"])
     print(f"compression ratio {t['ratio']:.4f}; encode {t['encode_gbps']:.3f} GB/s (host)")
     for d in decoders:
@@ -130,7 +161,10 @@ def main(argv=None) -> int:
     print(f"device copy             {t['copy_gbps']:8.4g} GB/s")
     print(f"best tile on {best['name']}: block_lanes={best['block_lanes']} num_warps={best['num_warps']} "
           f"{best['gbps']:.4g} GB/s")
-    print(f"bit-exact (whole tensors, single layers, every tile): {'yes' if exact else 'NO'}; "
+    for r in result["moe"]:
+        print(f"MoE layer, {r['tokens']:>3} tokens: grouped {r['grouped_ms']:8.3f} ms, dense all-experts "
+              f"{r['dense_ms']:8.3f} ms ({r['grouped_over_dense']:.2f}x), agree: {'yes' if r['agree'] else 'NO'}")
+    print(f"bit-exact (whole tensors, single layers, every tile) and MoE paths agree: {'yes' if exact else 'NO'}; "
           f"{result['seconds']:.0f} s")
     Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
     return 0 if exact else 1

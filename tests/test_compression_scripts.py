@@ -29,7 +29,9 @@ def test_gpu_check_smoke(tmp_path, capsys, monkeypatch):
     assert {"reference_gbps", "pallas-interpret_gbps", "copy_gbps", "encode_gbps"} <= set(result["total"])
     assert [u["exact"] for u in result["units"]] == [True] * 2  # first and last layer of the stacked tensor
     assert len(result["sweep"]) == 2 and all(r["exact"] for r in result["sweep"])
-    assert "bit-exact (whole tensors, single layers, every tile): yes" in capsys.readouterr().out
+    # The MoE layer: grouped (ragged_dot) and dense all-experts agree at every token count.
+    assert [r["tokens"] for r in result["moe"]] == [1, 16, 256] and all(r["agree"] for r in result["moe"])
+    assert "bit-exact (whole tensors, single layers, every tile) and MoE paths agree: yes" in capsys.readouterr().out
 
 
 def test_bench_compression_runs(tmp_path, monkeypatch):

@@ -60,7 +60,7 @@ def rope_inv_freq(head_dim: int, theta: float, s: RopeScaling | None) -> np.ndar
     # Scout's config has high == low factor: an empty band, whose blend is never used.
     with np.errstate(divide="ignore", invalid="ignore"):
         smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
-    blended = (1 - smooth) * scaled / s.factor + smooth * scaled
+        blended = (1 - smooth) * scaled / s.factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return np.where(medium, blended, scaled).astype(np.float32)
 

@@ -1,0 +1,446 @@
+"""`jfire plan`: what a model costs on a mesh, per device, before a single weight is read.
+
+From a config alone (a HF `config.json`, a jfire checkpoint's manifest or a GGUF header) the
+plan builds the model's parameters and paged cache as abstract arrays on the mesh, with the
+shardings the engine gives them (`jfire.sharding`, after the family's `adapt_to_tp`: KV heads
+repeated for a wide tp cost memory, and are counted), and adds up, for each device:
+
+  weights     each parameter's shard on that device (`devices_indices_map`), exact
+  workspace   the temporaries of the largest compiled programs (the widest decode bucket and
+              the fullest prefill bucket), from XLA's `memory_analysis()` of programs lowered
+              from ShapeDtypeStructs on fake CPU devices (nothing is allocated), or, with
+              `compile=False`, `estimate_workspace`'s stated formula
+  reserve     RESERVE_BYTES, a stated constant: CUDA context, library workspaces, allocator slack
+  free        device memory - weights - workspace - reserve: the room for the KV cache
+
+and divides what is free by the cache's bytes per token.
+
+Workspace on XLA:CPU. For bfloat16 models XLA:CPU upcasts every dot to float32 and hoists a
+float32 copy of each whole stacked weight out of the layer loop (202 GiB of temporaries per
+device for Llama 4 Scout on tp=2), which a GPU, with native bf16 dots, has no need to do. So the
+programs are measured with float32 weights and cache instead (WORKSPACE_DTYPE): there XLA:CPU
+materialises one layer's weight slices per scan step plus the activations, both at 4 bytes a
+value where the GPU's bf16 program holds 2. The workspace is meant as an upper bound (for Scout
+on tp=2 about twice the bf16 layer slice the GPU would copy); it has not been checked on a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import SingleDeviceSharding
+
+from jfire import mesh as meshes
+from jfire import sharding
+from jfire.checkpoint.load import DTYPES
+from jfire.errors import JfireError
+from jfire.models.family import Family, Parallel
+from jfire.models.params import get_path, set_path
+
+GIB = 1 << 30
+# Per device, beyond what XLA allocates: the CUDA context (typically ~0.5 GiB), cuBLAS/cuDNN
+# workspaces and the allocator's fragmentation. A stated constant, not a measurement.
+RESERVE_BYTES = 1 * GIB
+WORKSPACE_DTYPE = jnp.float32  # see the module docstring: XLA:CPU's bf16 programs are not representative
+# The estimate's allowance for per-token activations (residual stream, norms, q/k/v, MLP
+# intermediates, router), in values of the embed width per token.
+ACTIVATION_VALUES_PER_TOKEN = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """The engine limits that size the compiled programs (None: the engine's own default)."""
+
+    max_batch: int | None = None
+    prefill_budget: int | None = None
+    max_context: int | None = None
+
+
+# -- inputs -----------------------------------------------------------------------------------------
+
+
+def read_model_config(model: str | Path) -> Family:
+    """The family config of a HF directory (config.json alone is enough), a jfire checkpoint
+    or a .gguf file, without touching any weights."""
+    from jfire.checkpoint import store
+    from jfire.models.registry import config_from_hf
+
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise JfireError(f"model path {str(path)!r} does not exist (give a directory with config.json, "
+                         "a jfire checkpoint or a .gguf file)")
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise JfireError(f"{path} is a file but not a .gguf; give a model directory with config.json, "
+                             "a jfire checkpoint directory or a .gguf file")
+        from jfire.checkpoint.sources import GGUFSource
+
+        return GGUFSource(path).config
+    if store.is_checkpoint(path):
+        return store.read_config(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise JfireError(f"{path} has no config.json (and is not a jfire checkpoint); jfire plan needs the "
+                         "model's config.json, and nothing else")
+    try:
+        hf = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise JfireError(f"{config_file} is not valid JSON: {e}") from None
+    if not isinstance(hf, dict):
+        raise JfireError(f"{config_file} must hold a JSON object, not a {type(hf).__name__}")
+    try:
+        return config_from_hf(hf)
+    except KeyError as e:
+        raise JfireError(f"{config_file} lacks the required key {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise JfireError(f"{config_file} has a value of the wrong type ({e})") from None
+
+
+def device_memory(spec: meshes.MeshSpec, override_gib: float | None) -> tuple[str | None, float, str]:
+    """(device kind, GiB per device, where the number came from): `--device-memory-gib`
+    wins over the mesh file's [device] table; neither is a clear refusal."""
+    if override_gib is not None:
+        if not override_gib > 0:
+            raise JfireError(f"--device-memory-gib must be > 0, got {override_gib}")
+        return spec.device_kind, float(override_gib), "--device-memory-gib"
+    if spec.device_memory_gib is None:
+        raise JfireError(f"mesh {spec.name!r} does not say how much memory its devices have: add a [device] "
+                         "table to its mesh file (e.g. kind = \"H200\" and memory_gib = 140.0, the usable memory "
+                         "per device as the driver reports it), or pass --device-memory-gib N")
+    return spec.device_kind, float(spec.device_memory_gib), "mesh file"
+
+
+# -- bytes per device -------------------------------------------------------------------------------
+
+
+def shard_bytes(sharding_, shape: tuple[int, ...], itemsize: int) -> dict:
+    """Bytes of `shape` each device holds under `sharding_`, from its index map."""
+    out = {}
+    for device, index in sharding_.devices_indices_map(tuple(shape)).items():
+        count = 1
+        for slc, dim in zip(index, shape):
+            count *= len(range(*slc.indices(dim)))
+        out[device] = count * itemsize
+    return out
+
+
+def _add(total: dict, part: dict) -> None:
+    for device, n in part.items():
+        total[device] = total.get(device, 0) + n
+
+
+def _shardings(cfg: Family, mesh, device):
+    """(param shardings tree, cache shardings dict) as the engine places them; one device
+    when mesh is None (the engine then uses no mesh at all)."""
+    if mesh is not None:
+        return sharding.param_shardings(cfg, mesh), sharding.cache_shardings(cfg, mesh)
+    single = SingleDeviceSharding(device)
+    params: dict = {}
+    for spec in cfg.param_specs():
+        set_path(params, spec.name, single)
+    return params, {c.name: single for c in cfg.cache_specs()}
+
+
+def weight_bytes(cfg: Family, param_shardings: dict, dtype) -> dict:
+    total: dict = {}
+    for spec in cfg.param_specs():
+        _add(total, shard_bytes(get_path(param_shardings, spec.name), spec.shape, np.dtype(dtype).itemsize))
+    return total
+
+
+def kv_bytes_per_token(cfg: Family, cache_shardings: dict, dtype) -> dict:
+    """Cache bytes one token of one sequence takes on each device (pages and page slots are
+    never split, so one page of one slot is exactly one token)."""
+    total: dict = {}
+    for c in cfg.cache_specs():
+        _add(total, shard_bytes(cache_shardings[c.name], c.shape(1, 1), np.dtype(dtype).itemsize))
+    return total
+
+
+def layer_bytes(cfg: Family, param_shardings: dict, itemsize: int) -> int:
+    """One layer's weights on one device: the largest segment's per-layer shards (a device
+    holds whole layers of its pipeline stage, each split over tp/ep)."""
+    per_segment: dict = {}
+    for spec in cfg.param_specs():
+        if spec.per_layer:
+            shard = get_path(param_shardings, spec.name).shard_shape(spec.shape)
+            segment = spec.name.split(".")[0]
+            per_segment[segment] = per_segment.get(segment, 0) + math.prod(shard[1:]) * itemsize
+    return max(per_segment.values(), default=0)
+
+
+def kv_values_per_layer(cfg: Family, cache_shardings: dict) -> int:
+    """Cache values one token takes in one layer on one device."""
+    total = 0
+    for c in cfg.cache_specs():
+        shard = cache_shardings[c.name].shard_shape(c.shape(1, 1))
+        layers = shard[c.axes.index("layers")] if "layers" in c.axes else 1
+        total += math.prod(shard) // layers
+    return total
+
+
+# -- the programs and their workspace ---------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    kind: str  # "decode" or "prefill"
+    rows: int
+    tokens: int  # per row
+    width: int  # pages per row
+
+
+def largest_programs(buckets) -> list[Program]:
+    """The widest decode bucket and the prefill bucket with the most tokens (then rows) at
+    the widest page table: the ones with the most temporaries."""
+    width = max(buckets.widths)
+    rows, tokens = max(buckets.prefill_shapes, key=lambda s: (s[0] * s[1], s[0]))
+    return [Program("decode", max(buckets.decode_batches), 1, width), Program("prefill", rows, tokens, width)]
+
+
+def measure_workspace(cfg: Family, param_shardings: dict, cache_shardings: dict, programs: list[Program], *,
+                      mesh, spec: meshes.MeshSpec, page_size: int) -> list[dict]:
+    """XLA's memory analysis of each program, compiled on the CPU devices from abstract
+    params and cache in WORKSPACE_DTYPE: temporaries plus outputs that do not alias the
+    donated cache."""
+    from jfire.pipeline import Pipeline
+    from jfire.programs import Buckets, CompiledPrograms
+
+    params: dict = {}
+    for p in cfg.param_specs():
+        set_path(params, p.name, jax.ShapeDtypeStruct(p.shape, WORKSPACE_DTYPE, sharding=get_path(param_shardings, p.name)))
+    # Enough pages for the largest bucket's page tables (the temporaries do not grow with the pool).
+    num_pages = max(p.rows * p.width for p in programs)
+    pages = {c.name: jax.ShapeDtypeStruct(c.shape(num_pages, page_size), WORKSPACE_DTYPE, sharding=cache_shardings[c.name])
+             for c in cfg.cache_specs()}
+    layer_stack = Pipeline(mesh, spec.num_microbatches) if mesh is not None and spec.pp > 1 else None
+    parallel = Parallel(mesh) if mesh is not None and (spec.tp > 1 or spec.ep > 1) else None
+    buckets = Buckets(tuple(p.rows for p in programs if p.kind == "decode"),
+                      tuple((p.rows, p.tokens) for p in programs if p.kind == "prefill"),
+                      tuple(sorted({p.width for p in programs})))
+    compiled = CompiledPrograms(cfg, params, pages, buckets, "reference", lazy=True, mesh=mesh,
+                                layer_stack=layer_stack, parallel=parallel)
+
+    def one(p: Program) -> dict:
+        exe = compiled.decode(p.rows, p.width) if p.kind == "decode" else compiled.prefill(p.rows, p.tokens, p.width)
+        stats = exe.memory_analysis()
+        temp = int(stats.temp_size_in_bytes)
+        outputs = max(0, int(stats.output_size_in_bytes) - int(stats.alias_size_in_bytes))
+        return {"temp_bytes": temp, "output_bytes": outputs, "workspace_bytes": temp + outputs}
+
+    # XLA compiles outside the GIL: the two programs overlap.
+    with ThreadPoolExecutor(len(programs)) as pool:
+        return list(pool.map(one, programs))
+
+
+def estimate_workspace(cfg: Family, param_shardings: dict, cache_shardings: dict, program: Program,
+                       page_size: int) -> int:
+    """The analytic stand-in for `measure_workspace`, in WORKSPACE_DTYPE (4-byte) values:
+      one layer's weights on a device (a scanned layer's slices are materialised)
+    + one layer's K and V for every row's whole page table (the reference attention gathers them)
+    + logits and their softmax over the full vocabulary for every row
+    + ACTIVATION_VALUES_PER_TOKEN x embed width for every token."""
+    w = np.dtype(WORKSPACE_DTYPE).itemsize
+    layer = layer_bytes(cfg, param_shardings, w)
+    gathered = program.rows * program.width * page_size * kv_values_per_layer(cfg, cache_shardings) * w
+    logits = 2 * program.rows * cfg.vocab_size * w
+    embed = max((n for p in cfg.param_specs() for a, n in zip(p.axes, p.shape) if a == "embed"), default=0)
+    activations = program.rows * program.tokens * embed * ACTIVATION_VALUES_PER_TOKEN * w
+    return layer + gathered + logits + activations
+
+
+# -- the plan ---------------------------------------------------------------------------------------
+
+
+def plan(model: str | Path, spec: meshes.MeshSpec, *, dtype: str = "bfloat16", limits: Limits = Limits(),
+         compile: bool = True, device_memory_gib: float | None = None, devices=None) -> dict:
+    """The memory plan of `model` on `spec` as a JSON-ready dict (see `format_plan`)."""
+    from jfire.engine import EngineConfig, context_limit
+    from jfire.programs import Buckets
+
+    if dtype not in DTYPES:
+        raise JfireError(f"unknown dtype {dtype!r}; use one of: {', '.join(DTYPES)}")
+    kind, memory_gib, memory_source = device_memory(spec, device_memory_gib)
+    engine = EngineConfig()
+    max_batch = _at_least("--max-batch", limits.max_batch, engine.max_batch, 1)
+    prefill_budget = _at_least("--prefill-budget", limits.prefill_budget, engine.prefill_budget, 16)
+    if limits.max_context is not None and limits.max_context < 2:
+        raise JfireError(f"--max-context must be >= 2 (a prompt token and a generated one), got {limits.max_context}")
+    cfg = read_model_config(model)
+    devices = list(devices if devices is not None else jax.devices())
+    meshes.check_fits(spec, cfg, len(devices))
+    mesh = meshes.build(spec, devices) if spec.size > 1 else None
+    wide, replication = cfg.adapt_to_tp(spec.tp) if mesh is not None else (cfg, 1)
+    param_shardings, cache_shardings = _shardings(wide, mesh, devices[0])
+    if mesh is not None:
+        order = [(dict(zip(mesh.axis_names, map(int, at))), mesh.devices[at]) for at in np.ndindex(mesh.devices.shape)]
+    else:
+        order = [({a: 0 for a in meshes.AXES}, devices[0])]
+
+    weights = weight_bytes(wide, param_shardings, DTYPES[dtype])
+    kv = kv_bytes_per_token(wide, cache_shardings, DTYPES[dtype])
+    page_size = engine.page_size
+    max_model_len = context_limit(wide, limits.max_context)
+    buckets = Buckets.for_limits(max_batch=max_batch, prefill_budget=prefill_budget,
+                                 max_prefill_rows=engine.max_prefill_rows,
+                                 max_pages_per_row=-(-max_model_len // page_size), page_size=page_size)
+    programs = largest_programs(buckets)
+    kv_device = max(kv.values())
+    estimates = [estimate_workspace(wide, param_shardings, cache_shardings, p, page_size) for p in programs]
+    if compile:
+        measured = measure_workspace(wide, param_shardings, cache_shardings, programs, mesh=mesh, spec=spec,
+                                     page_size=page_size)
+    else:
+        measured = [None] * len(programs)
+    details = []
+    for p, est, m in zip(programs, estimates, measured):
+        details.append({"program": p.kind, "rows": p.rows, "tokens_per_row": p.tokens, "pages_per_row": p.width,
+                        "estimate_bytes": est, **(m or {})})
+    workspace = max(d["workspace_bytes"] if compile else d["estimate_bytes"] for d in details)
+
+    memory = int(round(memory_gib * GIB))
+    per_device = []
+    for i, (coords, device) in enumerate(order):
+        free = memory - weights[device] - workspace - RESERVE_BYTES
+        per_device.append({"index": i, "mesh_coords": coords, "memory_bytes": memory, "weight_bytes": weights[device],
+                           "workspace_bytes": workspace, "reserve_bytes": RESERVE_BYTES, "kv_bytes_free": free,
+                           "kv_bytes_per_token": kv[device],
+                           "kv_tokens": max(0, free) // kv[device]})
+    free_total = sum(d["kv_bytes_free"] for d in per_device)
+    kv_total = sum(d["kv_bytes_per_token"] for d in per_device)
+    # Every device holds the same pages (the pages axis is never split), so the device with
+    # the least room bounds the pool; the shardings are even, so this is free total // kv total.
+    capacity = min(d["kv_tokens"] for d in per_device)
+    pages = capacity // page_size
+    kv_cache_bytes = pages * page_size * kv_device  # per device: what --kv-cache-gb should be
+    problems = []
+    if min(d["kv_bytes_free"] for d in per_device) <= 0:
+        problems.append("the weights, workspace and reserve leave no memory for the KV cache")
+    elif capacity < max_model_len:
+        problems.append(f"the KV cache holds {capacity} tokens, less than one sequence of the {max_model_len}-token "
+                        "context (lower --max-context, or use a bigger mesh)")
+    params_count = sum(math.prod(p.shape) for p in cfg.param_specs())
+    return {
+        "model": str(model),
+        "family": cfg.family,
+        "architecture": getattr(cfg, "architecture", None),
+        "dtype": dtype,
+        "parameters": params_count,
+        "parameter_bytes": params_count * np.dtype(DTYPES[dtype]).itemsize,
+        "mesh": {"name": spec.name, "dp": spec.dp, "pp": spec.pp, "tp": spec.tp, "ep": spec.ep,
+                 "microbatches": spec.num_microbatches if spec.pp > 1 else None},
+        "devices": len(per_device),
+        "device_kind": kind,
+        "device_memory_gib": memory_gib,
+        "device_memory_bytes": memory,
+        "device_memory_source": memory_source,
+        "kv_head_replication": replication,
+        "weight_bytes_per_device": max(d["weight_bytes"] for d in per_device),
+        "weight_bytes_total": sum(d["weight_bytes"] for d in per_device),
+        "workspace_bytes_per_device": workspace,
+        "workspace_source": "measured" if compile else "estimate",
+        "workspace_note": (f"on XLA:CPU, memory_analysis() of the largest programs compiled with "
+                           f"{np.dtype(WORKSPACE_DTYPE).name} weights and cache (4-byte values: meant as an upper bound for a GPU)"
+                           if compile else
+                           "a stated formula, nothing compiled: one layer's weights + one layer's gathered K/V "
+                           f"for every row + logits + {ACTIVATION_VALUES_PER_TOKEN} x embed per token, in 4-byte "
+                           "values"),
+        "workspace_programs": details,
+        "reserve_bytes_per_device": RESERVE_BYTES,
+        "reserve_note": "a stated constant: CUDA context, library workspaces, allocator slack",
+        "kv_bytes_per_token": kv_total,
+        "kv_bytes_free_total": free_total,
+        "kv_capacity_tokens": capacity,
+        "page_size": page_size,
+        "kv_pages": pages,
+        "kv_cache_gb_per_device": math.floor(kv_cache_bytes / GIB * 100) / 100,
+        "max_context": max_model_len,
+        "max_batch": max_batch,
+        "prefill_budget": prefill_budget,
+        "fits": not problems,
+        "problems": problems,
+        "per_device": per_device,
+    }
+
+
+def _at_least(flag: str, value: int | None, default: int, low: int) -> int:
+    if value is None:
+        return default
+    if value < low:
+        raise JfireError(f"{flag} must be >= {low}, got {value}")
+    return value
+
+
+# -- printing ---------------------------------------------------------------------------------------
+
+
+def _gib(n: int) -> str:
+    """GiB with two decimals; smaller sizes (tiny models) in MiB or KiB so they do not read as 0."""
+    for unit, scale in (("GiB", GIB), ("MiB", 1 << 20)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n / 1024:.2f} KiB"
+
+
+def _kib(n: int) -> str:
+    return f"{n / 1024:.1f} KiB" if n >= 1024 else f"{n} B"
+
+
+def _count(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return str(n)
+
+
+def format_plan(p: dict) -> str:
+    mesh = p["mesh"]
+    axes = " ".join(f"{a}={mesh[a]}" for a in ("dp", "pp", "tp", "ep"))
+    devices = f"{p['devices']} x {p['device_kind']}" if p["device_kind"] else f"{p['devices']} devices"
+    lines = [
+        f"model       {p['model']} ({p['family']}, {p['architecture']})",
+        f"parameters  {p['parameters']:,} ({_count(p['parameters'])}), {p['dtype']}: {_gib(p['parameter_bytes'])}",
+        f"mesh        {mesh['name']} ({axes}): {devices}, {p['device_memory_gib']:g} GiB each "
+        f"(from {p['device_memory_source']})",
+    ]
+    if p["kv_head_replication"] > 1:
+        lines.append(f"kv heads    repeated {p['kv_head_replication']}x so each tp shard owns one (counted below)")
+    lines += ["", f"{'device':<8}{'memory':>12}{'weights':>13}{'workspace':>13}{'reserve':>12}{'KV free':>12}"
+                  f"{'KV/token':>11}"]
+    for d in p["per_device"]:
+        lines.append(f"{d['index']:<8}{_gib(d['memory_bytes']):>12}{_gib(d['weight_bytes']):>13}"
+                     f"{_gib(d['workspace_bytes']):>13}{_gib(d['reserve_bytes']):>12}{_gib(d['kv_bytes_free']):>12}"
+                     f"{_kib(d['kv_bytes_per_token']):>11}")
+    lines.append("")
+    source = p["workspace_source"]
+    lines.append(f"workspace   {_gib(p['workspace_bytes_per_device'])} per device, {source}: {p['workspace_note']}")
+    for d in p["workspace_programs"]:
+        shape = f"{d['program']} {d['rows']} x {d['tokens_per_row']} tokens, {d['pages_per_row']} pages/row"
+        measured = (f"measured {_gib(d['workspace_bytes'])} (temp {_gib(d['temp_bytes'])} + outputs "
+                    f"{_gib(d['output_bytes'])}), " if "workspace_bytes" in d else "")
+        lines.append(f"              {shape}: {measured}estimate {_gib(d['estimate_bytes'])}")
+    lines.append(f"reserve     {_gib(p['reserve_bytes_per_device'])} per device, {p['reserve_note']}")
+    lines += [
+        "",
+        f"KV cache    {_gib(p['kv_bytes_free_total'])} free in all; {_kib(p['kv_bytes_per_token'])} per token over all "
+        f"devices -> {p['kv_capacity_tokens']:,} tokens "
+        f"({p['kv_capacity_tokens'] / p['max_context']:.1f} sequences of {p['max_context']:,})"
+        if p["kv_capacity_tokens"] else f"KV cache    no room ({_gib(p['kv_bytes_free_total'])} free in all)",
+    ]
+    if p["fits"]:
+        lines.append(f"fits        yes: serve with --kv-cache-gb {p['kv_cache_gb_per_device']:g} "
+                     f"({p['kv_pages']:,} pages of {p['page_size']}); limits: --max-batch {p['max_batch']} "
+                     f"--prefill-budget {p['prefill_budget']} --max-context {p['max_context']}")
+        usable = (p["device_memory_bytes"] - p["reserve_bytes_per_device"]) / p["device_memory_bytes"]
+        lines.append(f"            (JAX preallocates 75% of a GPU by default: let it use more, e.g. "
+                     f"XLA_PYTHON_CLIENT_MEM_FRACTION={math.floor(usable * 100) / 100:g})")
+    else:
+        lines.append("fits        no: " + "; ".join(p["problems"]))
+    return "\n".join(lines)
