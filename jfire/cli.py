@@ -44,13 +44,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", default="reference", choices=["reference", "pallas", "pallas-interpret"],
                    help="decode attention: plain jnp, or the Pallas kernel (GPU; -interpret runs it on CPU)")
     p.add_argument("--compile-cache", default=None,
-                   help="JAX persistent compilation cache directory (default ~/.cache/jfire/xla; 'off' disables)")
+                   help="JAX persistent compilation cache directory (default $JFIRE_COMPILE_CACHE, else "
+                        "~/.cache/jfire/xla; 'off' disables)")
 
 
 def engine_config(args, *, single: bool):
     from jfire.engine import EngineConfig, default_compilation_cache_dir
 
-    cache = args.compile_cache or default_compilation_cache_dir()
+    cache = args.compile_cache or os.environ.get("JFIRE_COMPILE_CACHE") or default_compilation_cache_dir()
     limits = dict(max_batch=1, max_prefill_rows=1, aot=False) if single else {}
     if args.max_batch is not None:
         if args.max_batch < 1:

@@ -33,8 +33,9 @@ class SamplingParams:
             problems.append(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
         if not (0 < self.top_p <= 1):
             problems.append(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            problems.append(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        # top_k travels to the device as an int32: a larger value would overflow on the engine thread.
+        if not 0 <= self.top_k <= 2**31 - 1:
+            problems.append(f"top_k must be in [0, 2**31 - 1] (0 = off), got {self.top_k}")
         if self.max_tokens < 1:
             problems.append(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.seed is not None and not (0 <= self.seed < 2**32):

@@ -25,7 +25,7 @@ from jfire.engine import Engine, QueueFull, RequestOutput
 from jfire.errors import JfireError
 from jfire.sampling import SamplingParams
 from serve.metrics import ServerMetrics
-from serve.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from serve.schemas import UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest, SamplingFields
 
 log = logging.getLogger("jfire.serve")
 RETRY_AFTER_S = 1
@@ -81,6 +81,14 @@ def create_app(state: ServerState) -> FastAPI:
             "max_model_len": state.engine.max_model_len,
         }]}
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != state.model_name:
+            raise APIError(404, f"model {model_id!r} is not served here; this server serves {state.model_name!r}",
+                           param="model", code="model_not_found", kind="not_found_error")
+        return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "jfire",
+                "max_model_len": state.engine.max_model_len}
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         prompt_ids = _completion_prompt(body, state.engine)
@@ -89,7 +97,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         tokenizer = _require_tokenizer(state.engine)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = [{"role": m.role, "content": _valid_text(m.text(), "messages")} for m in body.messages]
         try:
             prompt_ids = tokenizer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt)
         except JfireError as e:
@@ -116,8 +124,19 @@ def _completion_prompt(body: CompletionRequest, engine: Engine) -> list[int]:
             raise APIError(400, f"send one prompt per request (got {len(prompt)})", param="prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return _require_tokenizer(engine).encode(prompt)
+        return _require_tokenizer(engine).encode(_valid_text(prompt, "prompt"))
     return list(prompt)
+
+
+def _valid_text(text: str, param: str) -> str:
+    """Refuses text that is not valid Unicode (a lone surrogate, which JSON's \\ud800 escapes
+    can carry): the tokenizer could not encode it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"{param} is not valid Unicode: a lone surrogate at character {e.start}; "
+                            "send UTF-8 text", param=param, code="invalid_value") from None
+    return text
 
 
 def _sampling(body: SamplingFields, max_tokens: int) -> SamplingParams:
@@ -143,6 +162,14 @@ async def _serve(state: ServerState, request: Request, body: SamplingFields, pro
     if body.model != state.model_name:
         raise APIError(400, f"model {body.model!r} is not served here; this server serves {state.model_name!r}",
                        param="model", code="model_not_found")
+    for name in UNSUPPORTED_FIELDS:
+        if getattr(body, name) is not None:
+            raise APIError(400, f"{name} is not supported by this server yet; omit the field", param=name)
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name) != 0:
+            raise APIError(400, f"{name} is not supported yet; leave it at 0 or omit it", param=name)
+    for stop in body.stop_list():
+        _valid_text(stop, "stop")
     if getattr(body, "logprobs", None):
         raise APIError(400, "logprobs are not supported yet; omit the field", param="logprobs")
     if getattr(body, "echo", False):
@@ -166,7 +193,10 @@ async def _serve(state: ServerState, request: Request, body: SamplingFields, pro
                        headers={"Retry-After": str(RETRY_AFTER_S)})
     except JfireError as e:
         code = "context_length_exceeded" if "context" in str(e) else None
-        raise APIError(400, str(e), param="max_tokens" if "max_tokens" in str(e) else "prompt", code=code)
+        message, param = str(e), "max_tokens" if "max_tokens" in str(e) else "prompt"
+        if chat and body.max_completion_tokens and param == "max_tokens":  # name the field the client sent
+            message, param = message.replace("max_tokens", "max_completion_tokens"), "max_completion_tokens"
+        raise APIError(400, message, param=param, code=code)
     stream = _Stream(state, request, engine, request_id, outputs, body.model, chat)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -297,12 +327,20 @@ def _install_error_handlers(app: FastAPI) -> None:
         if first.get("type") == "json_invalid":
             return APIError(400, "the request body is not valid JSON", code="invalid_json").response()
         param = _param_of(first.get("loc", ()))
-        if first.get("type") == "missing":
+        if first.get("type") == "missing" and param is None:
+            message = "the request body is empty; send a JSON object with the request's fields"
+        elif first.get("type") == "missing":
             message = f"missing required field '{param}'"
+        elif first.get("type") == "extra_forbidden":
+            message = f"unknown field '{param}': this endpoint does not take it (see /openapi.json)"
+        elif first.get("type") == "model_attributes_type":
+            message = "the request body must be a JSON object"
         elif _is_union_error(first.get("loc", ())):
             message = f"{param}: {_field_description(request, param) or 'invalid value'}"
         else:
-            message = f"{param + ': ' if param else ''}{first.get('msg', 'invalid request')}"
+            # pydantic prefixes errors raised in validators with "Value error, ".
+            detail = first.get("msg", "invalid request").removeprefix("Value error, ")
+            message = f"{param + ': ' if param else ''}{detail}"
         return APIError(400, message, param=param, code="invalid_value").response()
 
     @app.exception_handler(StarletteHTTPException)

@@ -8,9 +8,16 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 
 NonNegFloat = Annotated[float, Field(ge=0)]
+# Numbers must be JSON numbers: "0.5" and true are refused, not coerced.
+Number = StrictFloat
+# The largest value the device programs hold in an int32 (top_k travels as one).
+INT32_MAX = 2**31 - 1
+# Fields of OpenAI's API this server does not implement yet: refused by name when given.
+UNSUPPORTED_FIELDS = ("response_format", "tools", "tool_choice", "functions", "function_call",
+                      "parallel_tool_calls", "logit_bias", "top_logprobs")
 
 
 class StreamOptions(BaseModel):
@@ -20,28 +27,44 @@ class StreamOptions(BaseModel):
 class SamplingFields(BaseModel):
     """What completions and chat completions share."""
 
-    model_config = ConfigDict(extra="ignore")
+    # Unknown fields are refused by name (a client must learn the server ignored nothing); one
+    # sent as null is taken as absent, as stock clients send unset options that way.
+    model_config = ConfigDict(extra="forbid")
 
     model: StrictStr
     max_tokens: StrictInt | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0, le=2)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: StrictInt = Field(default=0, ge=0, description="jfire extension: keep the k most likely tokens (0 = off)")
+    temperature: Number = Field(default=1.0, ge=0, le=2)
+    top_p: Number = Field(default=1.0, gt=0, le=1)
+    top_k: StrictInt = Field(default=0, ge=0, le=INT32_MAX,
+                             description="jfire extension: keep the k most likely tokens (0 = off)")
     ignore_eos: StrictBool = Field(default=False, description="jfire extension: keep generating past EOS")
     n: StrictInt = Field(default=1, ge=1, le=1, description="only n=1 is supported")
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    stop: StrictStr | list[StrictStr] | None = Field(default=None, description="up to 4 stop strings")
+    stop: StrictStr | list[StrictStr] | None = Field(default=None, description="a string or a list of up to 4 strings")
     seed: StrictInt | None = Field(default=None, ge=0, lt=2**32)
-    presence_penalty: float = Field(default=0.0, description="not supported: must be 0")
-    frequency_penalty: float = Field(default=0.0, description="not supported: must be 0")
+    presence_penalty: Number = Field(default=0.0, description="not supported: must be 0")
+    frequency_penalty: Number = Field(default=0.0, description="not supported: must be 0")
     user: StrictStr | None = None
+    # Accepted by the schema only to be refused by name (see UNSUPPORTED_FIELDS).
+    response_format: object = None
+    tools: object = None
+    tool_choice: object = None
+    functions: object = None
+    function_call: object = None
+    parallel_tool_calls: object = None
+    logit_bias: object = None
+    top_logprobs: object = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data):
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k in cls.model_fields}
+        return data
 
     @model_validator(mode="after")
     def _check_stop(self):
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0:
-                raise ValueError(f"{name} is not supported; leave it at 0")
         stops = self.stop_list()
         if len(stops) > 4:
             raise ValueError("stop takes at most 4 strings")

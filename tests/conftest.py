@@ -4,13 +4,25 @@ default model (converted once into checkpoints/, as users get it)."""
 from __future__ import annotations
 
 import os
-
-# Tests run on the CPU; keep XLA from grabbing every core for one tiny matmul.
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import shutil
+import tempfile
 
 import pytest
 
 from tests.tiny_models import save_tiny_hf_model
+
+# Tests run on the CPU; keep XLA from grabbing every core for one tiny matmul.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent compilation cache for this run's processes (the jfire commands the tests start
+# read it), fresh each run: the suite's time never depends on what an earlier run compiled.
+_OWN_CACHE = None
+if "JFIRE_COMPILE_CACHE" not in os.environ:
+    _OWN_CACHE = os.environ["JFIRE_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="jfire-test-xla-")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _OWN_CACHE is not None:
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
 """The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) in float32 against transformers
-loading the same GGUF: identical greedy tokens for 32 steps, plain and chat prompts."""
+loading the same GGUF: identical greedy tokens for 32 steps, plain and chat prompts, and the
+same logits at every position."""
 
 from __future__ import annotations
 
@@ -64,3 +65,23 @@ def test_checkpoint_holds_the_gguf_weights_exactly(jfire_model):
     assert direct.config == jfire_model.config
     equal = jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), direct.params, jfire_model.params)
     assert all(jax.tree.leaves(equal))
+
+
+def test_default_model_logits_match_transformers_per_position(reference, jfire_model):
+    """Every position's logits of a prompt plus a greedy continuation, uncached in both."""
+    import jax.numpy as jnp
+
+    from jfire.models.family import forward, init_cache
+
+    tok, model = reference
+    ids = tok("The three most important inventions in history are", add_special_tokens=True)["input_ids"]
+    ids = ids + hf_greedy(model, ids, 8)
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0].numpy()
+    cfg = jfire_model.config
+    got, _ = forward(jfire_model.params, cfg, jnp.asarray([ids], jnp.int32), jnp.arange(len(ids))[None],
+                     init_cache(cfg, 1, len(ids), jnp.float32))
+    got = np.asarray(got[0])
+    for t in range(len(ids)):
+        err = np.linalg.norm(got[t] - want[t]) / np.linalg.norm(want[t])
+        assert err < 1e-4, f"position {t}: relative error {err:.2e}"

@@ -3,7 +3,6 @@ preemption, prefix caching, cancellation, no compilation after warm-up."""
 
 from __future__ import annotations
 
-import time
 
 import jax
 import numpy as np
@@ -118,9 +117,8 @@ def test_cancel_frees_pages_at_once(engine, default_model):
     handle.cancel()
     rest = list(outputs)
     assert rest[-1].finished and rest[-1].finish_reason == "cancelled"
-    deadline = time.time() + 1.0
-    while engine.stats()["pages_used"] != 0 and time.time() < deadline:
-        time.sleep(0.01)
+    # The engine publishes its stats before it delivers a step's outputs: whoever sees the
+    # request end sees its pages freed, with no waiting.
     assert engine.stats()["pages_used"] == 0
     assert engine.stats()["running"] == 0
 

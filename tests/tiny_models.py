@@ -26,6 +26,8 @@ COMMON = dict(
 FAMILIES = {
     # Llama 2: plain rope, untied embeddings.
     "llama2": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(rope_theta=10000.0)),
+    # Llama with attention_bias: biases on q/k/v and on the output projection.
+    "llama_bias": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(attention_bias=True)),
     # Llama 3.x: llama3 rope scaling; a short original context exercises all three bands.
     "llama3": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(
         rope_theta=500000.0,

