@@ -115,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: $JFIRE_API_KEY)")
     v.add_argument("--max-queue", type=int, default=1024, help="waiting requests before new ones get 429")
+    v.add_argument("--shutdown-grace", type=float, default=30.0,
+                   help="on SIGTERM, seconds in-flight requests get to finish before they are ended (default 30)")
+    v.add_argument("--max-body-mb", type=float, default=16.0,
+                   help="request bodies larger than this get a 413 before they are read (default 16)")
     v.add_argument("--max-context", type=int, default=None,
                    help="cap the context below the model's own (default: the model's, at most 4096)")
     v.add_argument("--served-model-name", default=None, help="the model id clients send (default: from --model)")
@@ -325,7 +329,12 @@ def cmd_serve(args) -> int:
     config = dataclasses.replace(engine_config(args, single=False), max_waiting=args.max_queue)
     model = load_model(args.model, args.dtype, mesh_spec=_mesh_spec(args), keep_compressed=args.keep_compressed)
     api_key = args.api_key or os.environ.get("JFIRE_API_KEY") or None
+    if not args.shutdown_grace >= 0:
+        raise JfireError(f"--shutdown-grace must be >= 0 seconds, got {args.shutdown_grace}")
+    if not args.max_body_mb > 0:
+        raise JfireError(f"--max-body-mb must be > 0, got {args.max_body_mb}")
     server.run(model, config, host=args.host, port=args.port, api_key=api_key,
+               max_body_bytes=int(args.max_body_mb * (1 << 20)), shutdown_grace_s=args.shutdown_grace,
                model_name=args.served_model_name or server.served_name(args.model))
     return 0
 

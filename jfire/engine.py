@@ -281,6 +281,11 @@ class Engine:
     def cancel(self, request_id: str) -> None:
         self._commands.put(("cancel", request_id))
 
+    def fail_all(self, message: str) -> None:
+        """Ends every request the engine holds with finish_reason "error" and this message
+        (a server shutting down after its grace period)."""
+        self._commands.put(("fail_all", message))
+
     def generate(self, requests: list[tuple[list[int], SamplingParams]]) -> list[Completion]:
         """Runs many requests through the batching engine together and waits for them all."""
         handles = [self.submit(ids, sp) for ids, sp in requests]
@@ -338,6 +343,9 @@ class Engine:
         if kind == "submit":
             self._live[arg.seq.request_id] = arg
             self.scheduler.add(arg.seq)
+        elif kind == "fail_all":
+            for live in self._all_requests():
+                self._finish(live, "error", error=arg)
         elif kind == "cancel" and arg in self._live:
             self._finish(self._live[arg], "cancelled")
 

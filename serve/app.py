@@ -29,6 +29,7 @@ from serve.schemas import UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionR
 
 log = logging.getLogger("jfire.serve")
 RETRY_AFTER_S = 1
+DISCONNECT_CHECK_S = 0.25
 
 
 class APIError(Exception):
@@ -52,6 +53,8 @@ class ServerState:
     api_key: str | None = None
     metrics: ServerMetrics | None = None
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    max_body_bytes: int = 16 << 20  # larger request bodies get a 413 before they are read
+    draining: bool = False  # shutting down: no new requests, in-flight ones finish
 
     def __post_init__(self):
         if self.metrics is None:
@@ -62,11 +65,15 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="jfire", description="OpenAI-compatible completion service", version="0.1.0")
     app.state.jfire = state
     _install_error_handlers(app)
+    _install_body_limit(app, state)
     _install_auth(app, state)
     _install_request_counter(app, state)
 
     @app.get("/health")
     async def health():
+        if state.draining:
+            return JSONResponse({"status": "draining", "message": "shutting down; in-flight requests finish"},
+                                status_code=503)
         status, body = state.engine.health()
         return JSONResponse(body, status_code=status)
 
@@ -91,7 +98,8 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        prompt_ids = _completion_prompt(body, state.engine)
+        # Tokenizing a long prompt takes a while: off the event loop, which serves everyone.
+        prompt_ids = await asyncio.to_thread(_completion_prompt, body, state.engine)
         return await _serve(state, request, body, prompt_ids, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -99,7 +107,8 @@ def create_app(state: ServerState) -> FastAPI:
         tokenizer = _require_tokenizer(state.engine)
         messages = [{"role": m.role, "content": _valid_text(m.text(), "messages")} for m in body.messages]
         try:
-            prompt_ids = tokenizer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt)
+            prompt_ids = await asyncio.to_thread(tokenizer.encode_chat, messages,
+                                                 add_generation_prompt=body.add_generation_prompt)
         except JfireError as e:
             raise APIError(400, str(e), param="messages")
         return await _serve(state, request, body, prompt_ids, chat=True)
@@ -156,6 +165,9 @@ def _max_tokens(body: SamplingFields, prompt_len: int, engine: Engine, chat: boo
 
 async def _serve(state: ServerState, request: Request, body: SamplingFields, prompt_ids: list[int], *, chat: bool):
     engine = state.engine
+    if state.draining:
+        raise APIError(503, "the server is shutting down; send the request to another replica or retry later",
+                       kind="server_error", code="shutting_down", headers={"Retry-After": str(RETRY_AFTER_S)})
     if not engine.ready.is_set():
         raise APIError(503, "the server is still compiling its programs; retry shortly", kind="server_error",
                        code="not_ready", headers={"Retry-After": str(RETRY_AFTER_S)})
@@ -215,10 +227,20 @@ class _Stream:
         self.start = time.perf_counter()
         self.first: float | None = None
         self.finished = False
+        self.last_check = self.start
 
     async def _next(self) -> RequestOutput | None:
-        """The next output, or None if the client went away (the request is then cancelled)."""
+        """The next output, or None if the client went away (the request is then cancelled).
+
+        The client is checked every DISCONNECT_CHECK_S whether or not outputs are flowing: a
+        non-streaming response writes nothing until the end, so a client that left would
+        otherwise hold its batch slot and pages until max_tokens."""
         while True:
+            now = time.perf_counter()
+            if now - self.last_check >= DISCONNECT_CHECK_S:
+                self.last_check = now
+                if await self.request.is_disconnected():
+                    return None
             try:
                 out = await asyncio.wait_for(self.outputs.get(), timeout=0.25)
             except asyncio.TimeoutError:
@@ -257,7 +279,7 @@ class _Stream:
         finally:
             self._cancel_unless_finished()
         if last.finish_reason == "error":
-            raise APIError(500, last.error or "generation failed", kind="server_error")
+            raise APIError(503 if self.state.draining else 500, last.error or "generation failed", kind="server_error")
         content = "".join(text)
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": content},
@@ -296,6 +318,7 @@ class _Stream:
                 if out.finished and out.finish_reason == "error":
                     yield event({"error": {"message": out.error, "type": "server_error", "param": None,
                                            "code": None}})
+                    yield "data: [DONE]\n\n"  # the stream still ends as streams end
                     return
                 if out.text or out.finished:
                     finish = out.finish_reason if out.finished else None
@@ -352,6 +375,23 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def unexpected(request: Request, exc: Exception):
         log.exception("unhandled error on %s", request.url.path)
         return APIError(500, f"internal error: {type(exc).__name__}", kind="server_error").response()
+
+
+def _install_body_limit(app: FastAPI, state: ServerState) -> None:
+    """413 for a body whose declared length is over the limit, before any of it is read; 411
+    for a POST that declares no length (a chunked body could not be bounded before reading)."""
+
+    @app.middleware("http")
+    async def limit_body(request: Request, call_next):
+        limit = state.max_body_bytes
+        length = request.headers.get("content-length")
+        if request.method == "POST" and (length is None or not length.isdigit()):
+            return APIError(411, "send the request body with a Content-Length header",
+                            code="length_required").response()
+        if length is not None and length.isdigit() and int(length) > limit:
+            return APIError(413, f"the request body is larger than {limit} bytes; send a shorter prompt",
+                            code="body_too_large").response()
+        return await call_next(request)
 
 
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions", "/v1/models": "models"}

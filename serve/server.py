@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 
 import uvicorn
 
@@ -18,9 +19,44 @@ def served_name(model_arg: str) -> str:
     return "default" if model_arg in (None, "default") else Path(model_arg).name.removesuffix(".gguf")
 
 
-def run(model, config: EngineConfig, *, host: str, port: int, api_key: str | None, model_name: str) -> None:
+class GracefulServer(uvicorn.Server):
+    """uvicorn, draining on SIGTERM/SIGINT: new requests get 503 and /health says "draining",
+    in-flight requests run to their end for up to `grace_s`, the rest then end with an error
+    (an error event and [DONE] on a stream), and only then does uvicorn stop; the process exits
+    0. A second signal stops at once."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, grace_s: float):
+        super().__init__(config)
+        self.state, self.grace_s = state, grace_s
+
+    def handle_exit(self, sig, frame) -> None:
+        # Not uvicorn's own handler: it would re-raise the signal after shutdown (exit 143).
+        if self.state.draining:
+            self.should_exit = self.force_exit = True
+            return
+        self.state.draining = True
+        print(f"jfire: draining: in-flight requests have {self.grace_s:g} s to finish", file=sys.stderr, flush=True)
+        threading.Thread(target=self._drain, name="jfire-drain", daemon=True).start()
+
+    def _drain(self) -> None:
+        engine = self.state.engine
+        busy = lambda: (s := engine.stats()) and (s.get("running", 0) + s.get("waiting", 0)) > 0
+        deadline = time.monotonic() + self.grace_s
+        while busy() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if busy():
+            engine.fail_all(f"the server is shutting down and this request did not finish within the "
+                            f"{self.grace_s:g} s grace period")
+            stop = time.monotonic() + 5
+            while busy() and time.monotonic() < stop:
+                time.sleep(0.05)
+        self.should_exit = True
+
+
+def run(model, config: EngineConfig, *, host: str, port: int, api_key: str | None, model_name: str,
+        max_body_bytes: int = 16 << 20, shutdown_grace_s: float = 30.0) -> None:
     engine = Engine(model, config)
-    state = ServerState(engine=engine, model_name=model_name, api_key=api_key)
+    state = ServerState(engine=engine, model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes)
     app = create_app(state)
 
     def compile_then_start():
@@ -37,7 +73,10 @@ def run(model, config: EngineConfig, *, host: str, port: int, api_key: str | Non
     print(f"jfire: serving {model_name!r} on http://{host}:{port} (compiling programs; /health says when ready)",
           file=sys.stderr, flush=True)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+        # The responses of finished requests are written within uvicorn's own 5 s.
+        server = GracefulServer(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                               timeout_graceful_shutdown=5), state, shutdown_grace_s)
+        server.run()
     finally:
         engine.shutdown()
 

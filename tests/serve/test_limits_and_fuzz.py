@@ -27,7 +27,8 @@ def server_url(default_checkpoint):
                                         max_waiting=2, num_pages=64))
     engine.start()
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(ServerState(engine=engine, model_name="default")),
+    state = ServerState(engine=engine, model_name="default", max_body_bytes=1 << 20)
+    server = uvicorn.Server(uvicorn.Config(create_app(state),
                                            host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -147,3 +148,14 @@ def test_errors_say_what_is_wrong(server_url):
     assert httpx.get(server_url + "/v1/models/default", timeout=10).json()["id"] == "default"
     missing = httpx.get(server_url + "/v1/models/gpt-9", timeout=10)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_bodies_over_the_limit_get_a_413_before_they_are_read(server_url):
+    """A 10 MB body was once read, parsed and tokenized on the event loop."""
+    big = {"model": "default", "prompt": "a" * (2 << 20), "max_tokens": 1}
+    r = post(server_url, "/v1/completions", big)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large", r.text
+    chunked = httpx.post(server_url + "/v1/completions", content=iter([b'{"model": "default"}']), timeout=60,
+                         headers={"content-type": "application/json"})
+    assert chunked.status_code == 411, chunked.text
+    assert httpx.get(server_url + "/health", timeout=10).status_code == 200
