@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jfire.errors import JfireError
-from jfire.models.family import CacheSpec
+from jfire.models.family import CacheSpec, run_segments
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,3 +158,11 @@ def repeat_kv_heads(cfg, tp: int):
     times in place, h // (H / (K r)) names a copy of that same head, so attention is unchanged."""
     r = tp // cfg.num_kv_heads if tp > cfg.num_kv_heads else 1
     return (dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * r) if r > 1 else cfg), r
+
+
+def pre_norm_decoder(cfg, params: dict, tokens, positions, pages: dict, page_table, *, run, eps: float, **hooks):
+    """Embedding, every segment's layers (`run`, the family's scanned layer loop), final RMSNorm:
+    the decoder of the pre-norm families. Returns (hidden [b, t, e], pages)."""
+    x = params["embed"][tokens]  # [b, t, e]
+    x, pages = run_segments(cfg, params, x, positions, pages, page_table, run=run, **hooks)
+    return rms_norm(x, params["final_norm"], eps), pages

@@ -26,9 +26,9 @@ import jax.numpy as jnp
 
 from jfire.errors import JfireError
 from jfire.kernels.paged_attention import paged_attention_reference
-from jfire.models.blocks import (RopeScaling, gqa_mesh_problems, kv_cache_specs, repeat_kv_heads, apply_rope, cache_slots, gated_mlp, lm_head, out_projection, rms_norm,
+from jfire.models.blocks import (RopeScaling, pre_norm_decoder, gqa_mesh_problems, kv_cache_specs, repeat_kv_heads, apply_rope, cache_slots, gated_mlp, lm_head, out_projection, rms_norm,
                                  rope_angles, rope_inv_freq, rope_params, write_heads)
-from jfire.models.family import CacheSpec, Family, MeshShape, run_segments, segments_of, scan_layers
+from jfire.models.family import CacheSpec, Family, MeshShape, segments_of, scan_layers
 from jfire.models.params import ParamSpec
 
 # HF `architectures[0]` -> the name GGUF files use for the same family (None: not read from GGUF).
@@ -306,10 +306,9 @@ class LlamaConfig(Family):
 
     def decoder(self, params, tokens, positions, pages, page_table, *, attention_impl=None, layer_stack=None,
                 parallel=None):
-        x = params["embed"][tokens]  # [b, t, e]
-        x, pages = run_segments(self, params, x, positions, pages, page_table, run=run_segment,
-                                attention_impl=attention_impl, layer_stack=layer_stack, parallel=parallel)
-        return rms_norm(x, params["final_norm"], self.rms_norm_eps), pages
+        return pre_norm_decoder(self, params, tokens, positions, pages, page_table, run=run_segment,
+                                eps=self.rms_norm_eps, attention_impl=attention_impl, layer_stack=layer_stack,
+                                parallel=parallel)
 
     def logits(self, params, hidden):
         return lm_head(hidden, params, self.tie_word_embeddings)
