@@ -182,6 +182,10 @@ class Engine:
         if cache_shardings is not None:
             per_page = sharding.page_bytes_per_device(self.cfg, config.page_size, dtype, cache_shardings)
         num_pages = config.num_pages or max(1, int(config.kv_cache_bytes // per_page))
+        if cache_shardings is not None:
+            # Pages split over devices (an MLA latent cache) come in whole multiples of the split.
+            multiple = sharding.page_multiple(cache_shardings, self.cfg)
+            num_pages = -(-num_pages // multiple) * multiple
         self.pool = BlockPool(num_pages, config.page_size)
         self.pages = init_pages(self.cfg, num_pages, config.page_size, dtype, cache_shardings)
         layer_stack = None

@@ -25,17 +25,31 @@ ATTENTION_IMPLS = ("reference", "pallas", "pallas-interpret")
 
 
 def _decode_attention(attention: str):
-    """The model's attention hook for decode: None (the reference) or the Pallas kernel."""
-    if attention == "reference":
-        return None
+    """The model's attention hook for decode: None (the reference) or the Pallas kernels."""
+    return None if attention == "reference" else PallasDecode(interpret=attention == "pallas-interpret")
 
-    def kernel(q, k_pages, v_pages, layer, page_table, positions, sliding_window=None, chunk=None):
+
+@dataclasses.dataclass(frozen=True)
+class PallasDecode:
+    """The Pallas decode kernels, one query per row: called as grouped-query attention over
+    K/V pages (`attention_impl(q, k_pages, v_pages, ...)`); `mla` is the latent-cache
+    kernel that multi-head latent attention families look for."""
+
+    interpret: bool = False
+
+    def __call__(self, q, k_pages, v_pages, layer, page_table, positions, sliding_window=None, chunk=None):
         out = paged_attention(q[:, 0], k_pages, v_pages, layer, page_table, positions[:, 0] + 1,
                               sliding_window=sliding_window, chunk=0 if chunk is None else chunk,
-                              interpret=attention == "pallas-interpret")
+                              interpret=self.interpret)
         return out[:, None]
 
-    return kernel
+    def mla(self, q_latent, q_rope, cache, layer, page_table, positions, *, scale, first_page=0):
+        """The partial (acc, m, l) of jfire.kernels.mla_attention for t = 1."""
+        from jfire.kernels.mla_attention import mla_paged_decode
+
+        acc, m, l = mla_paged_decode(q_latent[:, 0], q_rope[:, 0], cache, layer, page_table, positions[:, 0] + 1,
+                                     scale=scale, first_page=first_page, interpret=self.interpret)
+        return acc[:, None], m[:, None], l[:, None]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,6 +21,8 @@ from jfire.models.params import get_path, set_path
 RULES: dict[str, str | tuple[str, ...] | None] = {
     "batch": "dp",
     "layers": "pp",
+    # Layers run outside the pipeline on every stage (a family's few odd leading layers).
+    "layers_unpiped": None,
     # The embedding and LM head live outside the pipeline stages: splitting the vocabulary
     # over pp as well as tp keeps every device's share of the weights even.
     "vocab": ("pp", "tp"),
@@ -35,6 +37,18 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "sequence": None,
     "pages": None,
     "page_slots": None,
+    # Multi-head latent attention: the latent has no head axis, so its pages are split over
+    # the devices of a stage instead (sequence-sharded; jfire.models.mla).
+    "latent_pages": ("ep", "tp"),
+    "latent": None,
+    "q_lora": None,
+    "mla_head_dim": None,
+    # Packed int4 experts ([experts, out, in / 8] words, [experts, out, in / group] scales):
+    # the ffn axis splits over tp whether it is the output or the packed input.
+    "embed_packed": None,
+    "embed_groups": None,
+    "ffn_packed": "tp",
+    "ffn_groups": "tp",
 }
 
 
@@ -69,8 +83,23 @@ def param_shardings(cfg: Family, mesh) -> dict:
 
 
 def cache_shardings(cfg: Family, mesh) -> dict:
-    """Each cache array's sharding, from its declared axes (the pages axis stays whole)."""
-    return {c.name: NamedSharding(mesh, partition_spec(c.axes, mesh, c.shape(1, 1))) for c in cfg.cache_specs()}
+    """Each cache array's sharding, from its declared axes. A pages axis that is split (MLA's
+    `latent_pages`) needs a page count that `page_multiple` divides; the engine rounds to it."""
+    n = mesh.devices.size
+    return {c.name: NamedSharding(mesh, partition_spec(c.axes, mesh, c.shape(n, 1))) for c in cfg.cache_specs()}
+
+
+def page_multiple(cache_shardings: dict, cfg: Family) -> int:
+    """The number of pages must be a multiple of this: how many ways any cache array splits
+    its pages axis (1 for the head-split KV caches)."""
+    ways = 1
+    for c in cfg.cache_specs():
+        spec = cache_shardings[c.name].spec
+        axis = c.pages_axis
+        if axis < len(spec) and spec[axis] is not None:
+            names = spec[axis] if isinstance(spec[axis], tuple) else (spec[axis],)
+            ways = max(ways, int(np.prod([cache_shardings[c.name].mesh.shape[a] for a in names])))
+    return ways
 
 
 # -- adapting to the tensor-parallel width --------------------------------------------------------
@@ -110,8 +139,9 @@ def addressable_bytes(params: dict) -> dict:
 
 def page_bytes_per_device(cfg: Family, page_size: int, dtype, cache_shardings: dict) -> int:
     """Bytes of one page on one device: each cache array's shard of a page."""
-    total = 0
+    total, n = 0, page_multiple(cache_shardings, cfg)
     for c in cfg.cache_specs():
-        shard = cache_shardings[c.name].shard_shape(c.shape(1, page_size))
+        # Pages split over n devices: n pages cost each device one page's worth.
+        shard = cache_shardings[c.name].shard_shape(c.shape(n, page_size))
         total += int(np.prod(shard)) * np.dtype(dtype).itemsize
-    return total
+    return -(-total // n)

@@ -1,9 +1,11 @@
-"""Tokenizers for jfire: byte-level BPE from a GGUF file or a HF tokenizer.json, chat
-templates rendered the way HF transformers renders them, and incremental detokenizing.
+"""Tokenizers for jfire: byte-level BPE from a GGUF file, a HF tokenizer.json or a tiktoken
+rank file (Kimi K2's `tiktoken.model`, see jfire.tiktoken_bpe), chat templates rendered the
+way HF transformers renders them, and incremental detokenizing.
 
-The BPE itself is the `tokenizers` library; this module only assembles it from GGUF
-metadata, keeps the few facts the engine needs (BOS, EOS ids, whether to add BOS) and
-writes a directory that both `Tokenizer.from_dir` and `transformers.AutoTokenizer` read.
+The BPE itself is the `tokenizers` library (or `tiktoken` for a tiktoken.model); this module
+only assembles it from GGUF metadata, keeps the few facts the engine needs (BOS, EOS ids,
+whether to add BOS) and writes a directory that `Tokenizer.from_dir` reads, and for a
+tokenizer.json `transformers.AutoTokenizer` too.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from jfire.errors import JfireError
 
 if TYPE_CHECKING:
     import gguf
+
+    from jfire.tiktoken_bpe import TiktokenBPE
 
 __all__ = ["Tokenizer", "StreamDecoder", "TokenizerError", "find_stop", "holdback"]
 
@@ -123,7 +127,7 @@ def _token_text(value) -> str | None:
 class Tokenizer:
     def __init__(
         self,
-        backend: tokenizers.Tokenizer,
+        backend: tokenizers.Tokenizer | TiktokenBPE,
         *,
         bos_token: str | None,
         eos_token: str | None,
@@ -206,16 +210,25 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path) -> Tokenizer | None:
+        """A HF tokenizer directory: tokenizer.json, or else tiktoken.model, with
+        tokenizer_config.json beside it; None when it has neither."""
         path = Path(path)
-        if not (path / "tokenizer.json").is_file():
-            return None
-        backend = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
         config = _read_json(path / "tokenizer_config.json")
         bos_token = _token_text(config.get("bos_token"))
         eos_token = _token_text(config.get("eos_token"))
+        if (path / "tokenizer.json").is_file():
+            backend = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+        elif (path / "tiktoken.model").is_file():
+            from jfire.tiktoken_bpe import TiktokenBPE  # tiktoken is needed only for these
+
+            backend = TiktokenBPE.from_files(path / "tiktoken.model", config)
+        else:
+            return None
 
         if "add_bos_token" in config:
             add_bos = bool(config["add_bos_token"])
+        elif not isinstance(backend, tokenizers.Tokenizer):
+            add_bos = False  # upstream's TikTokenTokenizer never adds BOS itself
         else:
             # No flag: the tokenizer.json post-processor decides, as it does for HF.
             bos_id = backend.token_to_id(bos_token) if bos_token else None
@@ -249,6 +262,9 @@ class Tokenizer:
     def save(self, path) -> None:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
+        if not isinstance(self.backend, tokenizers.Tokenizer):
+            self._save_tiktoken(path)
+            return
         backend = tokenizers.Tokenizer.from_str(self.backend.to_str())
         # Readers that trust tokenizer.json (older transformers, `tokenizers` alone) then add BOS
         # exactly when we do; transformers 5 rebuilds the same thing from add_bos_token.
@@ -267,6 +283,22 @@ class Tokenizer:
             "clean_up_tokenization_spaces": False,
             "extra_eos_token_ids": list(self.extra_eos_ids),
         }
+        self._save_config(path, config)
+
+    def _save_tiktoken(self, path: Path) -> None:
+        # tiktoken.model and the config that names its specials. (transformers reads such a
+        # directory with its own split pattern, not Kimi's: see jfire.tiktoken_bpe.)
+        self.backend.save(path)
+        config = {
+            "added_tokens_decoder": self.backend.added_tokens_decoder,
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "add_bos_token": self.add_bos,
+            "extra_eos_token_ids": list(self.extra_eos_ids),
+        }
+        self._save_config(path, config)
+
+    def _save_config(self, path: Path, config: dict) -> None:
         if self.chat_template is not None:
             config["chat_template"] = self.chat_template
         (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")

@@ -1,6 +1,7 @@
 """The serving core, unchanged, on mixture-of-experts families: a tiny Llama 4 (routed and
-shared experts, chunked attention, NoPE layers) and a tiny Qwen3-MoE with dense layers among
-the MoE ones. Batched equals alone, prefix-cache hits give the same tokens as a cold run, and
+shared experts, chunked attention, NoPE layers), a tiny Qwen3-MoE with dense layers among
+the MoE ones, and a tiny DeepSeek-V3 (latent attention over the latent paged cache, grouped
+routing). Batched equals alone, prefix-cache hits give the same tokens as a cold run, and
 preempted requests recompute to the same tokens."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from jfire.checkpoint.load import load_model
 from jfire.engine import Engine, EngineConfig
 from jfire.sampling import SamplingParams
 
-FAMILIES = ["llama4", "qwen3_moe_sparse"]
+FAMILIES = ["llama4", "qwen3_moe_sparse", "deepseek_v3"]
 
 
 def requests_for(model, count=12, seed=7):

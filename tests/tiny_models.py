@@ -103,7 +103,30 @@ MOE_FAMILIES = {
     )),
 }
 
-ALL_FAMILIES = {**FAMILIES, **MOE_FAMILIES}
+# Multi-head latent attention families (DeepSeek-V3's modeling code). KV heads equal the heads:
+# transformers' eager MLA expands per-head keys and would repeat them otherwise.
+_MLA = dict(num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+            qk_rope_head_dim=8, v_head_dim=16, moe_intermediate_size=32, n_shared_experts=1, tie_word_embeddings=False)
+MLA_FAMILIES = {
+    # DeepSeek-V3: 8 experts in 4 groups (the best 2 groups chosen), top-2, two dense layers,
+    # YaRN with an mscale_all_dim that changes the softmax scale and the cos/sin factor, a
+    # non-zero random e_score_correction_bias (build_tiny_hf_model).
+    "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM, dict(
+        _MLA, num_hidden_layers=4, first_k_dense_replace=2, n_routed_experts=8, n_group=4, topk_group=2,
+        num_experts_per_tok=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
+                         "mscale": 1.0, "mscale_all_dim": 0.7})),
+    # Kimi K2 shaped: one group, one dense layer, scaled routing, YaRN with mscale = mscale_all_dim.
+    "kimi_k2": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM, dict(
+        _MLA, num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, n_group=1, topk_group=1,
+        num_experts_per_tok=4, routed_scaling_factor=2.827, norm_topk_prob=True,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 50000.0, "factor": 8.0,
+                         "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1,
+                         "mscale": 1.0, "mscale_all_dim": 1.0})),
+}
+
+ALL_FAMILIES = {**FAMILIES, **MOE_FAMILIES, **MLA_FAMILIES}
 
 
 def tiny_hf_config(family: str):
@@ -128,6 +151,10 @@ def build_tiny_hf_model(family: str, seed: int = 0):
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
+        # DeepSeek-V3's expert-choice correction is a buffer: non-zero so it is really tested.
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.add_(0.3 * torch.randn_like(b))
     return model
 
 

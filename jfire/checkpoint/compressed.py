@@ -58,6 +58,14 @@ def compress_params(config, params: dict, progress=None) -> tuple[dict, dict]:
     tree: dict = {}
     tensors = {}
     for spec in config.param_specs():
+        if spec.dtype is not None:
+            # Params held in their own dtype (packed int4 words, a float32 bias) are stored as
+            # they are: the bf16 codec does not apply to them.
+            value = np.asarray(get_path(params, spec.name)).astype(spec.dtype)
+            set_path(tree, spec.name, value)
+            tensors[spec.name] = {"checksum": codec.checksum(_words(value)), "original_bytes": value.nbytes,
+                                  "stored": "raw", "bytes": value.nbytes}
+            continue
         value = codec.as_bits(np.asarray(get_path(params, spec.name)))
         entry = {"checksum": codec.checksum(value), "original_bytes": value.nbytes}
         c = codec.maybe_encode(value, layout_for(spec))
@@ -109,7 +117,7 @@ def abstract_tree(specs, section: dict, sharding) -> dict:
     for spec in specs:
         entry = section["tensors"][spec.name]
         if entry["stored"] == "raw":
-            set_path(tree, spec.name, jax.ShapeDtypeStruct(spec.shape, jnp.bfloat16, sharding=sharding))
+            set_path(tree, spec.name, jax.ShapeDtypeStruct(spec.shape, spec.dtype or jnp.bfloat16, sharding=sharding))
             continue
         lay = Layout.from_dict(entry["layout"])
         shapes = {"code_lengths": ((lay.units, 256), jnp.uint8), "lane_bits": ((lay.units, lay.rows, lay.lanes), jnp.uint16),
@@ -123,8 +131,12 @@ def abstract_tree(specs, section: dict, sharding) -> dict:
 
 @jax.jit
 def device_checksum(x: jax.Array) -> jax.Array:
-    """codec.checksum computed on the device from bf16 values: a u32 scalar."""
-    bits = jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16).reshape(-1).astype(jnp.uint32)
+    """codec.checksum computed on the device from bf16 values (or, for a param held in its own
+    4-byte dtype, from its 16-bit words as `_words` orders them): a u32 scalar."""
+    if x.dtype.itemsize == 4:
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint16).reshape(-1).astype(jnp.uint32)
+    else:
+        bits = jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16).reshape(-1).astype(jnp.uint32)
     weights = codec.mix32(jax.lax.iota(jnp.uint32, bits.shape[0])) | jnp.uint32(1)
     return jnp.sum(bits * weights, dtype=jnp.uint32)
 
@@ -179,7 +191,8 @@ def decode_tree(path: Path, specs, section: dict, stored: dict, dtype, decoder: 
             if keep_compressed and spec.per_layer:
                 value = c
         set_path(stored, spec.name, None)  # freed as decoded: device memory stays near the decoded size
-        set_path(params, spec.name, value if isinstance(value, Compressed) else value.astype(dtype))
+        own = spec.dtype or dtype
+        set_path(params, spec.name, value if isinstance(value, Compressed) else value.astype(own))
     for name, checksum in jax.device_get(checksums).items():
         want = section["tensors"][name]["checksum"]
         if int(checksum) != want:
@@ -189,6 +202,11 @@ def decode_tree(path: Path, specs, section: dict, stored: dict, dtype, decoder: 
 
 
 # -- keeping layers compressed ------------------------------------------------------------------------
+
+
+def _words(value: np.ndarray) -> np.ndarray:
+    """A 4-byte array's 16-bit words in memory order (as the device's bitcast splits them)."""
+    return np.ascontiguousarray(value).view(np.uint16)
 
 
 def compressed_bytes(params: dict) -> int:

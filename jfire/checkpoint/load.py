@@ -20,7 +20,7 @@ from jfire.checkpoint import store
 from jfire.checkpoint.sources import GGUFSource, HFDirSource
 from jfire.errors import JfireError
 from jfire.models.family import Family, Parallel
-from jfire.models.params import set_path
+from jfire.models.params import set_path, spec_dtype
 from jfire.tokenizer import Tokenizer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -107,7 +107,7 @@ def _read_one(source, spec, name: str, np_dtype, progress) -> np.ndarray:
         raise JfireError(f"tensor '{name}' has shape {tuple(tensor.shape)} but the config implies {spec.source_shape}")
     if progress:
         progress(name)
-    return spec.from_source(np.asarray(tensor)).astype(np_dtype)
+    return spec.from_source(np.asarray(tensor)).astype(spec_dtype(spec, np_dtype))
 
 
 def count_source_tensors(config: Family) -> int:

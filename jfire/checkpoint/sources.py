@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 from jfire.errors import JfireError
@@ -42,6 +43,7 @@ class HFDirSource:
             raise JfireError(f"{config_file} has a value of the wrong type ({e})") from None
         self._file_of = self._index()
         self._open: dict[Path, object] = {}
+        self._headers: dict[Path, tuple[dict, int]] = {}
 
     def names(self) -> list[str]:
         return list(self._file_of)
@@ -71,13 +73,41 @@ class HFDirSource:
 
             if file not in self._open:
                 self._open[file] = safe_open(file, framework="numpy")
-            return self._open[file].get_tensor(name)
+            raw_dtype = _NON_NUMPY_DTYPES.get(self._header(file)[name]["dtype"])
+            tensor = self._raw(file, name, raw_dtype) if raw_dtype else self._open[file].get_tensor(name)
+            if f"{name}_scale_inv" in self._file_of:
+                # DeepSeek-V3's FP8 weights, block-scaled: read as the real values they stand for.
+                from jfire.checkpoint.fp8 import dequantize_fp8_block
+
+                return dequantize_fp8_block(tensor, self.get(f"{name}_scale_inv", spec))
+            return tensor
         except JfireError:
             raise
         except Exception as e:  # safetensors reports truncation as a bare error string
             raise JfireError(
                 f"{file.name}: cannot read tensor '{name}' ({e}); the file may be truncated or corrupt"
             ) from None
+
+
+    def _header(self, file: Path) -> dict:
+        """The safetensors header of `file` (names -> dtype, shape, byte offsets)."""
+        if file not in self._headers:
+            with open(file, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                self._headers[file] = (json.loads(f.read(size)), 8 + size)
+        return self._headers[file][0]
+
+    def _raw(self, file: Path, name: str, dtype) -> np.ndarray:
+        """A tensor whose dtype safetensors' numpy reader cannot name (bf16, fp8), mapped
+        straight from the file's bytes."""
+        info, data_start = self._header(file)[name], self._headers[file][1]
+        start, end = info["data_offsets"]
+        raw = np.memmap(file, dtype=np.uint8, mode="r", offset=data_start + start, shape=(end - start,))
+        return raw.view(dtype).reshape(info["shape"])
+
+
+# safetensors dtypes that numpy has no name for: ml_dtypes has them.
+_NON_NUMPY_DTYPES = {"BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
 
 
 def _safetensors_names(file: Path) -> list[str]:

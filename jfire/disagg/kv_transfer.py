@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from jfire import sharding
-from jfire.models.family import PAGES, CacheSpec, Family
+from jfire.models.family import CacheSpec, Family
 
 HEADS = "kv_heads"  # the cache axis tensor parallelism splits (and may repeat)
 
@@ -125,7 +125,7 @@ def gather_pages(pages, page_ids, *, arrays: tuple[CacheSpec, ...], replication:
     """page_ids [w] -> w * len(arrays) wire arrays, page-major."""
     taken = []
     for c in arrays:
-        axis = c.axes.index(PAGES)
+        axis = c.pages_axis
         x = jnp.take(_heads_every(pages[c.name], c, replication), page_ids, axis=axis)
         taken.append([jax.lax.index_in_dim(x, i, axis, keepdims=False) for i in range(page_ids.shape[0])])
     return tuple(taken[a][i] for i in range(page_ids.shape[0]) for a in range(len(arrays)))
@@ -137,7 +137,7 @@ def insert_pages(pages, wire, page_ids, *, arrays: tuple[CacheSpec, ...], replic
     out = dict(pages)
     n = len(arrays)
     for a, c in enumerate(arrays):
-        axis = c.axes.index(PAGES)
+        axis = c.pages_axis
         stacked = jnp.stack(wire[a::n], axis=axis)
         if replication > 1 and HEADS in c.axes:
             stacked = jnp.repeat(stacked, replication, axis=c.axes.index(HEADS))
@@ -152,7 +152,7 @@ class TransferPrograms:
     def __init__(self, layout: KVLayout, pages, widths: tuple[int, ...], kind: str):
         self.layout, self.kind, self.widths = layout, kind, widths
         self._pages = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), pages)
-        self._num_pages = next(iter(pages.values())).shape[layout.arrays[0].axes.index(PAGES)]
+        self._num_pages = next(iter(pages.values())).shape[layout.arrays[0].pages_axis]
         self._compiled: dict[int, object] = {}
         ids = layout.mesh and NamedSharding(layout.mesh, PartitionSpec())
         self._ids_sharding = ids or SingleDeviceSharding(layout.devices()[0])

@@ -65,6 +65,61 @@ def rope_inv_freq(head_dim: int, theta: float, s: RopeScaling | None) -> np.ndar
     return np.where(medium, blended, scaled).astype(np.float32)
 
 
+@dataclasses.dataclass(frozen=True)
+class Yarn:
+    """YaRN rotary scaling (DeepSeek-V3, Kimi K2): frequencies blended between interpolated and
+    original by a linear ramp over the dimensions, and an attention factor on cos/sin."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    @classmethod
+    def from_hf(cls, rope: Mapping[str, Any], max_position_embeddings: int) -> "Yarn":
+        original = int(rope["original_max_position_embeddings"])
+        factor = rope.get("factor")
+        return cls(factor=float(factor) if factor is not None else max_position_embeddings / original,
+                   original_max_position_embeddings=original, beta_fast=float(rope.get("beta_fast") or 32),
+                   beta_slow=float(rope.get("beta_slow") or 1), mscale=rope.get("mscale"),
+                   mscale_all_dim=rope.get("mscale_all_dim"), attention_factor=rope.get("attention_factor"),
+                   truncate=bool(rope.get("truncate", True)))
+
+    def cos_sin_factor(self) -> float:
+        """What cos and sin are multiplied by (transformers' `attention_factor`)."""
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
+        return yarn_mscale(self.factor)
+
+    def inv_freq(self, dim: int, theta: float) -> np.ndarray:
+        """Inverse frequencies [dim/2] as transformers' `_compute_yarn_parameters` makes them."""
+        def correction_dim(rotations):
+            return dim * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001  # as the reference: no zero-width ramp
+        ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float32)
+        pos_freqs = (theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim)).astype(np.float32)
+        extrapolation = (1.0 / pos_freqs).astype(np.float32)
+        interpolation = (1.0 / (self.factor * pos_freqs)).astype(np.float32)
+        keep = (1 - ramp).astype(np.float32)  # 1: keep the original frequency
+        return (interpolation * (1 - keep) + extrapolation * keep).astype(np.float32)
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
 def rope_angles(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
     """(cos, sin) [b, t, d/2] for positions [b, t]."""
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)

@@ -26,8 +26,11 @@ from typing import Any, Callable, ClassVar, Mapping
 import jax
 import numpy as np
 
-# Cache axes whose size the engine chooses: how many pages, and tokens per page.
-PAGES, PAGE_SLOTS = "pages", "page_slots"
+# Cache axes whose size the engine chooses: how many pages, and tokens per page. A pages axis
+# that the mesh splits (sequence-sharded pages, for caches with no head axis) is named
+# LATENT_PAGES; it is a pages axis all the same.
+PAGES, PAGE_SLOTS, LATENT_PAGES = "pages", "page_slots", "latent_pages"
+PAGE_AXES = (PAGES, LATENT_PAGES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,31 +43,43 @@ class CacheSpec:
     axes: tuple[str, ...]
     sizes: tuple[int | None, ...]
 
+    @property
+    def pages_axis(self) -> int:
+        return next(i for i, a in enumerate(self.axes) if a in PAGE_AXES)
+
     def shape(self, num_pages: int, page_size: int) -> tuple[int, ...]:
-        fill = {PAGES: num_pages, PAGE_SLOTS: page_size}
+        fill = {PAGES: num_pages, LATENT_PAGES: num_pages, PAGE_SLOTS: page_size}
         return tuple(fill.get(a, s) for a, s in zip(self.axes, self.sizes))
 
     def values_per_token(self) -> int:
-        return math.prod(s for a, s in zip(self.axes, self.sizes) if a not in (PAGES, PAGE_SLOTS))
+        return math.prod(s for a, s in zip(self.axes, self.sizes) if a not in (*PAGE_AXES, PAGE_SLOTS))
 
     def page_shape(self, page_size: int) -> tuple[int, ...]:
-        """One page of this array (the `pages` axis dropped): the KV wire format's unit."""
-        full, i = self.shape(1, page_size), self.axes.index(PAGES)
+        """One page of this array (the pages axis dropped): the KV wire format's unit."""
+        full, i = self.shape(1, page_size), self.pages_axis
         return full[:i] + full[i + 1:]
 
     def page_axes(self) -> tuple[str, ...]:
-        return tuple(a for a in self.axes if a != PAGES)
+        return tuple(a for i, a in enumerate(self.axes) if i != self.pages_axis)
 
 
 @dataclasses.dataclass(frozen=True)
 class Segment:
     """A run of `count` identical layers starting at layer `first`, stored as one stacked
-    subtree `params[name]` (leading axis: its layers) and run as one `lax.scan`."""
+    subtree `params[name]` (leading axis: its layers) and run as one `lax.scan`.
+
+    A segment that is not `piped` runs outside the pipeline on every stage (its params and
+    cache arrays name their layer axis `layers_unpiped`, which pp does not split): a few
+    odd layers, such as DeepSeek-V3's leading dense ones, then do not stop pipelining the
+    uniform rest. `cache_offset` is where the segment's first layer sits in its cache
+    arrays (None: at layer `first`, one cache array spanning every layer)."""
 
     name: str
     first: int
     count: int
     kind: str  # the family's word for this layer structure, e.g. "dense" or "moe"
+    piped: bool = True
+    cache_offset: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +88,22 @@ class Parallel:
     so programs take it as a static argument."""
 
     mesh: Any
+
+    def shard_map_mesh(self):
+        return shard_map_mesh(self.mesh)
+
+
+def shard_map_mesh(mesh):
+    """The mesh a block's own `shard_map` names: `mesh`, or inside another shard_map (the
+    pipeline's, manual over pp) the context's abstract mesh, which jax 0.10.2 requires there
+    ("The context mesh ... should match the mesh passed to shard_map", since the context
+    marks the outer axes Manual); same axes and sizes."""
+    context = jax.sharding.get_abstract_mesh()
+    if context.empty or not context.manual_axes:
+        return mesh
+    if dict(context.shape) != dict(mesh.shape):
+        raise ValueError(f"mesh {dict(mesh.shape)} is not the enclosing shard_map's mesh {dict(context.shape)}")
+    return context
 
 
 def segments_of(kinds: list[str], name: str = "layers") -> tuple[Segment, ...]:
@@ -140,8 +171,8 @@ class Family:
         """Why a mesh of this shape cannot run the model (empty: it can)."""
         problems = []
         if shape.pp > 1:
-            segments = self.segments()
-            if len(segments) > 1:
+            segments = [s for s in self.segments() if s.piped]
+            if len(segments) != 1:
                 problems.append(f"pp={shape.pp} needs one uniform stack of layers, but this model has "
                                 f"{len(segments)} segments ({', '.join(f'{s.count} {s.kind}' for s in segments)})")
             elif shape.pp > segments[0].count:
@@ -181,12 +212,17 @@ def run_segments(cfg: Family, params: dict, x, positions, pages: dict, page_tabl
     scanned layer loop: `layer_offset` is the model layer of the stack's first entry (for
     per-layer data), `cache_offset` where that layer sits in the given pages. A pipeline
     stage passes its own slice of the stack and the cache, and its own offsets."""
+    piped_arrays = {c.name for c in cfg.cache_specs() if c.axes[0] == "layers"}
     for segment in cfg.segments():
         bound = _SegmentRun(functools.partial(run, cfg), segment, attention_impl, parallel)
-        if layer_stack is not None:
-            x, pages = layer_stack(bound, params[segment.name], x, positions, pages, page_table)
+        if layer_stack is not None and segment.piped:
+            # The pipeline splits the layer axis of what it is given: only the piped arrays.
+            staged, rest = ({k: v for k, v in pages.items() if (k in piped_arrays) == keep} for keep in (True, False))
+            x, staged = layer_stack(bound, params[segment.name], x, positions, staged, page_table)
+            pages = {**rest, **staged}
         else:
-            x, pages = bound(params[segment.name], x, positions, pages, page_table, segment.first, segment.first)
+            offset = segment.first if segment.cache_offset is None else segment.cache_offset
+            x, pages = bound(params[segment.name], x, positions, pages, page_table, segment.first, offset)
     return x, pages
 
 

@@ -353,10 +353,11 @@ def run_segment(cfg: LlamaConfig, segment, stack: dict, x, positions, pages: dic
         h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
         if moe:
             from jfire.models.experts import routed_experts
+            from jfire.models.moe import Router
 
             with jax.named_scope("experts"):
-                x = x + routed_experts(h, p["router"], p["we_gate"], p["we_up"], p["we_down"], kind=cfg.router,
-                                       top_k=cfg.experts_per_token, renormalize=cfg.norm_topk_prob,
+                x = x + routed_experts(h, p["router"], p["we_gate"], p["we_up"], p["we_down"],
+                                       router=Router(cfg.router, cfg.experts_per_token, cfg.norm_topk_prob),
                                        parallel=parallel)
         else:
             with jax.named_scope("mlp"):

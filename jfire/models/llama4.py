@@ -265,10 +265,11 @@ def run_segment(cfg: Llama4Config, segment, stack: dict, x, positions, pages: di
         h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
         if moe:
             from jfire.models.experts import routed_experts
+            from jfire.models.moe import Router
 
             with jax.named_scope("experts"):
-                routed = routed_experts(h, p["router"], p["we_gate"], p["we_up"], p["we_down"], kind="sigmoid_input",
-                                        top_k=cfg.experts_per_token, parallel=parallel, scale_input=True)
+                routed = routed_experts(h, p["router"], p["we_gate"], p["we_up"], p["we_down"],
+                                        router=Router("sigmoid_input", cfg.experts_per_token), parallel=parallel)
                 x = x + gated_mlp(h, p["ws_gate"], p["ws_up"], p["ws_down"]) + routed
         else:
             with jax.named_scope("mlp"):

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-ROUTER_KINDS = ("softmax_topk", "softmax", "sigmoid_input")
+ROUTER_KINDS = ("softmax_topk", "softmax", "sigmoid_input", "sigmoid_grouped")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,11 +32,18 @@ class Router:
                    (HF `norm_topk_prob`).
     sigmoid_input  Llama 4: top-k of the raw logits, sigmoid of the chosen ones; the score
                    multiplies the expert's input (use `scale_input=True`).
+    sigmoid_grouped  DeepSeek-V3: sigmoid scores (float32 logits); a per-expert bias is added
+                   only to choose experts, within the best `topk_group` of `n_group` groups
+                   (a group ranked by its two best biased scores); the chosen experts'
+                   unbiased scores, renormalised if `renormalize`, times `scaling`.
     """
 
     kind: str
     top_k: int
     renormalize: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    scaling: float = 1.0
 
     def __post_init__(self):
         if self.kind not in ROUTER_KINDS:
@@ -51,9 +58,10 @@ class Router:
         return self.kind == "sigmoid_input"
 
 
-def route(logits: jax.Array, router: Router) -> tuple[jax.Array, jax.Array]:
-    """Router logits [t, E] (as the model's router matmul gives them, in the model dtype) ->
-    (weights [t, k] float32, experts [t, k] int32).
+def route(logits: jax.Array, router: Router, bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Router logits [t, E] (as the model's router matmul gives them, in the model dtype;
+    float32 for sigmoid_grouped) -> (weights [t, k] float32, experts [t, k] int32). `bias`
+    [E] is sigmoid_grouped's choice-only correction.
 
     The weights stay float32, as Mixtral's do. HF rounds Qwen3-MoE's weights
     (`.to(router_logits.dtype)`) and Llama 4's scores (`.to(router_scores.dtype)`) to the
@@ -68,6 +76,8 @@ def route(logits: jax.Array, router: Router) -> tuple[jax.Array, jax.Array]:
             # input, and an expert maps zero to zero, so dropping them is exact.
             top, experts = jax.lax.top_k(logits, router.top_k)
             return jax.nn.sigmoid(top.astype(jnp.float32)), experts.astype(jnp.int32)
+        if router.kind == "sigmoid_grouped":
+            return _route_grouped(logits.astype(jnp.float32), router, bias)
         # Mixtral (`softmax(logits.float())`) and Qwen3-MoE (`softmax(logits, dtype=float)`)
         # both upcast before the softmax, over all E experts (not just the chosen k), and
         # take the top-k of the probabilities.
@@ -76,6 +86,24 @@ def route(logits: jax.Array, router: Router) -> tuple[jax.Array, jax.Array]:
         if router.kind == "softmax_topk" or router.renormalize:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
         return weights, experts.astype(jnp.int32)
+
+
+def _route_grouped(logits, router: Router, bias):
+    """DeepSeek-V3's noaux_tc routing, as DeepseekV3TopkRouter computes it."""
+    t, num = logits.shape
+    scores = jax.nn.sigmoid(logits)
+    choice = scores if bias is None else scores + bias.astype(jnp.float32)
+    if router.n_group > 1:
+        groups = choice.reshape(t, router.n_group, num // router.n_group)
+        group_scores = jax.lax.top_k(groups, 2)[0].sum(axis=-1)  # [t, groups]
+        _, best = jax.lax.top_k(group_scores, router.topk_group)
+        keep = jnp.zeros((t, router.n_group), bool).at[jnp.arange(t)[:, None], best].set(True)
+        choice = jnp.where(jnp.repeat(keep, num // router.n_group, axis=1), choice, -jnp.inf)
+    _, experts = jax.lax.top_k(choice, router.top_k)
+    weights = jnp.take_along_axis(scores, experts, axis=1)
+    if router.renormalize:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return weights * router.scaling, experts.astype(jnp.int32)
 
 
 def _swiglu_grouped(xs, sizes, w_gate, w_up, w_down):
@@ -87,16 +115,28 @@ def _swiglu_grouped(xs, sizes, w_gate, w_up, w_down):
     grouped matmul's FLOPs. Rows past sum(sizes) come out zero there; the GPU and TPU
     lowerings (chlo.ragged_dot) promise nothing we have checked for them, so the caller
     masks them."""
-    gate = jax.lax.ragged_dot(xs, w_gate, sizes, preferred_element_type=jnp.float32)  # [a, f]
-    up = jax.lax.ragged_dot(xs, w_up, sizes, preferred_element_type=jnp.float32)  # [a, f]
+    gate = _ragged_dot(xs, w_gate, sizes)  # [a, f]
+    up = _ragged_dot(xs, w_up, sizes)  # [a, f]
     h = (jax.nn.silu(gate) * up).astype(xs.dtype)
-    return jax.lax.ragged_dot(h, w_down, sizes, preferred_element_type=jnp.float32)  # [a, e]
+    return _ragged_dot(h, w_down, sizes)  # [a, e]
+
+
+def _ragged_dot(xs, w, sizes):
+    """xs [a, in] by group through w [E, in, out], or through packed int4 weights
+    {"packed", "scale"} ([E, out, in / 8] and [E, out, in / group]), which stay packed:
+    on a GPU the Pallas kernel dequantizes tiles as it multiplies; elsewhere XLA
+    dequantizes the layer's experts first (`int4_experts.default_impl`; `use_impl` overrides)."""
+    if isinstance(w, dict):
+        from jfire.kernels.int4_experts import default_impl, ragged_dot_int4
+
+        return ragged_dot_int4(xs, w["packed"], w["scale"], sizes, impl=default_impl())
+    return jax.lax.ragged_dot(xs, w, sizes, preferred_element_type=jnp.float32)
 
 
 def _dropless_f32(x, weights, experts, w_gate, w_up, w_down, scale_input, first_expert):
     t, e = x.shape
     k = experts.shape[1]
-    num_local = w_gate.shape[0]
+    num_local = num_experts(w_gate)
     local = experts.reshape(-1) - first_expert  # [a] expert ids relative to this shard
     mine = (local >= 0) & (local < num_local)
     # Assignments to other shards' experts sort to the end under key num_local, beyond
@@ -180,19 +220,13 @@ def experts_parallel(x, weights, experts, w_gate, w_up, w_down, *, mesh, scale_i
     `mesh` is the concrete `jax.sharding.Mesh` the program was built for; this also works
     inside another shard_map manual over other axes (the pipeline's, over `pp`).
     """
+    from jfire.models.family import shard_map_mesh
+
     axes = (ep_axis, tp_axis)
-    context = jax.sharding.get_abstract_mesh()
-    if not context.empty and context.manual_axes:
-        # Nested in a shard_map: jax 0.10.2 refuses the concrete mesh there ("The context
-        # mesh ... should match the mesh passed to shard_map", since the context marks the
-        # outer axes Manual) but accepts the context's abstract mesh, same axes and sizes.
-        if dict(context.shape) != dict(mesh.shape):
-            raise ValueError(f"experts_parallel: mesh {dict(mesh.shape)} is not the enclosing "
-                             f"shard_map's mesh {dict(context.shape)}")
-        mesh = context
+    mesh = shard_map_mesh(mesh)
 
     def shard(x, weights, experts, w_gate, w_up, w_down):
-        first = jax.lax.axis_index(ep_axis) * w_gate.shape[0]
+        first = jax.lax.axis_index(ep_axis) * num_experts(w_gate)
         part = _dropless_f32(x, weights, experts, w_gate, w_up, w_down, scale_input, first)
         # Sum in float32: a bf16 psum would round every shard's partial sum.
         return jax.lax.psum(part, axes).astype(x.dtype)
@@ -200,6 +234,23 @@ def experts_parallel(x, weights, experts, w_gate, w_up, w_down, *, mesh, scale_i
     with jax.named_scope("experts_parallel"):
         return jax.shard_map(
             shard, mesh=mesh, axis_names=frozenset(axes),
-            in_specs=(P(), P(), P(), P(ep_axis, None, tp_axis), P(ep_axis, None, tp_axis), P(ep_axis, tp_axis, None)),
+            in_specs=(P(), P(), P(), _expert_spec(w_gate, "in_out", ep_axis, tp_axis),
+                      _expert_spec(w_up, "in_out", ep_axis, tp_axis), _expert_spec(w_down, "out_in", ep_axis, tp_axis)),
             out_specs=P(),
         )(x, weights, experts, w_gate, w_up, w_down)
+
+
+def num_experts(w) -> int:
+    """Experts in a weight: a plain [E, ...] array or a packed int4 {"packed", "scale"} subtree."""
+    return (w["packed"] if isinstance(w, dict) else w).shape[0]
+
+
+def _expert_spec(w, width: str, ep_axis: str, tp_axis: str):
+    """How one expert weight enters the expert-parallel shard_map: experts over ep, the ffn
+    width over tp. `width` says where the ffn axis is in the plain [E, in, out] layout:
+    "in_out" (gate/up: out is ffn) or "out_in" (down: in is ffn). Packed int4 keeps the
+    source's [E, out, in / 8] layout, so its ffn axis is the other one."""
+    if isinstance(w, dict):
+        spec = P(ep_axis, tp_axis, None) if width == "in_out" else P(ep_axis, None, tp_axis)
+        return {"packed": spec, "scale": spec}
+    return P(ep_axis, None, tp_axis) if width == "in_out" else P(ep_axis, tp_axis, None)

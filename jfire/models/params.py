@@ -29,10 +29,11 @@ class ParamSpec:
     take: tuple[int, int] | None = None  # a slice [start, stop) of the source's last axis (fused tensors)
     source_full: int | None = None  # with `take`: the size of that last axis in the source
     gguf_rotary_heads: int | None = None  # llama.cpp permutes Q/K rows for rotary: heads to undo it
+    dtype: str | None = None  # stored in this dtype whatever the model's (packed int4 words, a float32 bias)
 
     @property
     def per_layer(self) -> bool:
-        return self.axes[0] == "layers"
+        return self.axes[0] in ("layers", "layers_unpiped")
 
     @property
     def layers(self) -> range:
@@ -69,6 +70,11 @@ class ParamSpec:
         return array.reshape(math.prod(self.unit_shape[: self.n_in]), -1).T
 
 
+def spec_dtype(spec: ParamSpec, model_dtype) -> np.dtype:
+    """The dtype a param is held in: its own, or the model's."""
+    return np.dtype(spec.dtype or model_dtype)
+
+
 def set_path(tree: dict, dotted: str, value) -> None:
     *parents, leaf = dotted.split(".")
     for p in parents:
@@ -86,19 +92,25 @@ def abstract_params(specs, dtype) -> dict:
     """A tree of ShapeDtypeStructs: what restore and AOT compilation need without any weights."""
     tree: dict = {}
     for s in specs:
-        set_path(tree, s.name, jax.ShapeDtypeStruct(s.shape, dtype))
+        set_path(tree, s.name, jax.ShapeDtypeStruct(s.shape, spec_dtype(s, dtype)))
     return tree
 
 
 def init_params(specs, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> dict:
-    """Random weights for tests and benchmarks (normal(0, scale) matrices, unit norms)."""
+    """Random weights for tests and benchmarks (normal(0, scale) matrices, unit norms; packed
+    int4 words of random nibbles with scales that give them about the same spread)."""
     tree: dict = {}
     for i, s in enumerate(specs):
-        if s.init == "ones":
-            value = jnp.ones(s.shape, dtype)
+        k = jax.random.fold_in(key, i)
+        if s.init == "int4":
+            value = jax.lax.bitcast_convert_type(jax.random.bits(k, s.shape, jnp.uint32), jnp.int32)
+        elif s.init == "int4_scale":
+            value = jnp.full(s.shape, scale / 4.6, spec_dtype(s, dtype))  # nibbles - 8 have std ~4.6
+        elif s.init == "ones":
+            value = jnp.ones(s.shape, spec_dtype(s, dtype))
         elif s.init == "zeros":
-            value = jnp.zeros(s.shape, dtype)
+            value = jnp.zeros(s.shape, spec_dtype(s, dtype))
         else:
-            value = (scale * jax.random.normal(jax.random.fold_in(key, i), s.shape, jnp.float32)).astype(dtype)
+            value = (scale * jax.random.normal(k, s.shape, jnp.float32)).astype(spec_dtype(s, dtype))
         set_path(tree, s.name, value)
     return tree

@@ -6,21 +6,25 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from jfire.errors import JfireError
-from jfire.models import llama, llama4
+from jfire.models import deepseek, llama, llama4
 from jfire.models.family import Family
 
 FAMILIES: dict[str, type[Family]] = {
     llama.LlamaConfig.family: llama.LlamaConfig,
     llama4.Llama4Config.family: llama4.Llama4Config,
+    deepseek.DeepseekV3Config.family: deepseek.DeepseekV3Config,
 }
 HF_ARCHITECTURES: dict[str, type[Family]] = {
     **{arch: llama.LlamaConfig for arch in llama.SUPPORTED_ARCHITECTURES},
     **{arch: llama4.Llama4Config for arch in llama4.SUPPORTED_ARCHITECTURES},
+    **{arch: deepseek.DeepseekV3Config for arch in deepseek.SUPPORTED_ARCHITECTURES},
 }
 # HF model_type -> architecture, for configs that name no architecture.
 HF_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                  "llama4_text": "Llama4ForCausalLM", "llama4": "Llama4ForConditionalGeneration"}
+                  "llama4_text": "Llama4ForCausalLM", "llama4": "Llama4ForConditionalGeneration",
+                  "deepseek_v3": "DeepseekV3ForCausalLM", "kimi_k2": "DeepseekV3ForCausalLM",
+                  "kimi_k25": "KimiK25ForConditionalGeneration"}
 GGUF_ARCHITECTURES: dict[str, type[Family]] = {arch: llama.LlamaConfig for arch in llama.GGUF_ARCHITECTURES}
 
 

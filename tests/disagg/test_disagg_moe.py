@@ -1,7 +1,8 @@
-"""A mixture-of-experts model through the unchanged serving paths: a tiny Llama 4 (routed and
-shared experts, chunked attention, NoPE layers) served by `jfire serve` and by a real
-`jfire launch local-1p1d` deployment, each equal to colocated `jfire generate`, with the KV
-bytes moved equal to the prompts' cache size from the model's own declaration."""
+"""A mixture-of-experts model with latent attention through the unchanged serving paths: a
+tiny DeepSeek-V3 (multi-head latent attention over the latent paged cache, a dense first
+layer, grouped routing, shared experts) served by `jfire serve` and by a real
+`jfire launch local-1p1d` deployment, each equal to colocated `jfire generate`, with the
+cache bytes moved equal to the prompts' latent size computed from config.json."""
 
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ SMALL = ("--max-batch", "4", "--prefill-budget", "64", "--max-context", "512", "
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama4")
-    save_tiny_hf_model("llama4", path)
+    path = tmp_path_factory.mktemp("tiny-deepseek-v3")
+    save_tiny_hf_model("deepseek_v3", path)
     return str(save_byte_tokenizer(path))
 
 
@@ -50,8 +51,9 @@ def test_launch_1p1d_equals_generate(moe_dir, reference, tmp_path):
     try:
         lengths = assert_same_as_colocated(running.url, PROMPTS, reference)
         hf = json.loads((Path(moe_dir) / "config.json").read_text())
-        # K and V x layers x KV heads x head dim x float32, for each of a page's 16 slots.
-        page = 2 * hf["num_hidden_layers"] * hf["num_key_value_heads"] * hf["head_dim"] * 4 * 16
+        # Per token and layer only the latent and the rope key (float32), for each of a page's
+        # 16 slots: never per-head keys and values.
+        page = hf["num_hidden_layers"] * (hf["kv_lora_rank"] + hf["qk_rope_head_dim"]) * 4 * 16
         assert metric(running.url, "jfire_kv_transfer_bytes_total") == sum(-(-n // 16) * page for n in lengths)
     finally:
         code = running.stop()

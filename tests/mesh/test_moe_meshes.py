@@ -12,13 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jfire import mesh as meshes
-from jfire import programs, sharding
-from jfire.kv_cache import init_pages
-from jfire.models.family import Parallel
+from jfire import programs
 from jfire.models.llama import LlamaConfig
 from jfire.models.params import get_path, init_params
-from jfire.pipeline import Pipeline
+from tests.mesh import greedy
 
 # Mixtral-shaped: 8 experts, top-2, every layer routed.
 CFG = LlamaConfig(architecture="MixtralForCausalLM", vocab_size=512, hidden_size=64, intermediate_size=96,
@@ -26,7 +23,7 @@ CFG = LlamaConfig(architecture="MixtralForCausalLM", vocab_size=512, hidden_size
                   num_experts=8, experts_per_token=2, moe_intermediate_size=96, router="softmax_topk")
 MESHES = ["ep=4,tp=2", "pp=2,ep=2,tp=2", "ep=8"]
 PAGE, PAGES = 4, 64
-ROWS, STEPS = 4, 6
+ROWS = greedy.ROWS
 EXPERT_PARAMS = ("layers.we_gate", "layers.we_up", "layers.we_down")
 
 
@@ -36,39 +33,12 @@ def host_params():
 
 
 def setup(host, spec_text):
-    if spec_text is None:
-        return CFG, jax.device_put(host), init_pages(CFG, PAGES, PAGE, jnp.float32), None, None, None
-    spec = meshes.MeshSpec.inline(spec_text)
-    meshes.check_fits(spec, CFG, jax.device_count())
-    mesh = meshes.build(spec)
-    cfg, params, _ = sharding.adapt_to_mesh(CFG, sharding.place(host, CFG, mesh), mesh)
-    pages = init_pages(cfg, PAGES, PAGE, jnp.float32, sharding.cache_shardings(cfg, mesh))
-    stack = Pipeline(mesh, spec.num_microbatches) if spec.pp > 1 else None
-    return cfg, params, pages, stack, Parallel(mesh), mesh
+    return greedy.setup(CFG, host, spec_text, PAGES, PAGE)
 
 
 def run_greedy(host, spec_text):
-    cfg, params, pages, stack, parallel, _ = setup(host, spec_text)
-    rng = np.random.default_rng(0)
-    lengths = [12, 5, 9, 1]
-    tokens = np.zeros((ROWS, 16), np.int32)
-    positions = np.full((ROWS, 16), -1, np.int32)
-    for r, n in enumerate(lengths):
-        tokens[r, :n] = rng.integers(0, CFG.vocab_size, n)
-        positions[r, :n] = np.arange(n)
     table = np.arange(ROWS * 8, dtype=np.int32).reshape(ROWS, 8)[:, ::-1].copy()
-    knobs = (np.zeros(ROWS, np.uint32), np.zeros(ROWS, np.float32), np.zeros(ROWS, np.int32), np.ones(ROWS, np.float32))
-    ids, logits, pages = programs.prefill(params, pages, tokens, positions, table, np.array(lengths) - 1, *knobs,
-                                          cfg=cfg, layer_stack=stack, parallel=parallel)
-    all_logits, all_ids = [np.asarray(logits)], [np.asarray(ids)]
-    pos = np.array(lengths, np.int32)
-    for _ in range(STEPS):
-        ids, logits, pages = programs.decode(params, pages, np.asarray(ids), pos, table, *knobs, cfg=cfg,
-                                             layer_stack=stack, parallel=parallel)
-        all_logits.append(np.asarray(logits))
-        all_ids.append(np.asarray(ids))
-        pos = pos + 1
-    return all_logits, np.stack(all_ids)
+    return greedy.run_greedy(CFG, host, spec_text, table, num_pages=PAGES, page_size=PAGE)
 
 
 @pytest.fixture(scope="module")
@@ -78,13 +48,7 @@ def single_device(host_params):
 
 @pytest.mark.parametrize("spec", MESHES)
 def test_moe_mesh_equals_one_device(spec, host_params, single_device):
-    ref_logits, ref_ids = single_device
-    logits, ids = run_greedy(host_params, spec)
-    for step, (got, want) in enumerate(zip(logits, ref_logits)):
-        for row in range(ROWS):  # per row: one bad position cannot hide behind the others
-            err = np.linalg.norm(got[row] - want[row]) / np.linalg.norm(want[row])
-            assert err < 1e-4, (step, row, err)
-    np.testing.assert_array_equal(ids, ref_ids)
+    greedy.assert_same_run(run_greedy(host_params, spec), single_device)
 
 
 @pytest.mark.parametrize("spec", MESHES)

@@ -1,0 +1,218 @@
+"""Multi-head latent attention (DeepSeek-V3, Kimi K2) over a paged latent cache, in the
+absorbed form: the cache holds per token only the normalised latent and the shared rope
+key, `[layers, pages, page_size, latent + rope]`, and never per-head keys or values.
+
+The caller folds the key half of `kv_b_proj` into the query (q_latent = q_nope W_UK, one
+`latent`-wide vector per head) and applies the value half after attention, so attention
+itself reads only the cache:
+
+    score(h, s) = (q_latent[h] . latent[s] + q_rope[h] . rope_key[s]) * scale
+    out[h]      = sum_s softmax(score)[h, s] latent[s]            (then W_UV, outside)
+
+The pages may be split over devices (sequence-sharded: each device holds a contiguous range
+of page ids, `first_page` being its first). Each device attends over the pages it holds and
+returns a partial softmax (running max, sum, unnormalised output); `combine_partials` merges
+the devices' partials exactly, the way flash-decoding merges blocks.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jfire.kernels.paged_attention import MASK_VALUE
+
+
+def local_pages(page_table, first_page, num_local: int):
+    """(page ids relative to this device's range, clipped into it; whether each is held here)."""
+    local = page_table - first_page
+    held = (local >= 0) & (local < num_local)
+    return jnp.clip(local, 0, num_local - 1), held
+
+
+def mla_partial_reference(q_latent, q_rope, cache, layer, page_table, positions, *, scale: float, first_page=0):
+    """Attention of q_latent [b, t, h, c] and q_rope [b, t, h, r] at positions [b, t] (-1 =
+    padding, which sees nothing) over the pages this device holds of cache
+    [layers, pages, page_size, c + r]; page_table [b, w] holds global page ids.
+
+    Returns the partial (acc [b, t, h, c], m [b, t, h], l [b, t, h]), float32: out = acc / l
+    once every device's partial is combined."""
+    c = q_latent.shape[-1]
+    num_local, page_size = cache.shape[1], cache.shape[2]
+    ids, held = local_pages(page_table, first_page, num_local)
+    rows = cache[layer, ids]  # [b, w, page_size, c + r]
+    b, w = page_table.shape
+    kv = rows.reshape(b, w * page_size, -1)
+    latent, rope_key = kv[..., :c], kv[..., c:]
+    scores = (jnp.einsum("bthc,bsc->bths", q_latent, latent, preferred_element_type=jnp.float32)
+              + jnp.einsum("bthr,bsr->bths", q_rope, rope_key, preferred_element_type=jnp.float32)) * scale
+    slots = jnp.arange(w * page_size)
+    visible = (slots[None, None, :] <= positions[:, :, None]) & jnp.repeat(held, page_size, axis=1)[:, None, :]
+    scores = jnp.where(visible[:, :, None, :], scores, MASK_VALUE)
+    m = scores.max(axis=-1)
+    p = jnp.where(visible[:, :, None, :], jnp.exp(scores - m[..., None]), 0.0)
+    acc = jnp.einsum("bths,bsc->bthc", p.astype(latent.dtype), latent, preferred_element_type=jnp.float32)
+    return acc, m, p.sum(axis=-1)
+
+
+def combine_partials(acc, m, l, axis_name=None):
+    """The attention output [..., c] (float32) from partials; with `axis_name`, the partials
+    of every device along those mesh axes are merged first (inside a shard_map)."""
+    if axis_name is not None:
+        top = jax.lax.pmax(m, axis_name)
+        correction = jnp.exp(m - top)
+        acc = jax.lax.psum(acc * correction[..., None], axis_name)
+        l = jax.lax.psum(l * correction, axis_name)
+    return acc / jnp.maximum(l, 1e-30)[..., None]
+
+
+def write_latent(cache, layer, page, slot, entry, first_page=0):
+    """Writes entry [b, t, c + r] into cache [layers, pages, page_size, c + r] at global
+    (page, slot) [b, t]; pages outside this device's range (and padding) are dropped."""
+    local = page - first_page
+    local = jnp.where((local >= 0) & (local < cache.shape[1]), local, cache.shape[1])
+    return cache.at[layer, local, slot].set(entry.astype(cache.dtype), mode="drop")
+
+
+# -- the Pallas decode kernel ------------------------------------------------------------------
+
+
+def _mla_decode_kernel(layer_ref, first_ref, table_ref, length_ref, ql_ref, qr_ref, cache_ref, acc_ref, m_ref, l_ref,
+                       *, page_size: int, pages_per_block: int, num_blocks: int, scale: float):
+    """One (row, block of query heads): online softmax over the row's pages, a block at a time.
+
+    ql_ref [g, c] / qr_ref [g, r] hold this block's query heads (padded to a dot-friendly
+    count); cache_ref [layers, pages, page_size, c + r] is this device's whole pool, read
+    page by page through the row's page table (a gather, never a copy of the pool).
+    """
+    layer, first, length = layer_ref[0], first_ref[0], length_ref[0]
+    num_local = cache_ref.shape[1]
+    ql, qr = ql_ref[...], qr_ref[...]
+    g, c = ql.shape
+    r = qr.shape[1]
+    dtype = jnp.result_type(ql.dtype, qr.dtype, cache_ref.dtype)
+    ql, qr = ql.astype(dtype), qr.astype(dtype)
+    block = pages_per_block * page_size
+    dims = (((1,), (1,)), ((), ()))  # [g, x] . [block, x] -> [g, block]
+    # Float32 accumulation always; HIGHEST keeps float32 inputs IEEE on Triton (not TF32),
+    # and leaves bfloat16 inputs bfloat16 tensor-core dots.
+    exact = jax.lax.Precision.HIGHEST
+
+    def attend(i, ids, ok, carry):
+        m, l, acc = carry
+        # A page this device does not hold (or past the length) is never read: its lanes of
+        # the load are masked off, and Triton issues no memory access for masked lanes. The
+        # ids were clamped into the pool, so even the (unused) addresses stay in bounds.
+        def gather(start, size):  # [block, size] of every page's entries, columns start:start+size
+            shape = (pages_per_block, page_size, size)
+            # Whole-array indices (not slices): the form both Triton and interpret mode gather.
+            index = (layer, jnp.broadcast_to(ids[:, None, None], shape), jax.lax.broadcasted_iota(jnp.int32, shape, 1),
+                     start + jax.lax.broadcasted_iota(jnp.int32, shape, 2))
+            mask = jnp.broadcast_to(ok[:, None, None], shape)
+            return plgpu.load(cache_ref.at[index], mask=mask, other=0.0).reshape(block, size).astype(dtype)
+
+        latent, rope_key = gather(0, c), gather(c, r)
+        s = (jax.lax.dot_general(ql, latent, dims, precision=exact, preferred_element_type=jnp.float32)
+             + jax.lax.dot_general(qr, rope_key, dims, precision=exact, preferred_element_type=jnp.float32)) * scale
+        slot = i * block + jax.lax.broadcasted_iota(jnp.int32, (g, block), 1)
+        held = jnp.broadcast_to(ok.astype(jnp.int32)[:, None], (pages_per_block, page_size)).reshape(1, block)
+        visible = (slot < length) & (held > 0)
+        m_new = jnp.maximum(m, jnp.where(visible, s, MASK_VALUE).max(axis=-1))
+        p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
+        correction = jnp.exp(m - m_new)
+        l = l * correction + p.sum(axis=-1)
+        acc = acc * correction[:, None] + jax.lax.dot(p.astype(dtype), latent, precision=exact,
+                                                            preferred_element_type=jnp.float32)
+        return m_new, l, acc
+
+    def body(i, carry):
+        local = table_ref[pl.ds(i * pages_per_block, pages_per_block)] - first
+        page = i * pages_per_block + jax.lax.broadcasted_iota(jnp.int32, (pages_per_block,), 0)
+        ok = (local >= 0) & (local < num_local) & (page * page_size < length)
+        ids = jnp.clip(local, 0, num_local - 1)
+        # Skipping pages not held here (or past the length), in two layers: a block with
+        # none of them (common when the pool is sequence-sharded) is skipped outright by a
+        # branch (an scf.if in Triton): no loads, no dots; within a block the skip is per
+        # page, by the masked load in `attend`. Clamp + mask alone (as the reference does)
+        # would still read the clamped pages; a branch per page would shrink every dot to
+        # page_size keys (pages_per_block=1 is exactly that), and Triton dots want >= 16.
+        return jax.lax.cond(ok.astype(jnp.int32).max() > 0, functools.partial(attend, i, ids, ok), lambda x: x, carry)
+
+    # Only blocks that hold visible positions are visited (none for an empty row).
+    stop = jnp.minimum((length + block - 1) // block, num_blocks)
+    init = (jnp.full((g,), MASK_VALUE, jnp.float32), jnp.zeros((g,), jnp.float32), jnp.zeros((g, c), jnp.float32))
+    m, l, acc = jax.lax.fori_loop(0, stop, body, init)
+    acc_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "pages_per_block", "heads_per_block", "interpret", "num_warps"))
+def mla_paged_decode(q_latent, q_rope, cache, layer, page_table, lengths, *, scale: float, first_page=0,
+                     pages_per_block: int = 2, heads_per_block: int = 16, interpret: bool = False,
+                     num_warps: int = 4):
+    """Decode MLA with a Pallas (Triton-style GPU) kernel: one query per row, the partial
+    softmax of `mla_partial_reference` at positions = lengths - 1.
+
+    q_latent [b, h, c], q_rope [b, h, r]; cache [layers, pages, page_size, c + r] holds this
+    device's global pages [first_page, first_page + pages); layer and first_page scalars (may
+    be traced); page_table [b, w] global page ids; lengths [b] (the query sits at position
+    length - 1 and sees positions < length; 0 = an empty row). Pages not held here count
+    for nothing and are not read. Returns (acc [b, h, c], m [b, h], l [b, h]), float32,
+    for `combine_partials`.
+
+    The latent has no head axis, so all heads of a row read the same pages: the grid is
+    (block of heads, row), the heads padded to a power of two >= 16 (GPU dots want 16
+    rows) and split into blocks of `heads_per_block` (a power of two >= 16) so the
+    float32 accumulator [heads_per_block, c] stays in registers (c = 512: 16 heads are
+    64 registers a thread at 4 warps). The head-block axis is the first (CUDA x, launched
+    fastest), so a row's programs run side by side and share its pages through L2. `w`
+    need not be a multiple of `pages_per_block`: the table is padded with pages past every
+    length. The defaults are unmeasured guesses; tune them on the GPU.
+    """
+    b, h, c = q_latent.shape
+    r = q_rope.shape[-1]
+    layers, num_local, page_size, width = cache.shape
+    if width != c + r:
+        raise ValueError(f"cache entries hold {width} values, the queries {c} + {r}")
+    if heads_per_block < 16 or heads_per_block & (heads_per_block - 1):
+        raise ValueError(f"heads_per_block ({heads_per_block}) must be a power of two >= 16")
+    h_pad = max(16, 1 << (h - 1).bit_length())
+    hb = min(heads_per_block, h_pad)
+    w = page_table.shape[1]
+    pages_per_block = max(1, min(pages_per_block, w))
+    num_blocks = -(-w // pages_per_block)
+    # Padding columns sit past w * page_size >= every visible slot: never visible, never read.
+    page_table = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, num_blocks * pages_per_block - w)))
+    q_latent = jnp.pad(q_latent, ((0, 0), (0, h_pad - h), (0, 0)))
+    q_rope = jnp.pad(q_rope, ((0, 0), (0, h_pad - h), (0, 0)))
+    kernel = functools.partial(_mla_decode_kernel, page_size=page_size, pages_per_block=pages_per_block,
+                               num_blocks=num_blocks, scale=float(scale))
+    scalar = pl.BlockSpec((1,), lambda j, i: (0,))
+    heads = pl.BlockSpec((None, hb), lambda j, i: (i, j))
+    acc, m, l = pl.pallas_call(
+        kernel,
+        # Grid dimension 0 is CUDA x, the fastest-launched: the head blocks of a row go together.
+        grid=(h_pad // hb, b),
+        in_specs=[
+            scalar,  # layer
+            scalar,  # first_page
+            pl.BlockSpec((None, num_blocks * pages_per_block), lambda j, i: (i, 0)),  # this row's page table
+            pl.BlockSpec((1,), lambda j, i: (i,)),  # this row's length
+            pl.BlockSpec((None, hb, c), lambda j, i: (i, j, 0)),
+            pl.BlockSpec((None, hb, r), lambda j, i: (i, j, 0)),
+            pl.BlockSpec(cache.shape, lambda j, i: (0, 0, 0, 0)),  # the whole pool
+        ],
+        out_specs=[pl.BlockSpec((None, hb, c), lambda j, i: (i, j, 0)), heads, heads],
+        out_shape=[jax.ShapeDtypeStruct((b, h_pad, c), jnp.float32), jax.ShapeDtypeStruct((b, h_pad), jnp.float32),
+                   jax.ShapeDtypeStruct((b, h_pad), jnp.float32)],
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
+        name="jfire_mla_paged_decode",
+    )(jnp.reshape(layer, (1,)).astype(jnp.int32), jnp.reshape(first_page, (1,)).astype(jnp.int32), page_table,
+      lengths.astype(jnp.int32), q_latent, q_rope, cache)
+    return acc[:, :h], m[:, :h], l[:, :h]

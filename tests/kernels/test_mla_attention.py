@@ -1,0 +1,165 @@
+"""MLA over the paged latent cache: the Pallas decode kernel (interpret mode) against the jnp
+reference, sequence-sharded partials merged against the unsharded result, the absorbed form
+against plain per-head attention, and the kernel's CUDA lowering."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jfire.kernels.mla_attention import combine_partials, mla_paged_decode, mla_partial_reference
+
+LAYERS, LATENT, ROPE, PAGE, WIDTH = 3, 32, 16, 4, 8  # WIDTH: pages per row
+LENGTHS = [0, 1, PAGE, 13, WIDTH * PAGE, 2 * PAGE + 1]  # empty, one token, a page boundary, full width
+
+
+def make_case(seed, lengths, heads, spare=4, dtype=jnp.float32):
+    """A random pool (random everywhere, so stray reads show) and page tables drawn from a
+    random permutation of it: each row's pages out of order and interleaved with others'."""
+    rng = np.random.default_rng(seed)
+    b = len(lengths)
+    num_pages = b * WIDTH + spare
+    cache = rng.standard_normal((LAYERS, num_pages, PAGE, LATENT + ROPE)).astype(np.float32)
+    table = rng.permutation(num_pages)[: b * WIDTH].reshape(b, WIDTH).astype(np.int32)
+    q_latent = rng.standard_normal((b, heads, LATENT)).astype(np.float32)
+    q_rope = rng.standard_normal((b, heads, ROPE)).astype(np.float32)
+    cast = lambda x: jnp.asarray(x, dtype)
+    return cast(q_latent), cast(q_rope), cast(cache), jnp.asarray(table), jnp.asarray(lengths, jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnums=6)
+def reference(q_latent, q_rope, cache, layer, table, lengths, scale, first_page=0):
+    """mla_partial_reference for one query a row at position length - 1."""
+    acc, m, l = mla_partial_reference(q_latent[:, None], q_rope[:, None], cache, layer, table, (lengths - 1)[:, None],
+                                      scale=scale, first_page=first_page)
+    return acc[:, 0], m[:, 0], l[:, 0]
+
+
+def assert_partials_close(got, want, tol=1e-5):
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=tol, atol=tol)
+
+
+def merge(partials):
+    """combine_partials' cross-device merge, in numpy: partials [(acc, m, l)] -> output."""
+    m = np.stack([np.asarray(p[1]) for p in partials])
+    top = m.max(axis=0)
+    correction = np.exp(m - top)
+    acc = sum(np.asarray(p[0]) * c[..., None] for p, c in zip(partials, correction))
+    l = sum(np.asarray(p[2]) * c for p, c in zip(partials, correction))
+    return acc / np.maximum(l, 1e-30)[..., None]
+
+
+@pytest.mark.parametrize("heads,pages_per_block,heads_per_block", [(5, 1, 16), (4, 3, 16), (20, 2, 16)])
+def test_kernel_equals_reference(heads, pages_per_block, heads_per_block):
+    """Ragged lengths, shuffled pages, a traced nonzero layer; pages_per_block 3 does not divide
+    the width (the table is padded), 20 heads are two blocks of 16."""
+    q_latent, q_rope, cache, table, lengths = make_case(0, LENGTHS, heads)
+    scale = 0.2
+    run = functools.partial(mla_paged_decode, scale=scale, pages_per_block=pages_per_block,
+                            heads_per_block=heads_per_block, interpret=True)
+    for layer in (2, 1):
+        got = run(q_latent, q_rope, cache, jnp.int32(layer), table, lengths)
+        want = reference(q_latent, q_rope, cache, layer, table, lengths, scale)
+        assert got[0].shape == (len(LENGTHS), heads, LATENT) and got[1].shape == got[2].shape == (len(LENGTHS), heads)
+        assert all(x.dtype == jnp.float32 for x in got)
+        assert_partials_close(got, want)
+    assert float(got[2][0].max()) == 0.0 and float(jnp.abs(got[0][0]).max()) == 0.0  # the empty row sees nothing
+
+
+def test_kernel_bfloat16():
+    q_latent, q_rope, cache, table, lengths = make_case(1, [7, 30, 0], 5, dtype=jnp.bfloat16)
+    got = mla_paged_decode(q_latent, q_rope, cache, jnp.int32(1), table, lengths, scale=0.2, interpret=True)
+    want = reference(q_latent, q_rope, cache, 1, table, lengths, 0.2)
+    out, ref_out = combine_partials(*got), combine_partials(*want)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+def test_sequence_sharded_partials_combine_to_unsharded(devices):
+    """The pool split into contiguous ranges of page ids, one per device: each device's kernel
+    partial equals its reference partial, and merging them gives the unsharded output."""
+    heads, scale, layer = 5, 0.3, 2
+    q_latent, q_rope, cache, table, lengths = make_case(2, LENGTHS, heads, spare=0)
+    num_pages = cache.shape[1]
+    assert num_pages % devices == 0
+    per = num_pages // devices
+    whole = reference(q_latent, q_rope, cache, layer, table, lengths, scale)
+    want = np.asarray(combine_partials(*whole))
+    np.testing.assert_allclose(np.asarray(combine_partials(*mla_paged_decode(
+        q_latent, q_rope, cache, jnp.int32(layer), table, lengths, scale=scale, pages_per_block=2, interpret=True))),
+        want, rtol=1e-5, atol=1e-5)
+    kernel_parts, reference_parts = [], []
+    for d in range(devices):
+        local = cache[:, d * per:(d + 1) * per]
+        first = jnp.int32(d * per)  # traced, as under a shard_map
+        got = mla_paged_decode(q_latent, q_rope, local, jnp.int32(layer), table, lengths, scale=scale,
+                               first_page=first, pages_per_block=2, interpret=True)
+        ref = reference(q_latent, q_rope, local, layer, table, lengths, scale, first_page=first)
+        assert_partials_close(got, ref)
+        kernel_parts.append(got)
+        reference_parts.append(ref)
+    np.testing.assert_allclose(merge(kernel_parts), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(merge(reference_parts), want, rtol=1e-5, atol=1e-5)
+
+
+def test_absorbed_equals_expanded_attention():
+    """Folding W_UK into the query and applying W_UV after attention over the latent equals
+    attention with per-head keys cat(latent W_UK, rope_key) and values latent W_UV."""
+    rng = np.random.default_rng(3)
+    heads, dn, dv, scale, layer = 5, 24, 20, 0.15, 1
+    lengths = [11, 1, WIDTH * PAGE]
+    b = len(lengths)
+    num_pages = b * WIDTH + 2
+    w_uk = rng.standard_normal((LATENT, heads, dn)) / np.sqrt(LATENT)
+    w_uv = rng.standard_normal((LATENT, heads, dv)) / np.sqrt(LATENT)
+    latent = rng.standard_normal((b, WIDTH * PAGE, LATENT))  # per row, per token
+    rope_key = rng.standard_normal((b, WIDTH * PAGE, ROPE))
+    q_nope = rng.standard_normal((b, heads, dn))
+    q_rope = rng.standard_normal((b, heads, ROPE))
+    table = rng.permutation(num_pages)[: b * WIDTH].reshape(b, WIDTH).astype(np.int32)
+    cache = rng.standard_normal((LAYERS, num_pages, PAGE, LATENT + ROPE))
+    for row in range(b):
+        for pos in range(WIDTH * PAGE):
+            cache[layer, table[row, pos // PAGE], pos % PAGE] = np.concatenate([latent[row, pos], rope_key[row, pos]])
+
+    expanded = np.zeros((b, heads, dv))
+    for row, n in enumerate(lengths):
+        for h in range(heads):
+            k = np.concatenate([latent[row, :n] @ w_uk[:, h], rope_key[row, :n]], axis=-1)  # [n, dn + r]
+            v = latent[row, :n] @ w_uv[:, h]  # [n, dv]
+            s = k @ np.concatenate([q_nope[row, h], q_rope[row, h]]) * scale
+            p = np.exp(s - s.max())
+            expanded[row, h] = (p / p.sum()) @ v
+
+    f32 = lambda x: jnp.asarray(x, jnp.float32)
+    q_latent = jnp.einsum("bhd,chd->bhc", f32(q_nope), f32(w_uk), precision="highest")
+    args = (q_latent, f32(q_rope), f32(cache), jnp.int32(layer), jnp.asarray(table), jnp.asarray(lengths, jnp.int32))
+    for partial in (reference(*args, scale), mla_paged_decode(*args, scale=scale, interpret=True)):
+        out = jnp.einsum("bhc,chv->bhv", combine_partials(*partial), f32(w_uv), precision="highest")
+        np.testing.assert_allclose(np.asarray(out), expanded, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads", [64, 128, 8])  # Kimi K2, DeepSeek-V3, a tensor-parallel shard
+def test_kernel_exports_for_cuda(heads):
+    """The GPU path lowers on this CPU-only machine: jax.export for platforms=['cuda'], with the
+    layer and first_page traced."""
+    s = jax.ShapeDtypeStruct
+    args = (s((4, heads, 512), jnp.bfloat16), s((4, heads, 64), jnp.bfloat16), s((61, 256, 16, 576), jnp.bfloat16),
+            s((), jnp.int32), s((4, 64), jnp.int32), s((4,), jnp.int32), s((), jnp.int32))
+
+    def decode(q_latent, q_rope, cache, layer, table, lengths, first_page):
+        return mla_paged_decode(q_latent, q_rope, cache, layer, table, lengths, scale=0.07, first_page=first_page)
+
+    exported = jax.export.export(
+        jax.jit(decode), platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+    )(*args)
+    text = exported.mlir_module()
+    assert exported.platforms == ("cuda",)
+    assert "__gpu$xla.gpu.triton" in text and "jfire_mla_paged_decode" in text
+    assert [o.shape for o in exported.out_avals] == [(4, heads, 512), (4, heads), (4, heads)]

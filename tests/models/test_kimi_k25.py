@@ -1,0 +1,140 @@
+"""Kimi K2.5 in its released layout: `kimi_k25` config nesting the DeepSeek-V3 text model,
+tensors under `language_model.`, a vision tower and projector beside it, and the routed
+experts int4 pack-quantized (compressed-tensors). The test packs the experts itself; the
+reference is transformers running the same text model with the dequantized expert weights.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import save_file
+from safetensors.torch import load_file
+
+from jfire.checkpoint.load import load_model
+from jfire.engine import Engine, EngineConfig
+from jfire.kernels.int4_experts import pack_int4, unpack_int4_np
+from jfire.sampling import SamplingParams
+from tests.tiny_models import build_tiny_hf_model, tiny_hf_config
+
+GREEDY_STEPS = 16
+GROUP = 32
+QUANTIZATION = {
+    "quant_method": "compressed-tensors", "format": "pack-quantized",
+    "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+        "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": GROUP}}},
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*"],
+}
+
+
+@pytest.fixture(scope="module")
+def released(tmp_path_factory):
+    """(the released-layout directory, the HF model with dequantized experts)."""
+    model = build_tiny_hf_model("kimi_k2", seed=3)
+    saved = tmp_path_factory.mktemp("k2")
+    model.save_pretrained(saved)
+    tensors = {k: v.numpy() for k, v in load_file(saved / "model.safetensors").items()}
+    out, dequantized = {}, {}
+    for name, value in tensors.items():
+        if ".mlp.experts." in name:
+            packed, scale = pack_int4(value, GROUP)
+            stem = name[: -len("weight")]
+            out["language_model." + stem + "weight_packed"] = packed
+            out["language_model." + stem + "weight_scale"] = np.asarray(scale)
+            out["language_model." + stem + "weight_shape"] = np.asarray(value.shape, np.int32)
+            dequantized[name] = unpack_int4_np(packed, scale)
+        else:
+            out["language_model." + name] = value
+    out["vision_tower.patch_embed.weight"] = np.zeros((4, 4), np.float32)
+    out["mm_projector.proj.weight"] = np.zeros((4, 4), np.float32)
+    path = tmp_path_factory.mktemp("kimi_k25")
+    save_file({k: np.ascontiguousarray(v) for k, v in out.items()}, path / "model.safetensors")
+    text = {**tiny_hf_config("kimi_k2").to_dict(), "model_type": "kimi_k2"}
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+        "text_config": text, "quantization_config": QUANTIZATION}))
+
+    # The reference: the same model, its experts replaced by what the packed words mean.
+    state = {k: torch.from_numpy(dequantized.get(k, v)) for k, v in tensors.items()}
+    model.load_state_dict(_fused_experts(model, state), strict=True)
+    return path, model
+
+
+def _fused_experts(model, state: dict) -> dict:
+    """Per-expert tensors (as saved) back into transformers' fused expert parameters."""
+    out = {k: v for k, v in state.items() if ".mlp.experts." not in k}
+    for name, _ in model.named_parameters():
+        if name.endswith("experts.gate_up_proj"):
+            base, n = name[: -len("gate_up_proj")], model.config.n_routed_experts
+            out[name] = torch.stack([torch.cat([state[f"{base}{e}.gate_proj.weight"], state[f"{base}{e}.up_proj.weight"]])
+                                     for e in range(n)])
+            out[base + "down_proj"] = torch.stack([state[f"{base}{e}.down_proj.weight"] for e in range(n)])
+    return out
+
+
+def test_int4_experts_stay_packed_on_the_device(released, capfd):
+    path, _ = released
+    model = load_model(str(path), "float32")
+    assert "skipping 2 tensors under vision_tower, mm_projector" in capfd.readouterr().err
+    cfg = model.config
+    experts = model.params["layers"]["we_gate"]
+    moe_layers, X, E, F = cfg.num_layers - cfg.dense_layers, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    assert experts["packed"].dtype == np.int32
+    # Half a byte per weight, plus one float32 scale per 32 of them: never the float weights.
+    assert experts["packed"].nbytes == moe_layers * X * F * E // 2
+    assert experts["scale"].nbytes == moe_layers * X * F * (E // GROUP) * 4
+    on_device = sum(s.data.nbytes for s in experts["packed"].addressable_shards)
+    assert on_device == moe_layers * X * F * E // 2
+
+
+@pytest.mark.parametrize("attention", ["reference", "pallas-interpret"])
+def test_greedy_tokens_match_transformers_on_the_dequantized_experts(released, attention):
+    """Decode through the jnp latent attention and through the Pallas MLA kernel (interpret mode)."""
+    path, reference = released
+    model = load_model(str(path), "float32")
+    prompt = [int(x) for x in np.random.RandomState(4).randint(3, model.config.vocab_size, size=11)]
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=GREEDY_STEPS, do_sample=False)[0, 11:]
+    with Engine(model, EngineConfig(max_batch=1, max_prefill_rows=1, aot=False, attention=attention)) as engine:
+        got = engine.generate([(prompt, SamplingParams(temperature=0.0, max_tokens=GREEDY_STEPS))])[0]
+    assert got.token_ids == expected.tolist()
+    assert len(got.token_ids) == GREEDY_STEPS
+
+
+def test_packed_experts_equal_their_dequantized_reference(released):
+    """The model's own int4 grouped matmul (the layer's packed experts) against dequantize-then-matmul."""
+    from jfire.kernels.int4_experts import dequantize, ragged_dot_int4
+
+    model = load_model(str(released[0]), "float32")
+    w = jax.tree.map(lambda a: a[0], model.params["layers"]["we_down"])
+    X = w["packed"].shape[0]
+    sizes = np.array([3, 0, 5, 1, 0, 2, 4, 1][:X], np.int32)
+    xs = np.random.RandomState(5).randn(int(sizes.sum()) + 2, w["packed"].shape[2] * 8).astype(np.float32)
+    got = np.asarray(ragged_dot_int4(xs, w["packed"], w["scale"], sizes))
+    dense = np.asarray(dequantize(w["packed"], w["scale"], np.float32))
+    want, row = np.zeros_like(got), 0
+    for e, n in enumerate(sizes):
+        want[row:row + n] = xs[row:row + n] @ dense[e]
+        row += n
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("compress", [False, True], ids=["plain", "compressed"])
+def test_converted_checkpoint_keeps_the_experts_packed(released, tmp_path, compress):
+    """`jfire convert` writes the int4 experts as packed words (compressed checkpoints store
+    them raw beside the bf16 codec's tensors); loading gives the source's exact params."""
+    from jfire.checkpoint.convert import convert
+
+    path, _ = released
+    dtype = "bfloat16" if compress else "float32"
+    dst = convert(path, tmp_path / "ckpt", dtype, progress=False, compress=compress)
+    source, converted = load_model(str(path), dtype), load_model(str(dst), dtype)
+    assert converted.config == source.config
+    for a, b in zip(jax.tree.leaves(source.params), jax.tree.leaves(converted.params)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert converted.params["layers"]["we_up"]["packed"].dtype == np.int32
