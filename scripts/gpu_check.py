@@ -124,6 +124,47 @@ def moe_check(smoke: bool, repeats: int) -> list[dict]:
     return rows
 
 
+def kimi_kernels_check(smoke: bool, repeats: int) -> list[dict]:
+    """Kimi K2.5's two kernels against their references at its shapes: the paged MLA decode
+    kernel (64 heads, 512 + 64 latent, pages out of order) and the int4 grouped matmul of its
+    routed experts (7168 <-> 2048, eight experts a token)."""
+    from jfire.kernels import int4_experts, mla_attention
+
+    interpret = smoke
+    impl = "pallas-interpret" if smoke else "pallas"
+    b, h, c, r, page, pages, w = (2, 4, 32, 16, 4, 16, 4) if smoke else (16, 64, 512, 64, 16, 4096, 128)
+    key = jax.random.key(11)
+    cache = jax.random.normal(key, (2, pages, page, c + r), jnp.float32).astype(jnp.bfloat16)
+    q_latent = jax.random.normal(jax.random.fold_in(key, 1), (b, h, c), jnp.float32).astype(jnp.bfloat16)
+    q_rope = jax.random.normal(jax.random.fold_in(key, 2), (b, h, r), jnp.float32).astype(jnp.bfloat16)
+    table = jnp.asarray(np.random.default_rng(0).permutation(pages)[: b * w].reshape(b, w).astype(np.int32))
+    lengths = jnp.asarray(np.random.default_rng(1).integers(1, w * page + 1, b).astype(np.int32))
+    scale = (128 + 64) ** -0.5
+    kernel = jax.jit(lambda: mla_attention.mla_paged_decode(q_latent, q_rope, cache, 1, table, lengths, scale=scale,
+                                                            interpret=interpret))
+    reference = jax.jit(lambda: mla_attention.mla_partial_reference(
+        q_latent[:, None], q_rope[:, None], cache, 1, table, (lengths - 1)[:, None], scale=scale))
+    got = mla_attention.combine_partials(*kernel())
+    want = mla_attention.combine_partials(*[x[:, 0] for x in reference()])
+    rows = [{"kernel": "mla_paged_decode", "agree": bool(np.allclose(got, want, rtol=2e-2, atol=2e-2)),
+             "kernel_ms": 1e3 * median_seconds(lambda: kernel()[0].block_until_ready(), repeats),
+             "reference_ms": 1e3 * median_seconds(lambda: reference()[0].block_until_ready(), repeats)}]
+    hidden, ffn, experts, tokens = (64, 64, 4, 4) if smoke else (7168, 2048, 48, 16)
+    dense = 0.02 * np.random.default_rng(2).standard_normal((experts, ffn, hidden)).astype(np.float32)
+    packed, scales = int4_experts.pack_int4(dense)
+    packed, scales = jnp.asarray(packed), jnp.asarray(scales)
+    sizes = jnp.asarray(np.bincount(np.random.default_rng(3).integers(0, experts, tokens * 8), minlength=experts)
+                        .astype(np.int32))
+    xs = jax.random.normal(jax.random.fold_in(key, 3), (tokens * 8, hidden), jnp.float32).astype(jnp.bfloat16)
+    grouped = jax.jit(lambda: int4_experts.ragged_dot_int4(xs, packed, scales, sizes, impl=impl))
+    xla = jax.jit(lambda: int4_experts.ragged_dot_int4(xs, packed, scales, sizes, impl="xla"))
+    a, bb = np.asarray(grouped()), np.asarray(xla())
+    rows.append({"kernel": "ragged_dot_int4", "agree": bool(np.allclose(a, bb, rtol=2e-2, atol=2e-2 * np.abs(bb).max())),
+                 "kernel_ms": 1e3 * median_seconds(lambda: grouped().block_until_ready(), repeats),
+                 "reference_ms": 1e3 * median_seconds(lambda: xla().block_until_ready(), repeats)})
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="CPU-sized shapes, the kernel in interpret mode")
@@ -149,11 +190,12 @@ def main(argv=None) -> int:
     name, bits, _ = max(tensors, key=lambda t: t[1].size)
     result["sweep"] = sweep(name, bits, encoded[name], configs, interpret=args.smoke, repeats=repeats)
     result["moe"] = moe_check(args.smoke, repeats)
+    result["kimi_kernels"] = kimi_kernels_check(args.smoke, repeats)
     result["seconds"] = time.perf_counter() - start
 
     t = result["total"]
     exact = t["exact"] and all(r["exact"] for r in result["units"] + result["sweep"])
-    exact = exact and all(r["agree"] for r in result["moe"])
+    exact = exact and all(r["agree"] for r in result["moe"] + result["kimi_kernels"])
     best = max(result["sweep"], key=lambda r: r["gbps"])
     print(f"compression ratio {t['ratio']:.4f}; encode {t['encode_gbps']:.3f} GB/s (host)")
     for d in decoders:
@@ -164,6 +206,9 @@ def main(argv=None) -> int:
     for r in result["moe"]:
         print(f"MoE layer, {r['tokens']:>3} tokens: grouped {r['grouped_ms']:8.3f} ms, dense all-experts "
               f"{r['dense_ms']:8.3f} ms ({r['grouped_over_dense']:.2f}x), agree: {'yes' if r['agree'] else 'NO'}")
+    for r in result["kimi_kernels"]:
+        print(f"{r['kernel']:<18} {r['kernel_ms']:8.3f} ms against its reference {r['reference_ms']:8.3f} ms, "
+              f"agree: {'yes' if r['agree'] else 'NO'}")
     print(f"bit-exact (whole tensors, single layers, every tile) and MoE paths agree: {'yes' if exact else 'NO'}; "
           f"{result['seconds']:.0f} s")
     Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
