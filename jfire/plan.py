@@ -5,7 +5,8 @@ plan builds the model's parameters and paged cache as abstract arrays on the mes
 shardings the engine gives them (`jfire.sharding`, after the family's `adapt_to_tp`: KV heads
 repeated for a wide tp cost memory, and are counted), and adds up, for each device:
 
-  weights     each parameter's shard on that device (`devices_indices_map`), exact
+  weights     each parameter's shard on that device (`devices_indices_map`), exact, in the
+              param's own dtype (`spec_dtype`: packed int4 words int32, a router bias float32)
   workspace   the temporaries of the largest compiled programs (the widest decode bucket and
               the fullest prefill bucket), from XLA's `memory_analysis()` of programs lowered
               from ShapeDtypeStructs on fake CPU devices (nothing is allocated), or, with
@@ -13,7 +14,9 @@ repeated for a wide tp cost memory, and are counted), and adds up, for each devi
   reserve     RESERVE_BYTES, a stated constant: CUDA context, library workspaces, allocator slack
   free        device memory - weights - workspace - reserve: the room for the KV cache
 
-and divides what is free by the cache's bytes per token.
+and divides what is free by the cache's bytes per token on that device (a pages axis split over
+a stage's devices, MLA's latent, counted as 1/n of a token's bytes per device; an array kept on
+every pipeline stage counted on each).
 
 Workspace on XLA:CPU. For bfloat16 models XLA:CPU upcasts every dot to float32 and hoists a
 float32 copy of each whole stacked weight out of the layer loop (202 GiB of temporaries per
@@ -22,6 +25,10 @@ programs are measured with float32 weights and cache instead (WORKSPACE_DTYPE): 
 materialises one layer's weight slices per scan step plus the activations, both at 4 bytes a
 value where the GPU's bf16 program holds 2. The workspace is meant as an upper bound (for Scout
 on tp=2 about twice the bf16 layer slice the GPU would copy); it has not been checked on a GPU.
+Packed int4 experts stay int32 words there, and run through the GPU kernel's tiling (INT4_IMPL),
+not XLA:CPU's path that unpacks a whole layer: for Kimi K2.5 on pp=2 x tp=4 the workspace is
+then mostly one MoE layer's packed experts and their (float32 here, bf16 on a GPU) scales,
+sliced out of the stacked layers per scan step (2.46 GiB of 2.86 GiB per device).
 """
 
 from __future__ import annotations
@@ -41,14 +48,21 @@ from jfire import mesh as meshes
 from jfire import sharding
 from jfire.checkpoint.load import DTYPES
 from jfire.errors import JfireError
+from jfire.kernels import int4_experts
 from jfire.models.family import Family, Parallel
-from jfire.models.params import get_path, set_path
+from jfire.models.params import ParamSpec, get_path, set_path, spec_dtype
 
 GIB = 1 << 30
 # Per device, beyond what XLA allocates: the CUDA context (typically ~0.5 GiB), cuBLAS/cuDNN
 # workspaces and the allocator's fragmentation. A stated constant, not a measurement.
 RESERVE_BYTES = 1 * GIB
 WORKSPACE_DTYPE = jnp.float32  # see the module docstring: XLA:CPU's bf16 programs are not representative
+# How the measured programs run packed int4 experts: the GPU kernel's tiling in plain lax loops
+# ("tiled": one [64, in] tile of codes unpacked at a time, as the Pallas kernel does), not the
+# CPU's "xla" path, which unpacks a whole layer's local experts (15.8 GiB per device for Kimi
+# K2.5 on tp=4, which a GPU never holds). The interpreted Pallas kernel itself would be the
+# closer stand-in, but JAX 0.10.2's interpreter fails inside the expert-parallel shard_map.
+INT4_IMPL = "tiled"
 # The estimate's allowance for per-token activations (residual stream, norms, q/k/v, MLP
 # intermediates, router), in values of the embed width per token.
 ACTIVATION_VALUES_PER_TOKEN = 32
@@ -149,40 +163,93 @@ def _shardings(cfg: Family, mesh, device):
 
 
 def weight_bytes(cfg: Family, param_shardings: dict, dtype) -> dict:
+    """Each device's parameter bytes, every param in its own dtype (`spec_dtype`: packed int4
+    words are int32, a router bias float32, the rest the model dtype)."""
     total: dict = {}
     for spec in cfg.param_specs():
-        _add(total, shard_bytes(get_path(param_shardings, spec.name), spec.shape, np.dtype(dtype).itemsize))
+        itemsize = spec_dtype(spec, dtype).itemsize
+        _add(total, shard_bytes(get_path(param_shardings, spec.name), spec.shape, itemsize))
     return total
+
+
+def weights_held(spec: ParamSpec) -> int:
+    """How many model weights a param holds: a packed int4 param eight per int32 word; the
+    quantization scales of packed weights none (they are bytes, not parameters)."""
+    if spec.init == "int4":
+        return math.prod(spec.shape) * spec_dtype(spec, None).itemsize * 2  # two 4-bit weights a byte
+    if spec.init == "int4_scale":
+        return 0
+    return math.prod(spec.shape)
+
+
+def parameter_counts(cfg: Family, dtype) -> dict:
+    """The model's parameters (int4 weights counted one each, scales not at all) and its bytes,
+    every param in its own dtype; the int4 weights and their scales also on their own."""
+    out = {"parameters": 0, "parameter_bytes": 0, "int4_parameters": 0, "int4_bytes": 0, "scale_bytes": 0}
+    for spec in cfg.param_specs():
+        size = math.prod(spec.shape) * spec_dtype(spec, dtype).itemsize
+        out["parameters"] += weights_held(spec)
+        out["parameter_bytes"] += size
+        if spec.init == "int4":
+            out["int4_parameters"] += weights_held(spec)
+            out["int4_bytes"] += size
+        elif spec.init == "int4_scale":
+            out["scale_bytes"] += size
+    return out
+
+
+def _pages_split(cfg: Family, cache_shardings: dict) -> int:
+    """How many ways the pages axis is split (1 without a mesh, or with head-split caches)."""
+    first = next(iter(cache_shardings.values()), None)
+    if not isinstance(first, jax.sharding.NamedSharding):
+        return 1
+    return sharding.page_multiple(cache_shardings, cfg)
 
 
 def kv_bytes_per_token(cfg: Family, cache_shardings: dict, dtype) -> dict:
-    """Cache bytes one token of one sequence takes on each device (pages and page slots are
-    never split, so one page of one slot is exactly one token)."""
+    """Cache bytes one token of one sequence takes on each device. A pages axis split over
+    n devices (MLA's `latent_pages`) cannot split one page, so this measures n pages of one
+    slot and divides back by n, as `sharding.page_bytes_per_device` does (rounded up); an
+    array not split over pp (a dense first layer's latent) counts on every stage."""
+    n = _pages_split(cfg, cache_shardings)
     total: dict = {}
     for c in cfg.cache_specs():
-        _add(total, shard_bytes(cache_shardings[c.name], c.shape(1, 1), np.dtype(dtype).itemsize))
-    return total
+        _add(total, shard_bytes(cache_shardings[c.name], c.shape(n, 1), np.dtype(dtype).itemsize))
+    return {device: -(-b // n) for device, b in total.items()}
 
 
-def layer_bytes(cfg: Family, param_shardings: dict, itemsize: int) -> int:
-    """One layer's weights on one device: the largest segment's per-layer shards (a device
-    holds whole layers of its pipeline stage, each split over tp/ep)."""
+def kv_bytes_per_token_model(cfg: Family, dtype) -> int:
+    """What the cache declaration stores for one token, each layer once, whatever the mesh."""
+    return sum(c.values_per_token() for c in cfg.cache_specs()) * np.dtype(dtype).itemsize
+
+
+def layer_bytes(cfg: Family, param_shardings: dict, dtype) -> int:
+    """One layer's weights on one device, each param in its own dtype (`dtype` for the rest):
+    the largest segment's per-layer shards (a device holds whole layers of its pipeline stage,
+    each split over tp/ep)."""
     per_segment: dict = {}
     for spec in cfg.param_specs():
         if spec.per_layer:
             shard = get_path(param_shardings, spec.name).shard_shape(spec.shape)
             segment = spec.name.split(".")[0]
-            per_segment[segment] = per_segment.get(segment, 0) + math.prod(shard[1:]) * itemsize
+            size = math.prod(shard[1:]) * spec_dtype(spec, dtype).itemsize
+            per_segment[segment] = per_segment.get(segment, 0) + size
     return max(per_segment.values(), default=0)
 
 
 def kv_values_per_layer(cfg: Family, cache_shardings: dict) -> int:
-    """Cache values one token takes in one layer on one device."""
+    """Cache values one token takes in one layer, as a device reading a whole page table
+    sees them: its share of the other axes (K/V heads split over tp), the pages axis whole,
+    since the reference attention gathers every row's full page table on every device, also
+    where the pages are split (MLA, which then masks the pages it does not hold). Summed over
+    the cache arrays (K and V; for MLA the dense and MoE latents, of which a layer reads one:
+    an upper bound)."""
+    n = _pages_split(cfg, cache_shardings)
     total = 0
     for c in cfg.cache_specs():
-        shard = cache_shardings[c.name].shard_shape(c.shape(1, 1))
-        layers = shard[c.axes.index("layers")] if "layers" in c.axes else 1
-        total += math.prod(shard) // layers
+        shard = cache_shardings[c.name].shard_shape(c.shape(n, 1))
+        skip = {c.pages_axis} | ({0} if c.axes[0] in ("layers", "layers_unpiped") else set())
+        total += math.prod(d for i, d in enumerate(shard) if i not in skip)
     return total
 
 
@@ -215,9 +282,12 @@ def measure_workspace(cfg: Family, param_shardings: dict, cache_shardings: dict,
 
     params: dict = {}
     for p in cfg.param_specs():
-        set_path(params, p.name, jax.ShapeDtypeStruct(p.shape, WORKSPACE_DTYPE, sharding=get_path(param_shardings, p.name)))
-    # Enough pages for the largest bucket's page tables (the temporaries do not grow with the pool).
-    num_pages = max(p.rows * p.width for p in programs)
+        dtype = spec_dtype(p, WORKSPACE_DTYPE)  # packed int4 words stay int32, a float32 bias float32
+        set_path(params, p.name, jax.ShapeDtypeStruct(p.shape, dtype, sharding=get_path(param_shardings, p.name)))
+    # Enough pages for the largest bucket's page tables (the temporaries do not grow with the
+    # pool), in whole multiples of a split pages axis.
+    multiple = _pages_split(cfg, cache_shardings)
+    num_pages = -(-max(p.rows * p.width for p in programs) // multiple) * multiple
     pages = {c.name: jax.ShapeDtypeStruct(c.shape(num_pages, page_size), WORKSPACE_DTYPE, sharding=cache_shardings[c.name])
              for c in cfg.cache_specs()}
     layer_stack = Pipeline(mesh, spec.num_microbatches) if mesh is not None and spec.pp > 1 else None
@@ -229,7 +299,13 @@ def measure_workspace(cfg: Family, param_shardings: dict, cache_shardings: dict,
                                 layer_stack=layer_stack, parallel=parallel)
 
     def one(p: Program) -> dict:
-        exe = compiled.decode(p.rows, p.width) if p.kind == "decode" else compiled.prefill(p.rows, p.tokens, p.width)
+        # Packed int4 experts as the GPU kernel tiles them (INT4_IMPL); the context is per
+        # thread, so it is entered here.
+        with int4_experts.use_impl(INT4_IMPL):
+            if p.kind == "decode":
+                exe = compiled.decode(p.rows, p.width)
+            else:
+                exe = compiled.prefill(p.rows, p.tokens, p.width)
         stats = exe.memory_analysis()
         temp = int(stats.temp_size_in_bytes)
         outputs = max(0, int(stats.output_size_in_bytes) - int(stats.alias_size_in_bytes))
@@ -248,7 +324,7 @@ def estimate_workspace(cfg: Family, param_shardings: dict, cache_shardings: dict
     + logits and their softmax over the full vocabulary for every row
     + ACTIVATION_VALUES_PER_TOKEN x embed width for every token."""
     w = np.dtype(WORKSPACE_DTYPE).itemsize
-    layer = layer_bytes(cfg, param_shardings, w)
+    layer = layer_bytes(cfg, param_shardings, WORKSPACE_DTYPE)
     gathered = program.rows * program.width * page_size * kv_values_per_layer(cfg, cache_shardings) * w
     logits = 2 * program.rows * cfg.vocab_size * w
     embed = max((n for p in cfg.param_specs() for a, n in zip(p.axes, p.shape) if a == "embed"), default=0)
@@ -315,25 +391,38 @@ def plan(model: str | Path, spec: meshes.MeshSpec, *, dtype: str = "bfloat16", l
                            "kv_tokens": max(0, free) // kv[device]})
     free_total = sum(d["kv_bytes_free"] for d in per_device)
     kv_total = sum(d["kv_bytes_per_token"] for d in per_device)
-    # Every device holds the same pages (the pages axis is never split), so the device with
-    # the least room bounds the pool; the shardings are even, so this is free total // kv total.
+    # One pool of pages: every device holds its share of each page (all of it, or 1/n of the
+    # pages where they are split n ways), so kv[device] is what one pool token costs there and
+    # the device with the least room bounds the pool; the shardings are even, so this is
+    # free total // kv total.
     capacity = min(d["kv_tokens"] for d in per_device)
-    pages = capacity // page_size
-    kv_cache_bytes = pages * page_size * kv_device  # per device: what --kv-cache-gb should be
+    multiple = _pages_split(wide, cache_shardings)
+    pages = capacity // page_size // multiple * multiple  # the engine takes whole multiples of the split
+    per_page = (sharding.page_bytes_per_device(wide, page_size, DTYPES[dtype], cache_shardings)
+                if mesh is not None else page_size * kv_device)
+    kv_cache_bytes = pages * per_page  # per device: what --kv-cache-gb should be
+    kv_model = kv_bytes_per_token_model(cfg, DTYPES[dtype])
     problems = []
     if min(d["kv_bytes_free"] for d in per_device) <= 0:
         problems.append("the weights, workspace and reserve leave no memory for the KV cache")
     elif capacity < max_model_len:
         problems.append(f"the KV cache holds {capacity} tokens, less than one sequence of the {max_model_len}-token "
                         "context (lower --max-context, or use a bigger mesh)")
-    params_count = sum(math.prod(p.shape) for p in cfg.param_specs())
+    counts = parameter_counts(cfg, DTYPES[dtype])
     return {
         "model": str(model),
         "family": cfg.family,
         "architecture": getattr(cfg, "architecture", None),
         "dtype": dtype,
-        "parameters": params_count,
-        "parameter_bytes": params_count * np.dtype(DTYPES[dtype]).itemsize,
+        "parameters": counts["parameters"],
+        "parameter_bytes": counts["parameter_bytes"],
+        "int4_parameters": counts["int4_parameters"],
+        "int4_bytes": counts["int4_bytes"],
+        "scale_bytes": counts["scale_bytes"],
+        "parameters_note": (f"weights, each in its own dtype ({dtype} unless declared otherwise)"
+                            + ("; int4 weights counted one each (8 per int32 word, 4 bits a weight); their "
+                               "quantization scales are bytes (scale_bytes), not parameters, and are in "
+                               "parameter_bytes and the weights per device" if counts["int4_parameters"] else "")),
         "mesh": {"name": spec.name, "dp": spec.dp, "pp": spec.pp, "tp": spec.tp, "ep": spec.ep,
                  "microbatches": spec.num_microbatches if spec.pp > 1 else None},
         "devices": len(per_device),
@@ -348,6 +437,8 @@ def plan(model: str | Path, spec: meshes.MeshSpec, *, dtype: str = "bfloat16", l
         "workspace_source": "measured" if compile else "estimate",
         "workspace_note": (f"on XLA:CPU, memory_analysis() of the largest programs compiled with "
                            f"{np.dtype(WORKSPACE_DTYPE).name} weights and cache (4-byte values: meant as an upper bound for a GPU)"
+                           + (f"; int4 experts packed in int32 words, multiplied as the GPU kernel tiles them "
+                              f"(impl {INT4_IMPL!r})" if counts["int4_parameters"] else "")
                            if compile else
                            "a stated formula, nothing compiled: one layer's weights + one layer's gathered K/V "
                            f"for every row + logits + {ACTIVATION_VALUES_PER_TOKEN} x embed per token, in 4-byte "
@@ -356,6 +447,10 @@ def plan(model: str | Path, spec: meshes.MeshSpec, *, dtype: str = "bfloat16", l
         "reserve_bytes_per_device": RESERVE_BYTES,
         "reserve_note": "a stated constant: CUDA context, library workspaces, allocator slack",
         "kv_bytes_per_token": kv_total,
+        "kv_bytes_per_token_model": kv_model,
+        "kv_note": ("kv_bytes_per_token: what one pool token costs summed over the devices (KV heads repeated for "
+                    "tp and layers kept on every pipeline stage counted each time they are stored), which the "
+                    "capacity divides; kv_bytes_per_token_model: the cache declaration's, each layer once"),
         "kv_bytes_free_total": free_total,
         "kv_capacity_tokens": capacity,
         "page_size": page_size,
@@ -400,13 +495,23 @@ def _count(n: int) -> str:
     return str(n)
 
 
+def _kv_model(p: dict) -> str:
+    """The model's own bytes per token, where the mesh stores more (repeated or per-stage)."""
+    model = p.get("kv_bytes_per_token_model")
+    if model is None or model == p["kv_bytes_per_token"]:
+        return ""
+    return f" (the model's cache: {_kib(model)}, each layer once; the rest is stored again on other devices)"
+
+
 def format_plan(p: dict) -> str:
     mesh = p["mesh"]
     axes = " ".join(f"{a}={mesh[a]}" for a in ("dp", "pp", "tp", "ep"))
     devices = f"{p['devices']} x {p['device_kind']}" if p["device_kind"] else f"{p['devices']} devices"
     lines = [
         f"model       {p['model']} ({p['family']}, {p['architecture']})",
-        f"parameters  {p['parameters']:,} ({_count(p['parameters'])}), {p['dtype']}: {_gib(p['parameter_bytes'])}",
+        f"parameters  {p['parameters']:,} ({_count(p['parameters'])}), {_gib(p['parameter_bytes'])}: {p['dtype']}"
+        + (f", except {p['int4_parameters']:,} int4 weights ({_gib(p['int4_bytes'])}, 8 per int32 word) and "
+           f"their scales ({_gib(p['scale_bytes'])}: bytes, not parameters)" if p.get("int4_parameters") else ""),
         f"mesh        {mesh['name']} ({axes}): {devices}, {p['device_memory_gib']:g} GiB each "
         f"(from {p['device_memory_source']})",
     ]
@@ -430,7 +535,7 @@ def format_plan(p: dict) -> str:
     lines += [
         "",
         f"KV cache    {_gib(p['kv_bytes_free_total'])} free in all; {_kib(p['kv_bytes_per_token'])} per token over all "
-        f"devices -> {p['kv_capacity_tokens']:,} tokens "
+        f"devices{_kv_model(p)} -> {p['kv_capacity_tokens']:,} tokens "
         f"({p['kv_capacity_tokens'] / p['max_context']:.1f} sequences of {p['max_context']:,})"
         if p["kv_capacity_tokens"] else f"KV cache    no room ({_gib(p['kv_bytes_free_total'])} free in all)",
     ]

@@ -41,8 +41,13 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     # the devices of a stage instead (sequence-sharded; jfire.models.mla).
     "latent_pages": ("ep", "tp"),
     "latent": None,
-    "q_lora": None,
     "mla_head_dim": None,
+    # Projections whose output every device needs whole (the latent, the router scores) split
+    # over their input, with one all-reduce of a small output; the low-rank query splits over
+    # its rank and is gathered before the head-split q_b.
+    "embed_split": "tp",
+    "q_lora": "tp",
+    "q_lora_in": None,
     # Packed int4 experts ([experts, out, in / 8] words, [experts, out, in / group] scales):
     # the ffn axis splits over tp whether it is the output or the packed input.
     "embed_packed": None,

@@ -19,6 +19,7 @@ from jfire.errors import JfireError
 
 REPO = Path(__file__).resolve().parents[1]
 SCOUT = REPO / "tests" / "data" / "llama4-scout-17b-16e-instruct"
+KIMI = REPO / "tests" / "data" / "kimi-k2.5"
 GIB = 1 << 30
 
 # A tiny Mixtral: 4 layers, 4 heads / 2 KV heads of 16, 4 experts top-2.
@@ -94,6 +95,102 @@ def test_scout_has_more_kv_room_than_infire_on_two_h200s(scout):
         assert fragment in text
 
 
+@pytest.fixture(scope="module")
+def kimi():
+    return plan_json("--model", str(KIMI), "--mesh", "h100x8-kimi-k2")
+
+
+def kimi_hand_count(pp: int = 2, tp: int = 4) -> tuple[int, int]:
+    """(parameters, bytes per device on pp x tp) of Kimi K2.5's text model from the config.json
+    numbers alone. Everything is bf16 (2 bytes) but the routed experts, int4: 4 bits a weight
+    plus one bf16 scale per 32 inputs (scales are bytes, not parameters), and the router's
+    score-correction bias, float32.
+
+    How the mesh splits it: the embedding and LM head split their vocabulary over all pp x tp
+    devices; the MoE layers split over the pp stages; within a layer tp splits the heads
+    (q_b, kv_b, o), the MLP widths (dense, shared and routed experts, their scales too), the
+    low-rank query (q_a and its norm, over the rank) and the inputs of kv_a and the router;
+    the router's bias and the other norms stay whole on every device; the dense first layer
+    runs on every stage, so each device holds its share."""
+    text = json.loads((KIMI / "config.json").read_text())["text_config"]
+    quant = json.loads((KIMI / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
+    assert quant["weights"]["num_bits"] == 4 and quant["weights"]["group_size"] == 32
+    V, E, L, H = text["vocab_size"], text["hidden_size"], text["num_hidden_layers"], text["num_attention_heads"]
+    Q, C, R = text["q_lora_rank"], text["kv_lora_rank"], text["qk_rope_head_dim"]
+    Dn, Dv = text["qk_nope_head_dim"], text["v_head_dim"]
+    F_dense, F, X = text["intermediate_size"], text["moe_intermediate_size"], text["n_routed_experts"]
+    shared_width = F * text["n_shared_experts"]
+    dense = text["first_k_dense_replace"]
+    moe = L - dense
+    # Attention: q_a [E, Q], its norm, q_b [Q, H, Dn + R]; kv_a [E, C + R], its norm, kv_b [C, H, Dn + Dv];
+    # o [H, Dv, E]; the input and post-attention norms.
+    whole = E + C + E  # per layer, on every device of its stage: the input, kv_a and post-attention norms
+    low_rank = E * Q + Q + E * (C + R)  # per layer, split over tp
+    heads = Q * H * (Dn + R) + C * H * (Dn + Dv) + H * Dv * E  # per layer, split over tp
+    dense_mlp = 3 * E * F_dense  # gate, up, down
+    router = E * X
+    shared = 3 * E * shared_width
+    routed = 3 * X * E * F  # gate, up [X, F, E] and down [X, E, F], int4
+    embeddings = lm_head = V * E
+    params = (embeddings + lm_head + E + L * (whole + low_rank + heads) + dense * dense_mlp
+              + moe * (router + X + shared + routed))
+    assert moe % pp == 0
+    per_device = (2 * (embeddings + lm_head) // (pp * tp) + 2 * E  # + final norm
+                  + dense * (2 * whole + 2 * (low_rank + heads + dense_mlp) // tp)
+                  + moe // pp * (2 * whole + 4 * X + 2 * (low_rank + router + heads + shared) // tp
+                                 + routed // 2 // tp + routed // 32 * 2 // tp))
+    return params, per_device
+
+
+def test_kimi_weights_match_the_hand_count(kimi):
+    params, per_device = kimi_hand_count()
+    assert kimi["parameters"] == params
+    assert round(params / 1e9) == 1026  # SEED-MODELS.md: 1026 B text parameters
+    routed = 60 * 3 * 384 * 7168 * 2048
+    assert kimi["int4_parameters"] == routed
+    assert kimi["int4_bytes"] == routed // 2 and kimi["scale_bytes"] == routed // 32 * 2
+    assert round((kimi["int4_bytes"] + kimi["scale_bytes"]) / GIB, 1) == 531.6  # 4.5 bits a routed weight
+    assert round(kimi["parameter_bytes"] / GIB, 1) == 553.4  # with the bf16 rest: 21.8 GiB
+    assert kimi["weight_bytes_per_device"] == per_device and round(per_device / GIB, 2) == 69.29
+    assert [d["weight_bytes"] for d in kimi["per_device"]] == [per_device] * 8
+    assert kimi["family"] == "deepseek_v3" and kimi["mesh"]["pp"] == 2 and kimi["mesh"]["tp"] == 4
+    assert "not parameters" in kimi["parameters_note"]
+
+
+def test_kimi_kv_bytes_per_token(kimi):
+    # The model's cache: one 512 + 64 latent per token per layer, in bf16, each layer once.
+    assert kimi["kv_bytes_per_token_model"] == 61 * 576 * 2  # 68.6 KiB
+    # On the mesh: a stage's 30 MoE layers and the dense layer (kept on both stages), with
+    # the pages split over the stage's 4 devices.
+    per_device = (30 + 1) * 576 * 2 // 4
+    assert [d["kv_bytes_per_token"] for d in kimi["per_device"]] == [per_device] * 8
+    assert kimi["kv_bytes_per_token"] == 8 * per_device == (60 + 2 * 1) * 576 * 2
+
+
+def test_kimi_kv_room_on_eight_h100s(kimi):
+    check_consistent(kimi)
+    _, weights = kimi_hand_count()
+    assert kimi["device_kind"] == "H100" and kimi["device_memory_gib"] == 79.6
+    assert kimi["workspace_source"] == "measured" and "tiled" in kimi["workspace_note"]
+    workspace = kimi["workspace_bytes_per_device"]
+    # Most of it is one MoE layer's local experts sliced out of the stack per scan step: packed
+    # int32 words and float32 scales (the CPU measurement's dtype); far from the 15.75 GiB of
+    # float32 weights that unpacking a layer's experts (the CPU's "xla" path) would hold.
+    layer_experts = 3 * 384 * 7168 * 2048 // 4 // 2 + 3 * 384 * 7168 * 2048 // 4 // 32 * 4
+    assert layer_experts <= workspace <= layer_experts + GIB
+    free = round(79.6 * GIB) - weights - workspace - GIB
+    assert kimi["kv_bytes_free_total"] == 8 * free
+    assert kimi["kv_capacity_tokens"] == 8 * free // ((60 + 2) * 576 * 2)
+    # Infire publishes "over 30 GiB" of KV cache on 8 H100s; jfire leaves over 50 GiB even with
+    # its upper-bound workspace (float32 scales, one layer's experts copied per step).
+    assert kimi["kv_bytes_free_total"] >= 50 * GIB
+    assert kimi["fits"] and kimi["kv_pages"] % 4 == 0  # whole multiples of the 4-way page split
+    text = plan.format_plan(kimi)
+    for fragment in ("1,026,408,232,448 (1026.4 B)", "int4 weights", "not parameters", "8 x H100",
+                     "the model's cache: 68.6 KiB"):
+        assert fragment in text
+
+
 def check_consistent(p: dict) -> None:
     for key in ("devices", "weight_bytes_per_device", "kv_bytes_per_token", "kv_bytes_free_total",
                 "kv_capacity_tokens", "fits", "per_device", "mesh", "device_kind", "device_memory_gib",
@@ -165,3 +262,28 @@ def test_device_memory_comes_from_the_mesh_file_or_the_flag(tmp_path):
     bad.write_text("[mesh]\ntp = 2\n\n[device]\nmemory = 80\n")
     with pytest.raises(JfireError, match=r"\[device\] takes kind"):
         meshes.MeshSpec.from_toml(bad)
+
+
+def test_the_int4_path_the_plan_measures_computes_the_grouped_matmul():
+    """The workspace is measured with packed experts through `impl="tiled"` (the GPU kernel's
+    tiling in lax loops): it is the same grouped matmul as the CPU's "xla" path, and
+    `use_impl` is what routes the models' expert matmul to it."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jfire.kernels import int4_experts
+    from jfire.models import moe
+
+    rng = np.random.default_rng(0)
+    packed, scale = int4_experts.pack_int4(rng.normal(size=(4, 128, 64)).astype(np.float32))
+    xs = jnp.asarray(rng.normal(size=(37, 64)), jnp.float32)
+    sizes = jnp.asarray([20, 0, 9, 3], jnp.int32)  # an empty expert; rows past the 32 assigned stay zero
+    want = np.asarray(int4_experts.ragged_dot_int4(xs, packed, scale, sizes, impl="xla"))
+    with int4_experts.use_impl(plan.INT4_IMPL):
+        assert int4_experts.default_impl() == "tiled"
+        got = np.asarray(moe._ragged_dot(xs, {"packed": packed, "scale": scale}, sizes))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    assert not got[32:].any()
+    assert int4_experts.default_impl() == "xla"
+    with pytest.raises(ValueError, match="unknown impl"):
+        int4_experts.use_impl("fast")

@@ -204,14 +204,18 @@ class DeepseekV3Config(Family):
         if self.q_lora_rank:
             Q = self.q_lora_rank
             specs += [
+                # The low-rank query is split over tp (its norm reduces across the shards), then
+                # gathered for q_b, whose heads are split.
                 spec("wq_a", (E, Q), ("embed", "q_lora"), "self_attn.q_a_proj.weight", n_in=1),
                 spec("q_a_norm", (Q,), ("q_lora",), "self_attn.q_a_layernorm.weight", init="ones"),
-                spec("wq_b", (Q, H, Dn + R), ("q_lora", "q_heads", "mla_head_dim"), "self_attn.q_b_proj.weight", n_in=1),
+                spec("wq_b", (Q, H, Dn + R), ("q_lora_in", "q_heads", "mla_head_dim"), "self_attn.q_b_proj.weight",
+                     n_in=1),
             ]
         else:
             specs.append(spec("wq", (E, H, Dn + R), ("embed", "q_heads", "mla_head_dim"), "self_attn.q_proj.weight", n_in=1))
         specs += [
-            spec("wkv_a", (E, C + R), ("embed", "latent"), "self_attn.kv_a_proj_with_mqa.weight", n_in=1),
+            # Split over its input (one all-reduce of the small latent): every device needs the whole latent.
+            spec("wkv_a", (E, C + R), ("embed_split", "latent"), "self_attn.kv_a_proj_with_mqa.weight", n_in=1),
             spec("kv_a_norm", (C,), ("latent",), "self_attn.kv_a_layernorm.weight", init="ones"),
             spec("wkv_b", (C, H, Dn + Dv), ("latent", "q_heads", "mla_head_dim"), "self_attn.kv_b_proj.weight", n_in=1),
             spec("wo", (H, Dv, E), ("q_heads", "head_dim", "embed"), "self_attn.o_proj.weight", n_in=2),
@@ -226,7 +230,7 @@ class DeepseekV3Config(Family):
             ]
         X, F = self.num_experts, self.moe_intermediate_size
         specs += [
-            spec("router", (E, X), ("embed", "experts_replicated"), "mlp.gate.weight", n_in=1),
+            spec("router", (E, X), ("embed_split", "experts_replicated"), "mlp.gate.weight", n_in=1),
             # Added to the scores only to choose experts; float32 as transformers keeps it.
             spec("router_bias", (X,), ("experts_replicated",), "mlp.gate.e_score_correction_bias", init="zeros",
                  dtype="float32"),
