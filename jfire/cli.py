@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from jfire.errors import JfireError
@@ -105,7 +106,6 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--output-len", type=int, default=128)
     b.add_argument("--output", default="bench.json", help="JSON results file (default bench.json)")
     b.add_argument("--skip-startup", action="store_true", help="do not measure cold/warm start-up")
-    b.add_argument("--startup-only", action="store_true", help=argparse.SUPPRESS)
 
     v = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     _add_model_args(v)
@@ -219,11 +219,14 @@ def cmd_generate(args) -> int:
     )
     if args.output and not args.prompts_file:
         raise JfireError("--output goes with --prompts-file")
+    t0 = time.perf_counter()
     model = load_model(args.model, args.dtype, mesh_spec=_mesh_spec(args), keep_compressed=args.keep_compressed)
+    load_s = time.perf_counter() - t0
     if args.prompts_file:
         return _generate_batch(args, model, sampling)
     prompt_ids = _prompt_ids(args, model.tokenizer)
     with Engine(model, engine_config(args, single=True)) as engine:
+        compile_s = engine.compile_for(len(prompt_ids), sampling.max_tokens) if args.json else 0.0
         handle = engine.submit(prompt_ids, sampling)
         if args.json or model.tokenizer is None:
             result = handle.result()
@@ -243,10 +246,22 @@ def cmd_generate(args) -> int:
             "finish_reason": result.finish_reason,
             "ttft_s": round(result.ttft_s, 4),
             "seconds": round(result.latency_s, 4),
+            "timings": _timings(load_s, compile_s, result),
         }))
     else:
         print(",".join(map(str, result.token_ids)))
     return 0
+
+
+def _timings(load_s: float, compile_s: float, result) -> dict:
+    """Where a one-request `generate --json` spent its time: loading, compiling (done before
+    the request, so the rest excludes it), prefill (up to the first token) and decode."""
+    decode_s = result.latency_s - result.ttft_s
+    decoded = len(result.token_ids) - 1  # the first token comes out of prefill
+    return {"load_s": round(load_s, 4), "compile_s": round(compile_s, 4), "prefill_s": round(result.ttft_s, 4),
+            "ttft_s": round(result.ttft_s, 4), "decode_s": round(decode_s, 4),
+            "prefill_tokens_per_s": round(len(result.prompt_ids) / result.ttft_s, 2),
+            "decode_tokens_per_s": round(decoded / decode_s, 2) if decoded > 0 and decode_s > 0 else None}
 
 
 def _generate_batch(args, model, sampling) -> int:
@@ -290,7 +305,6 @@ def cmd_compress_report(args) -> int:
 def cmd_bench(args) -> int:
     from jfire import bench
     from jfire.checkpoint.load import load_model
-    from jfire.engine import Engine
 
     try:
         args.concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -300,9 +314,6 @@ def cmd_bench(args) -> int:
         args.max_batch = max(args.concurrency)
     config = engine_config(args, single=False)
     model = load_model(args.model, args.dtype, mesh_spec=_mesh_spec(args), keep_compressed=args.keep_compressed)
-    if args.startup_only:
-        Engine(model, config).start()
-        return 0
     engine_args = ["--max-batch", str(args.max_batch), "--kv-cache-gb", str(args.kv_cache_gb),
                    "--attention", args.attention, "--prefill-budget", str(args.prefill_budget)]
     if args.mesh:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import queue
+import sys
 import threading
 import time
 from pathlib import Path
@@ -85,6 +87,8 @@ class EngineConfig:
     attention: str = "reference"
     compile_workers: int = 2
     aot: bool = True  # compile every bucket at start-up; False compiles each on first use
+    # Serve once the essential programs exist and compile the rest in the background (with aot).
+    serve_while_compiling: bool = True
     compilation_cache_dir: str | None = None  # JAX's persistent cache; None = off
 
     def __post_init__(self):
@@ -215,30 +219,82 @@ class Engine:
         self._tokens_generated = 0
         self._recent: list[tuple[float, int]] = []  # (time, tokens) of recent steps, for tokens/s
         self.ready = threading.Event()
-        self.startup_s: float | None = None
+        self.startup_s: float | None = None  # until the engine serves
+        self.compiled_s: float | None = None  # until every program is compiled
+        self._compiler: threading.Thread | None = None
         self.error: BaseException | None = None
 
     # -- life cycle ----------------------------------------------------------------------------
 
     def start(self, compile_progress: Callable[[int, int], None] | None = None) -> "Engine":
-        """Compiles every program bucket ahead of time, then starts the engine thread."""
+        """Compiles the programs ahead of time, then starts the engine thread: every bucket
+        first, or with `serve_while_compiling` only the essential ones, the rest in the
+        background while the engine serves (jfire.programs.CompiledPrograms)."""
         t0 = time.perf_counter()
         if self.config.compilation_cache_dir:
             enable_compilation_cache(self.config.compilation_cache_dir)
+        background = self.config.aot and self.config.serve_while_compiling
         if self.config.aot:
-            self.programs.compile_all(workers=self.config.compile_workers, progress=compile_progress)
+            shapes = self.programs.essential_shapes() if background else None
+            self.programs.compile_all(workers=self.config.compile_workers, progress=compile_progress, shapes=shapes)
         self.startup_s = time.perf_counter() - t0
+        if background:
+            self._compiler = threading.Thread(target=self._compile_rest, name="jfire-compile-rest", daemon=True)
+            self._compiler.start()
+        else:
+            self.compiled_s = self.startup_s
         self._publish_stats()
         self._thread = threading.Thread(target=self._run, name="jfire-engine", daemon=True)
         self._thread.start()
         self.ready.set()
         return self
 
+    def compile_for(self, prompt_len: int, max_tokens: int) -> float:
+        """With lazy programs (`aot=False`), compiles the shapes one request of this size alone
+        will use (its prompt's chunks, each decode width), so its timing excludes compilation;
+        returns the seconds spent."""
+        t0 = time.perf_counter()
+        budget, page = self.config.prefill_budget, self.config.page_size
+        pages = self.scheduler.pages_needed(prompt_len)
+        for start in range(0, prompt_len, budget):
+            r, t, w = self.programs.prefill_shape(min(budget, prompt_len - start), 1, pages)
+            self.programs.prefill(r, t, w)
+        last = min(prompt_len + max_tokens, self.max_model_len)
+        for width in sorted({self.programs.decode_shape(1, -(-n // page))[1] for n in range(prompt_len + 1, last + 1)}):
+            self.programs.decode(1, width)
+        return time.perf_counter() - t0
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Blocks until every program is compiled (True), or timeout seconds pass (False)."""
+        if self._compiler is not None:
+            self._compiler.join(timeout)
+            return not self._compiler.is_alive()
+        return self.ready.is_set()
+
+    def _compile_rest(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            # The lowest CPU priority (Linux: per thread, inherited by the compiling workers it
+            # starts), so serving requests is never slowed by compiling programs for later.
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):
+            pass
+        try:
+            self.programs.compile_rest(workers=self.config.compile_workers, stop=self._stop)
+        except Exception as e:  # the essential programs still serve every step, only less tightly
+            print(f"jfire: compiling the remaining programs failed ({e}); serving with "
+                  f"{self.programs.num_compiled} of {self.programs.num_total}", file=sys.stderr, flush=True)
+            return
+        self.compiled_s = self.startup_s + time.perf_counter() - t0
+
     def shutdown(self) -> None:
         self._stop.set()
         self._commands.put(("wake", None))
         if self._thread is not None:
             self._thread.join(timeout=30)
+        if self._compiler is not None:
+            # It stops between compilations: never leave XLA compiling while the process exits.
+            self._compiler.join(timeout=120)
 
     def __enter__(self):
         return self.start() if not self.ready.is_set() else self
@@ -252,7 +308,11 @@ class Engine:
             return 503, {"status": "error", "message": str(self.error)}
         if not self.ready.is_set():
             return 503, {"status": "starting", "message": "compiling programs"}
-        return 200, {"status": "ok"}
+        programs = {"compiled": self.programs.num_compiled, "total": self.programs.num_total}
+        if self.config.aot and programs["compiled"] < programs["total"]:
+            # Serving already, each step with the smallest program compiled so far.
+            return 200, {"status": "ok", "compiling": True, "programs": programs}
+        return 200, {"status": "ok", "compiling": False, "programs": programs}
 
     # -- the API -------------------------------------------------------------------------------
 
@@ -355,9 +415,9 @@ class Engine:
 
     def _execute(self, step) -> None:
         new_ids: dict[Sequence, int] = {}
-        if step.decode:
-            ids = self._run_decode(step.decode)
-            new_ids.update(zip(step.decode, ids))
+        for group in self._decode_groups(step.decode):
+            ids = self._run_decode(group)
+            new_ids.update(zip(group, ids))
         for group in self._prefill_groups(step.prefill):
             ids = self._run_prefill(group)
             new_ids.update((c.seq, i) for c, i in zip(group, ids) if c.completes_prompt)
@@ -383,9 +443,18 @@ class Engine:
             seeds[r], temperature[r], top_k[r], top_p[r] = seq.seed, sp.temperature, sp.top_k, sp.top_p
         return seeds, temperature, top_k, top_p
 
+    def _decode_groups(self, seqs: list[Sequence]) -> list[list[Sequence]]:
+        """The step's decode rows in batches that each fit a compiled program (one batch once
+        every bucket is compiled; more while start-up compilation is still going)."""
+        groups, pending = [], list(seqs)
+        while pending:
+            rows, _ = self.programs.decode_shape(len(pending), max(len(s.pages) for s in pending))
+            groups.append(pending[:rows])
+            pending = pending[rows:]
+        return groups
+
     def _run_decode(self, seqs: list[Sequence]) -> np.ndarray:
-        rows = self.buckets.decode_batch(len(seqs))
-        width = self.buckets.width(max(len(s.pages) for s in seqs))
+        rows, width = self.programs.decode_shape(len(seqs), max(len(s.pages) for s in seqs))
         tokens = np.zeros(rows, np.int32)
         positions = np.full(rows, -1, np.int32)
         for r, seq in enumerate(seqs):
@@ -398,18 +467,16 @@ class Engine:
     def _prefill_groups(self, chunks: list[Chunk]) -> list[list[Chunk]]:
         """Splits a step's chunks into batches that each fit a compiled (rows, tokens) shape."""
         groups, pending = [], sorted(chunks, key=lambda c: -c.length)
-        token_buckets = self.buckets.prefill_token_buckets()
         while pending:
-            t = next(b for b in token_buckets if b >= pending[0].length)
-            take = self.buckets.max_rows_for(t)
-            groups.append(pending[:take])
-            pending = pending[take:]
+            rows, _, _ = self.programs.prefill_shape(pending[0].length, len(pending),
+                                                     max(len(c.seq.pages) for c in pending))
+            groups.append(pending[:rows])
+            pending = pending[rows:]
         return groups
 
     def _run_prefill(self, chunks: list[Chunk]) -> np.ndarray:
-        t = next(b for b in self.buckets.prefill_token_buckets() if b >= max(c.length for c in chunks))
-        rows = self.buckets.prefill_rows(t, len(chunks))
-        width = self.buckets.width(max(len(c.seq.pages) for c in chunks))
+        rows, t, width = self.programs.prefill_shape(max(c.length for c in chunks), len(chunks),
+                                                     max(len(c.seq.pages) for c in chunks))
         tokens = np.zeros((rows, t), np.int32)
         positions = np.full((rows, t), -1, np.int32)
         last = np.zeros(rows, np.int32)

@@ -139,6 +139,15 @@ class CompiledPrograms:
 
     Serving only ever calls these executables, so a shape outside the table is an error,
     never a silent compilation in the middle of traffic.
+
+    Start-up compiles the essential programs first: one decode row and one prefill row of the
+    full token budget, both at the widest page table, which together run any step (a step with
+    more rows runs as several calls), and the narrowest decode and prefill programs a short
+    first request runs on. The engine serves as soon as they exist; the other buckets compile
+    in the background, smallest first, and each step uses the smallest compiled
+    program that holds it (`decode_shape`, `prefill_shape`), so shapes only get tighter as
+    compilation proceeds. Compiled tables are replaced, never mutated, so the engine thread
+    reads them while the compiling thread adds to them.
     """
 
     def __init__(self, cfg: Family, params, pages, buckets: Buckets, attention: str = "reference",
@@ -162,38 +171,101 @@ class CompiledPrograms:
     def num_compiled(self) -> int:
         return len(self._decode) + len(self._prefill)
 
-    def shapes(self) -> list[tuple]:
-        b = self.buckets
-        return ([("decode", n, w) for w in b.widths for n in b.decode_batches if "decode" in self.kinds]
-                + [("prefill", r, t, w) for w in b.widths for r, t in b.prefill_shapes if "prefill" in self.kinds])
+    @property
+    def num_total(self) -> int:
+        return len(self.shapes())
 
-    def compile_all(self, workers: int = 1, progress=None) -> None:
-        """Compiles every bucket; XLA compiles outside the GIL, so threads overlap."""
+    def shapes(self) -> list[tuple]:
+        """Every bucket, essential ones first, then by size (the cheaper and more common first)."""
+        b = self.buckets
+        rest = ([("decode", n, w) for w in b.widths for n in b.decode_batches if "decode" in self.kinds]
+                + [("prefill", r, t, w) for w in b.widths for r, t in b.prefill_shapes if "prefill" in self.kinds])
+        essential = self.essential_shapes()
+        rest = sorted((x for x in rest if x not in essential), key=lambda x: (x[-1], x[0] == "prefill", x[1:]))
+        return essential + rest
+
+    def essential_shapes(self) -> list[tuple]:
+        """The programs compiled before serving: the narrowest ones, which a short first request
+        runs on, and the widest, which between them run any step (see the class docstring)."""
+        b, kinds = self.buckets, self.kinds
+        tokens, widths = b.prefill_token_buckets(), (min(b.widths), max(b.widths))
+        out = []
+        for w, t in zip(widths, (min(tokens), max(tokens))):
+            if "decode" in kinds:
+                out.append(("decode", 1, w))
+            if "prefill" in kinds:
+                out.append(("prefill", min(r for r, tt in b.prefill_shapes if tt == t), t, w))
+        return list(dict.fromkeys(out))
+
+    def compile_all(self, workers: int = 1, progress=None, shapes=None) -> None:
+        """Compiles every bucket (or `shapes`); XLA compiles outside the GIL, so threads overlap."""
         from concurrent.futures import ThreadPoolExecutor
 
-        shapes = self.shapes()
-        with ThreadPoolExecutor(max(1, workers)) as pool:
+        shapes = self.shapes() if shapes is None else shapes
+        with ThreadPoolExecutor(max(1, workers), thread_name_prefix="jfire-compile") as pool:
             for i, _ in enumerate(pool.map(self._compile, shapes)):
                 if progress:
                     progress(i + 1, len(shapes))
+
+    def compile_rest(self, workers: int = 1, stop=None) -> None:
+        """Compiles the buckets not compiled yet (the background half of a start-up), `workers`
+        at a time, until done or `stop` (a threading.Event) is set."""
+        rest = [s for s in self.shapes() if not self._has(s)]
+        for i in range(0, len(rest), max(1, workers)):
+            if stop is not None and stop.is_set():
+                return
+            self.compile_all(workers, shapes=rest[i:i + max(1, workers)])
+
+    def _has(self, shape: tuple) -> bool:
+        return (shape[1:] in self._decode) if shape[0] == "decode" else (shape[1:] in self._prefill)
 
     def _compile(self, shape: tuple) -> None:
         i32, u32, f32 = jnp.int32, jnp.uint32, jnp.float32
         s = functools.partial(jax.ShapeDtypeStruct, sharding=self._input_sharding)
         if shape[0] == "decode":
             _, n, w = shape
-            self._decode[(n, w)] = decode.lower(
+            exe = decode.lower(
                 self._params, self._pages, s((n,), i32), s((n,), i32), s((n, w), i32),
                 s((n,), u32), s((n,), f32), s((n,), i32), s((n,), f32), cfg=self.cfg, attention=self.attention,
                 layer_stack=self.layer_stack, parallel=self.parallel,
             ).compile()
+            self._decode = {**self._decode, (n, w): exe}
         else:
             _, r, t, w = shape
-            self._prefill[(r, t, w)] = prefill.lower(
+            exe = prefill.lower(
                 self._params, self._pages, s((r, t), i32), s((r, t), i32), s((r, w), i32), s((r,), i32),
                 s((r,), u32), s((r,), f32), s((r,), i32), s((r,), f32), cfg=self.cfg, layer_stack=self.layer_stack,
                 parallel=self.parallel,
             ).compile()
+            self._prefill = {**self._prefill, (r, t, w): exe}
+
+    # -- choosing a program for a step ------------------------------------------------------------
+
+    def decode_shape(self, rows: int, pages: int) -> tuple[int, int]:
+        """(batch, width) of the program for up to `rows` rows of at most `pages` pages: the
+        smallest compiled batch holding them all, else the largest compiled one (the caller
+        runs the rest in further calls); the narrowest compiled width that holds the pages."""
+        if self.lazy:
+            return self.buckets.decode_batch(rows), self.buckets.width(pages)
+        shapes = [k for k in self._decode if k[1] >= pages]
+        batches = sorted({n for n, _ in shapes})
+        n = next((x for x in batches if x >= rows), batches[-1])
+        return n, min(w for m, w in shapes if m == n)
+
+    def prefill_shape(self, longest: int, count: int, pages: int) -> tuple[int, int, int]:
+        """(rows, tokens, width) for up to `count` chunks, the longest `longest` tokens, of at
+        most `pages` pages: the smallest compiled token bucket that holds the longest, the
+        fewest rows holding them all (else the most: the caller runs the rest in further
+        calls), the narrowest width."""
+        if self.lazy:
+            b = self.buckets
+            t = next(x for x in b.prefill_token_buckets() if x >= longest)
+            return b.prefill_rows(t, min(count, b.max_rows_for(t))), t, b.width(pages)
+        shapes = [k for k in self._prefill if k[1] >= longest and k[2] >= pages]
+        t = min(tt for _, tt, _ in shapes)
+        rows = sorted({r for r, tt, _ in shapes if tt == t})
+        r = next((x for x in rows if x >= count), rows[-1])
+        return r, t, min(w for rr, tt, w in shapes if (rr, tt) == (r, t))
 
     def decode(self, rows: int, width: int):
         if self.lazy and (rows, width) not in self._decode:

@@ -66,8 +66,12 @@ def run(model, config: EngineConfig, *, host: str, port: int, api_key: str | Non
             engine.error = e
             print(f"jfire: error: engine failed to start: {e}", file=sys.stderr, flush=True)
             return
-        print(f"jfire: ready: {engine.programs.num_compiled} programs compiled in {engine.startup_s:.1f} s",
-              file=sys.stderr, flush=True)
+        programs = engine.programs
+        print(f"jfire: ready in {engine.startup_s:.1f} s with {programs.num_compiled} of {programs.num_total} programs; "
+              "the rest compile in the background (/health reports progress)", file=sys.stderr, flush=True)
+        if engine.wait_compiled():
+            print(f"jfire: all {programs.num_total} programs compiled, {engine.compiled_s:.1f} s after start",
+                  file=sys.stderr, flush=True)
 
     threading.Thread(target=compile_then_start, name="jfire-compile", daemon=True).start()
     print(f"jfire: serving {model_name!r} on http://{host}:{port} (compiling programs; /health says when ready)",

@@ -229,3 +229,18 @@ def test_convert_bad_sources(tiny, tmp_path, bad_models):
     assert_user_error(run_jfire("convert", tmp_path / "missing", tmp_path / "out1"), "does not exist")
     assert_user_error(run_jfire("convert", bad_models / "gpt2", tmp_path / "out2"), "'GPT2LMHeadModel'")
     assert not (tmp_path / "out2").exists()
+
+
+def test_generate_json_reports_where_the_time_went(greedy_from_hf):
+    """`timings`: compilation happens before the request (so prefill and decode exclude it), and
+    the rates are the token counts over those times."""
+    t = greedy_from_hf["timings"]
+    assert set(t) == {"load_s", "compile_s", "prefill_s", "ttft_s", "decode_s", "prefill_tokens_per_s",
+                      "decode_tokens_per_s"}
+    assert all(t[k] >= 0 for k in ("load_s", "compile_s", "prefill_s", "decode_s"))
+    assert t["prefill_s"] == t["ttft_s"] == greedy_from_hf["ttft_s"]
+    assert t["prefill_tokens_per_s"] == pytest.approx(len(PROMPT) / t["prefill_s"], rel=1e-2)
+    decoded = len(greedy_from_hf["token_ids"]) - 1
+    assert decoded > 0  # this prompt does not sample EOS first
+    assert t["decode_tokens_per_s"] == pytest.approx(decoded / t["decode_s"], rel=1e-2)
+    assert greedy_from_hf["seconds"] == pytest.approx(t["prefill_s"] + t["decode_s"], abs=2e-4)

@@ -3,6 +3,7 @@ preemption, prefix caching, cancellation, no compilation after warm-up."""
 
 from __future__ import annotations
 
+import threading
 
 import jax
 import numpy as np
@@ -38,11 +39,24 @@ def default_model(default_checkpoint):
     return load_model("default", "float32")
 
 
+COMPILES: list[tuple[str, str]] = []  # (event, thread name) of every XLA compilation while the engine lives
+
+
+def _record_compile(event, duration, **kw):
+    if "backend_compile" in event:
+        COMPILES.append((event, threading.current_thread().name))
+
+
 @pytest.fixture(scope="module")
 def engine(default_model):
+    """Serving once its essential programs exist; the first tests run while the others compile."""
     config = EngineConfig(max_batch=16, prefill_budget=64, max_prefill_rows=4, max_model_len=256)
-    with Engine(default_model, config) as engine:
-        yield engine
+    jax.monitoring.register_event_duration_secs_listener(_record_compile)
+    try:
+        with Engine(default_model, config) as engine:
+            yield engine
+    finally:
+        jax.monitoring.unregister_event_duration_listener(_record_compile)
 
 
 def test_sixteen_prompts_batched_equal_each_alone(engine, default_model):
@@ -66,6 +80,13 @@ def test_seeded_sampling_is_the_same_batched_or_alone(engine, default_model):
 
 
 def test_no_compilation_after_warm_up(engine, default_model):
+    # The programs compiled so far (the test above was served during background compilation)
+    # compiled on the compiling threads, never on the engine thread serving requests (the
+    # main thread's are the engine's set-up: its page arrays, before it serves).
+    assert engine.wait_compiled(timeout=600)
+    assert engine.programs.num_compiled == engine.programs.num_total
+    threads = {thread for _, thread in COMPILES}
+    assert any(t.startswith("jfire-compile") for t in threads) and "jfire-engine" not in threads, threads
     compiles = []
     listener = lambda event, duration, **kw: compiles.append(event) if "backend_compile" in event else None
     jax.monitoring.register_event_duration_secs_listener(listener)
