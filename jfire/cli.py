@@ -344,10 +344,9 @@ def cmd_serve(args) -> int:
         raise JfireError(f"--shutdown-grace must be >= 0 seconds, got {args.shutdown_grace}")
     if not args.max_body_mb > 0:
         raise JfireError(f"--max-body-mb must be > 0, got {args.max_body_mb}")
-    server.run(model, config, host=args.host, port=args.port, api_key=api_key,
-               max_body_bytes=int(args.max_body_mb * (1 << 20)), shutdown_grace_s=args.shutdown_grace,
-               model_name=args.served_model_name or server.served_name(args.model))
-    return 0
+    return server.run(model, config, host=args.host, port=args.port, api_key=api_key,
+                      max_body_bytes=int(args.max_body_mb * (1 << 20)), shutdown_grace_s=args.shutdown_grace,
+                      model_name=args.served_model_name or server.served_name(args.model))
 
 
 def cmd_launch(args) -> int:

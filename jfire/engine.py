@@ -73,6 +73,11 @@ class QueueFull(JfireError):
     """The waiting queue is at its bound; retry later."""
 
 
+class EngineStopped(JfireError):
+    """The engine failed and serves nothing more (a server answers 503 and exits non-zero, so
+    a supervisor restarts it)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     page_size: int = 16
@@ -222,6 +227,9 @@ class Engine:
         self.startup_s: float | None = None  # until the engine serves
         self.compiled_s: float | None = None  # until every program is compiled
         self._compiler: threading.Thread | None = None
+        # Called (on the engine thread) once the engine has failed for good, after every
+        # request it held has been ended: a server stops and exits non-zero.
+        self.on_fatal: Callable[[BaseException], None] | None = None
         self.error: BaseException | None = None
 
     # -- life cycle ----------------------------------------------------------------------------
@@ -330,7 +338,7 @@ class Engine:
         engine thread: it must not block). `affinity` (a session key) matters only where there
         are several prefill groups to choose from."""
         if self.error is not None:
-            raise JfireError(f"the engine has stopped after an error: {self.error}")
+            raise EngineStopped(f"the engine has stopped after an error: {self.error}")
         prompt_ids = [int(i) for i in prompt_ids]
         self.validate(prompt_ids, sampling)
         if len(self.scheduler.waiting) + self._commands.qsize() >= self.config.max_waiting:
@@ -378,6 +386,8 @@ class Engine:
             for live in self._all_requests():
                 self._finish(live, "error", error=f"engine failure: {e}")
             self._deliver()
+            if self.on_fatal is not None:
+                self.on_fatal(e)
             raise
 
     def _all_requests(self) -> list[_Live]:
@@ -403,10 +413,19 @@ class Engine:
             except queue.Empty:
                 return
 
+    def _fail_one(self, live: _Live, e: Exception) -> None:
+        """Ends one request whose own processing failed; the engine serves the others on."""
+        print(f"jfire: request {live.seq.request_id} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        if live.seq.request_id in self._live:
+            self._finish(live, "error", error=f"request failed: {type(e).__name__}: {e}")
+
     def _command(self, kind: str, arg) -> None:
         if kind == "submit":
             self._live[arg.seq.request_id] = arg
-            self.scheduler.add(arg.seq)
+            try:
+                self.scheduler.add(arg.seq)
+            except Exception as e:
+                self._fail_one(arg, e)
         elif kind == "fail_all":
             for live in self._all_requests():
                 self._finish(live, "error", error=arg)
@@ -425,7 +444,11 @@ class Engine:
         now = time.perf_counter()
         self._recent.append((now, len(new_ids)))
         for seq, token in new_ids.items():
-            self._append(self._live[seq.request_id], int(token))
+            live = self._live[seq.request_id]
+            try:
+                self._append(live, int(token))
+            except Exception as e:  # this request's own processing (detokenizing, stop strings)
+                self._fail_one(live, e)
 
     def _row_table(self, seqs: list[Sequence], rows: int, width: int) -> np.ndarray:
         table = np.zeros((rows, width), np.int32)
@@ -534,7 +557,13 @@ class Engine:
     def _deliver(self) -> None:
         outbox, self._outbox = self._outbox, []
         for live, out in outbox:
-            live.on_output(out)
+            try:
+                live.on_output(out)
+            except Exception as e:  # the request's consumer failed: it can take no more output
+                if not out.finished:
+                    self.cancel(live.seq.request_id)
+                print(f"jfire: request {live.seq.request_id}'s output handler failed: {type(e).__name__}: {e}; "
+                      "the request is cancelled", file=sys.stderr, flush=True)
 
     def _publish_stats(self) -> None:
         now = time.perf_counter()

@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jfire.engine import Engine, QueueFull, RequestOutput
+from jfire.engine import Engine, EngineStopped, QueueFull, RequestOutput
 from jfire.errors import JfireError
 from jfire.sampling import SamplingParams
 from serve.metrics import ServerMetrics
@@ -203,6 +203,8 @@ async def _serve(state: ServerState, request: Request, body: SamplingFields, pro
     except QueueFull as e:
         raise APIError(429, str(e), kind="rate_limit_error", code="queue_full",
                        headers={"Retry-After": str(RETRY_AFTER_S)})
+    except EngineStopped as e:  # not the client's fault: the server is down until restarted
+        raise APIError(503, str(e), kind="server_error", code="engine_stopped")
     except JfireError as e:
         code = "context_length_exceeded" if "context" in str(e) else None
         message, param = str(e), "max_tokens" if "max_tokens" in str(e) else "prompt"

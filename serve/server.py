@@ -54,7 +54,9 @@ class GracefulServer(uvicorn.Server):
 
 
 def run(model, config: EngineConfig, *, host: str, port: int, api_key: str | None, model_name: str,
-        max_body_bytes: int = 16 << 20, shutdown_grace_s: float = 30.0) -> None:
+        max_body_bytes: int = 16 << 20, shutdown_grace_s: float = 30.0) -> int:
+    """Serves until SIGTERM/SIGINT (exit status 0) or until the engine fails for good (1: its
+    requests have ended with an error, /health says so, and a supervisor should restart it)."""
     engine = Engine(model, config)
     state = ServerState(engine=engine, model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes)
     app = create_app(state)
@@ -80,9 +82,17 @@ def run(model, config: EngineConfig, *, host: str, port: int, api_key: str | Non
         # The responses of finished requests are written within uvicorn's own 5 s.
         server = GracefulServer(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                                timeout_graceful_shutdown=5), state, shutdown_grace_s)
+
+        def engine_failed(error: BaseException) -> None:
+            print(f"jfire: error: the engine failed ({type(error).__name__}: {error}); in-flight requests have "
+                  "ended with an error, new ones get 503; exiting with status 1", file=sys.stderr, flush=True)
+            threading.Timer(1.0, lambda: setattr(server, "should_exit", True)).start()  # let the errors go out
+
+        engine.on_fatal = engine_failed
         server.run()
     finally:
         engine.shutdown()
+    return 1 if engine.error is not None else 0
 
 
 def _progress(done: int, total: int) -> None:
