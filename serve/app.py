@@ -65,9 +65,11 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="jfire", description="OpenAI-compatible completion service", version="0.1.0")
     app.state.jfire = state
     _install_error_handlers(app)
-    _install_body_limit(app, state)
-    _install_auth(app, state)
-    _install_request_counter(app, state)
+    # As the decorator-installed middlewares were: the last added runs first.
+    app.add_middleware(_BodyLimit, state=state)
+    if state.api_key:
+        app.add_middleware(_BearerAuth, state=state)
+    app.add_middleware(_RequestCounter, state=state)
 
     @app.get("/health")
     async def health():
@@ -379,36 +381,84 @@ def _install_error_handlers(app: FastAPI) -> None:
         return APIError(500, f"internal error: {type(exc).__name__}", kind="server_error").response()
 
 
-def _install_body_limit(app: FastAPI, state: ServerState) -> None:
+# The middlewares below are plain ASGI, not Starlette's BaseHTTPMiddleware: that one hands the
+# endpoint a `receive` of its own, through which `request.is_disconnected()` never sees a
+# client that left while a non-streaming response was still being generated.
+
+
+class _ASGIMiddleware:
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        refused = self.refuse(scope)
+        if refused is not None:
+            return await refused(scope, receive, send)
+        await self.app(scope, receive, self.wrap_send(scope, send))
+
+    def refuse(self, scope):
+        """A response to send instead of calling the app, or None."""
+        return None
+
+    def wrap_send(self, scope, send):
+        return send
+
+
+def _header(scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+class _BodyLimit(_ASGIMiddleware):
     """413 for a body whose declared length is over the limit, before any of it is read; 411
     for a POST that declares no length (a chunked body could not be bounded before reading)."""
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next):
-        limit = state.max_body_bytes
-        length = request.headers.get("content-length")
-        if request.method == "POST" and (length is None or not length.isdigit()):
+    def refuse(self, scope):
+        limit = self.state.max_body_bytes
+        length = _header(scope, b"content-length")
+        if scope["method"] == "POST" and (length is None or not length.isdigit()):
             return APIError(411, "send the request body with a Content-Length header",
                             code="length_required").response()
         if length is not None and length.isdigit() and int(length) > limit:
             return APIError(413, f"the request body is larger than {limit} bytes; send a shorter prompt",
                             code="body_too_large").response()
-        return await call_next(request)
+        return None
 
 
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions", "/v1/models": "models"}
 
 
-def _install_request_counter(app: FastAPI, state: ServerState) -> None:
+class _RequestCounter(_ASGIMiddleware):
     """Counts every API response by endpoint and status, errors included."""
 
-    @app.middleware("http")
-    async def count_requests(request: Request, call_next):
-        response = await call_next(request)
-        endpoint = ENDPOINTS.get(request.url.path)
-        if endpoint is not None:
-            state.metrics.requests.labels(endpoint, str(response.status_code)).inc()
-        return response
+    def wrap_send(self, scope, send):
+        endpoint = ENDPOINTS.get(scope["path"])
+        if endpoint is None:
+            return send
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                self.state.metrics.requests.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+
+        return counted
+
+
+class _BearerAuth(_ASGIMiddleware):
+    """Every endpoint but /health needs `Authorization: Bearer <key>`."""
+
+    def refuse(self, scope):
+        if scope["path"] == "/health":
+            return None
+        given = (_header(scope, b"authorization") or "").encode("latin-1")
+        if not secrets.compare_digest(given, f"Bearer {self.state.api_key}".encode()):
+            return APIError(401, "missing or wrong API key; send 'Authorization: Bearer <key>'",
+                            kind="authentication_error", code="invalid_api_key").response()
+        return None
 
 
 def _is_type_tag(part) -> bool:
@@ -430,19 +480,3 @@ def _field_description(request: Request, param: str | None) -> str | None:
     model = schemas.get(request.url.path)
     field = model.model_fields.get((param or "").split(".")[0]) if model else None
     return field.description if field else None
-
-
-def _install_auth(app: FastAPI, state: ServerState) -> None:
-    if not state.api_key:
-        return
-    expected = f"Bearer {state.api_key}".encode()
-
-    @app.middleware("http")
-    async def bearer_auth(request: Request, call_next):
-        if request.url.path == "/health":
-            return await call_next(request)
-        given = request.headers.get("authorization", "").encode()
-        if not secrets.compare_digest(given, expected):
-            return APIError(401, "missing or wrong API key; send 'Authorization: Bearer <key>'",
-                            kind="authentication_error", code="invalid_api_key").response()
-        return await call_next(request)

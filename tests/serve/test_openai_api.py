@@ -163,6 +163,25 @@ def test_client_disconnect_frees_pages_promptly(server):
     assert metric(server, "jfire_requests_running") == 0
 
 
+def test_non_streaming_client_that_leaves_is_cancelled(server):
+    """A client that gives up on a non-streaming completion (nothing is written until the end)
+    cancels it: its pages are freed long before its 400 tokens would have been generated."""
+    before = metric(server, "jfire_generation_tokens_total")
+    body = {"model": "default", "prompt": "Write a long story about a lighthouse keeper.", "max_tokens": 400,
+            "temperature": 0, "ignore_eos": True}
+    with httpx.Client(timeout=httpx.Timeout(60, read=2.0)) as http:
+        with pytest.raises(httpx.ReadTimeout):
+            http.post(server.url + "/v1/completions", json=body, headers=auth())
+    # The connection closed with the client. The server checks every 0.25 s; 400 tokens take
+    # over 20 s here, and the 10 s bound only absorbs a loaded 2-core machine.
+    deadline = time.time() + 10.0
+    while time.time() < deadline and metric(server, "jfire_kv_pages_used") != 0:
+        time.sleep(0.05)
+    assert metric(server, "jfire_kv_pages_used") == 0
+    assert metric(server, "jfire_requests_running") == 0
+    assert metric(server, "jfire_generation_tokens_total") - before < 400  # cancelled, not finished
+
+
 BAD_INPUTS = {
     "malformed_json": (b"{not json", None),
     "missing_model": ({"prompt": "hi"}, "model"),
