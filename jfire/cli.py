@@ -134,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--max-queue", type=int, default=1024, help="requests in flight before new ones get 429")
     n.add_argument("--max-context", type=int, default=None, help="as for serve")
     n.add_argument("--served-model-name", default=None, help="the model id clients send (default: from --model)")
+    n.add_argument("--shutdown-grace", type=float, default=30.0,
+                   help="on Ctrl-C/SIGTERM, seconds in-flight requests get to finish before the groups stop (default 30)")
     n.add_argument("--process-id", type=int, default=None,
                    help="run only this process of the deployment (SSH/Slurm launchers); needs --coordinator")
     n.add_argument("--coordinator", default=None, help="HOST:PORT of the deployment's coordinator (process 0)")
@@ -367,8 +369,11 @@ def cmd_launch(args) -> int:
               ("--attention", args.attention), ("--max-queue", args.max_queue), ("--max-batch", args.max_batch),
               ("--compile-cache", args.compile_cache), ("--max-context", args.max_context),
               ("--served-model-name", args.served_model_name or served_name(args.model))]
+    if not args.shutdown_grace >= 0:
+        raise JfireError(f"--shutdown-grace must be >= 0 seconds, got {args.shutdown_grace}")
     options = launch.Options(model=args.model, dtype=args.dtype, host=args.host, port=args.port,
-                             engine_args=tuple(str(x) for flag, v in passed if v is not None for x in (flag, v)))
+                             engine_args=tuple(str(x) for flag, v in passed if v is not None for x in (flag, v)),
+                             shutdown_grace=args.shutdown_grace)
     if args.process_id is None:
         if args.coordinator:
             raise JfireError("--coordinator goes with --process-id (one process of a multi-host launch)")

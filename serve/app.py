@@ -55,6 +55,7 @@ class ServerState:
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     max_body_bytes: int = 16 << 20  # larger request bodies get a 413 before they are read
     draining: bool = False  # shutting down: no new requests, in-flight ones finish
+    drained: bool = False  # draining, and no request is in flight any more
 
     def __post_init__(self):
         if self.metrics is None:
@@ -74,8 +75,8 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/health")
     async def health():
         if state.draining:
-            return JSONResponse({"status": "draining", "message": "shutting down; in-flight requests finish"},
-                                status_code=503)
+            return JSONResponse({"status": "draining", "message": "shutting down; in-flight requests finish",
+                                 "drained": state.drained}, status_code=503)
         status, body = state.engine.health()
         return JSONResponse(body, status_code=status)
 

@@ -39,18 +39,26 @@ class GracefulServer(uvicorn.Server):
         threading.Thread(target=self._drain, name="jfire-drain", daemon=True).start()
 
     def _drain(self) -> None:
-        engine = self.state.engine
-        busy = lambda: (s := engine.stats()) and (s.get("running", 0) + s.get("waiting", 0)) > 0
-        deadline = time.monotonic() + self.grace_s
-        while busy() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if busy():
-            engine.fail_all(f"the server is shutting down and this request did not finish within the "
-                            f"{self.grace_s:g} s grace period")
-            stop = time.monotonic() + 5
-            while busy() and time.monotonic() < stop:
-                time.sleep(0.05)
+        drain(self.state, self.grace_s)
         self.should_exit = True
+
+
+def drain(state: ServerState, grace_s: float) -> None:
+    """Waits up to grace_s for the engine's in-flight requests to finish, then ends the rest
+    with an error (where the engine can: a remote engine's end when its groups stop). The
+    caller has set `state.draining`, so nothing new is admitted meanwhile."""
+    engine = state.engine
+    busy = lambda: (s := engine.stats()) and (s.get("running", 0) + s.get("waiting", 0)) > 0
+    deadline = time.monotonic() + grace_s
+    while busy() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if busy() and hasattr(engine, "fail_all"):
+        engine.fail_all(f"the server is shutting down and this request did not finish within the "
+                        f"{grace_s:g} s grace period")
+        stop = time.monotonic() + 5
+        while busy() and time.monotonic() < stop:
+            time.sleep(0.05)
+    state.drained = True
 
 
 def run(model, config: EngineConfig, *, host: str, port: int, api_key: str | None, model_name: str,

@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 from jfire.disagg.deployment import Deployment, Process
@@ -34,9 +35,11 @@ class Options:
     host: str = "127.0.0.1"  # the frontend's HTTP bind address
     port: int | None = None  # the frontend's port (default: the deployment's)
     engine_args: tuple[str, ...] = ()  # --kv-cache-gb etc., passed through to the groups' engines
+    shutdown_grace: float = 30.0  # seconds in-flight requests get to finish when the launch stops
 
     def argv(self) -> list[str]:
-        out = ["--model", self.model, "--dtype", self.dtype, "--host", self.host]
+        out = ["--model", self.model, "--dtype", self.dtype, "--host", self.host,
+               "--shutdown-grace", f"{self.shutdown_grace:g}"]
         if self.port is not None:
             out += ["--port", str(self.port)]
         return out + list(self.engine_args)
@@ -125,6 +128,8 @@ def launch_local(deployment: Deployment, deployment_arg: str, options: Options) 
                     if process.group is None or not ready:
                         stopping = failed = True
     finally:
+        if ready and not failed:
+            _drain_frontend(children, frontend_url, options.shutdown_grace)
         _stop_all(children)
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -143,6 +148,27 @@ def _healthy(url: str) -> bool:
         return httpx.get(url + "/health", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def _drain_frontend(children: list[tuple[Process, subprocess.Popen]], url: str, grace_s: float) -> None:
+    """Before anything stops: the frontend stops admitting (503, /health "draining") and its
+    in-flight requests finish through the groups, for up to grace_s; only then are the groups
+    and the frontend stopped (the frontend last: it hosts the coordinator)."""
+    import httpx
+
+    frontend = [c for p, c in children if p.group is None and c.poll() is None]
+    if not frontend:
+        return
+    print(f"jfire: launch: draining: in-flight requests have {grace_s:g} s to finish", file=sys.stderr, flush=True)
+    frontend[0].send_signal(signal.SIGUSR1)
+    deadline = time.monotonic() + grace_s + 10
+    while time.monotonic() < deadline and frontend[0].poll() is None:
+        try:
+            if httpx.get(url + "/health", timeout=1).json().get("drained"):
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.1)
 
 
 def _stop_all(children: list[tuple[Process, subprocess.Popen]]) -> None:
@@ -202,7 +228,17 @@ def _run_frontend(deployment: Deployment, coordinator: str, options: Options, en
     engine = RemoteEngine(deployment, store, config, tokenizer, max_model_len=engine_config.max_model_len,
                           max_waiting=engine_config.max_waiting)
     engine.start()
-    app = create_app(ServerState(engine=engine, model_name=served_name, api_key=api_key))
+    state = ServerState(engine=engine, model_name=served_name, api_key=api_key)
+    app = create_app(state)
+
+    def start_draining(*_):  # the launcher's signal that the deployment is stopping
+        from serve.server import drain
+
+        if not state.draining:
+            state.draining = True
+            threading.Thread(target=drain, args=(state, options.shutdown_grace), name="jfire-drain", daemon=True).start()
+
+    signal.signal(signal.SIGUSR1, start_draining)
     print(f"jfire: frontend: serving {served_name!r} on http://{options.host}:{sock.getsockname()[1]} "
           "(/health says when every group is ready)", file=sys.stderr, flush=True)
     try:

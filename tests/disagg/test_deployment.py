@@ -131,7 +131,8 @@ def test_local_launch_runs_each_process_with_the_same_options():
 
     argv = process_argv("local-1p1d", 2, "127.0.0.1:9", Options(model="/m", port=8001, engine_args=("--max-batch", "4")))
     assert argv == ["launch", "local-1p1d", "--process-id", "2", "--coordinator", "127.0.0.1:9", "--model", "/m",
-                    "--dtype", "float32", "--host", "127.0.0.1", "--port", "8001", "--max-batch", "4"]
+                    "--dtype", "float32", "--host", "127.0.0.1", "--shutdown-grace", "30", "--port", "8001",
+                    "--max-batch", "4"]
 
 
 def test_a_group_that_cannot_start_fails_the_launch_with_its_reason(tmp_path):

@@ -7,7 +7,11 @@ cache bytes moved equal to the prompts' latent size computed from config.json.""
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
+
+import httpx
 
 import pytest
 
@@ -55,6 +59,43 @@ def test_launch_1p1d_equals_generate(moe_dir, reference, tmp_path):
         # 16 slots: never per-head keys and values.
         page = hf["num_hidden_layers"] * (hf["kv_lora_rank"] + hf["qk_rope_head_dim"]) * 4 * 16
         assert metric(running.url, "jfire_kv_transfer_bytes_total") == sum(-(-n // 16) * page for n in lengths)
+        assert_stop_drains_in_flight_requests(running)
     finally:
         code = running.stop()
     assert code == 0, running.log.read_text()[-3000:]
+
+
+def assert_stop_drains_in_flight_requests(running):
+    """Ctrl-C on `jfire launch` mid-stream: the frontend stops admitting (503, /health
+    "draining") while the stream in flight runs to its end through the groups, [DONE] included;
+    only then do the processes stop."""
+    body = {"model": "default", "prompt": "Tell me a long story.", "max_tokens": 230, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    chunks, done = [], threading.Event()
+    with httpx.Client(timeout=120) as http:
+        with http.stream("POST", running.url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200, r.read()
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[6:]))
+                    break
+            stopper = threading.Thread(target=lambda: (running.stop(), done.set()))
+            stopper.start()
+            deadline = time.monotonic() + 60
+            while httpx.get(running.url + "/health").json().get("status") != "draining":
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            assert metric(running.url, "jfire_requests_running") == 1  # still generating as the drain began
+            refused = httpx.post(running.url + "/v1/completions", json={**body, "stream": False})
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+            for line in lines:
+                if line == "data: [DONE]":
+                    chunks.append("[DONE]")
+                elif line.startswith("data: {"):
+                    chunks.append(json.loads(line[6:]))
+    assert chunks[-1] == "[DONE]"
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks[:-1] if c.get("choices")]
+    assert finishes[-1] == "length"  # all 230 tokens, not cut short
+    stopper.join(120)
+    assert done.is_set()
