@@ -46,12 +46,18 @@ def run_wave(engine: Engine, concurrency: int, prompt_len: int, output_len: int,
                 done.append(i)
         return on_output
 
+    before = engine.stats()
     start = time.perf_counter()
     for i, ids in enumerate(prompts):
         engine.submit(ids, sampling, on_output=recorder(i))
     while len(done) < concurrency:
         time.sleep(0.005)
     elapsed = time.perf_counter() - start
+    time.sleep(0.05)  # the step that finished the last request publishes its timings just after
+    after = engine.stats()
+    step = {k: after.get(f"step_{k}_s", 0.0) - before.get(f"step_{k}_s", 0.0)
+            for k in ("schedule", "prepare", "device", "outputs")}
+    steps = after.get("steps", 0) - before.get("steps", 0)
     tokens = sum(counts.values())
     ttft = [first[i] - start for i in range(concurrency)]
     tpot = [(last[i] - first[i]) / (counts[i] - 1) for i in range(concurrency) if counts[i] > 1]
@@ -62,6 +68,11 @@ def run_wave(engine: Engine, concurrency: int, prompt_len: int, output_len: int,
         "output_tokens_per_s": tokens / elapsed,
         "ttft_s": percentiles(ttft),
         "tpot_s": percentiles(tpot),
+        # The engine thread's time per step: the host's (scheduling, building inputs, handling
+        # outputs) against the device's (each program call until its ids are back).
+        "steps": steps,
+        "step_ms": {k: 1e3 * v / max(steps, 1) for k, v in step.items()},
+        "host_share": (step["schedule"] + step["prepare"] + step["outputs"]) / max(sum(step.values()), 1e-9),
     }
 
 
@@ -133,7 +144,10 @@ def run(args, model, engine_config, engine_args: list[str]) -> dict:
         rows = []
         for c in args.concurrency:
             rows.append(run_wave(engine, c, args.prompt_len, args.output_len, seed=c))
-            print(f"  concurrency {c}: {rows[-1]['output_tokens_per_s']:.1f} output tokens/s", flush=True)
+            r = rows[-1]
+            print(f"  concurrency {c}: {r['output_tokens_per_s']:.1f} output tokens/s; per step: "
+                  + ", ".join(f"{k} {v:.2f} ms" for k, v in r["step_ms"].items())
+                  + f" (host {100 * r['host_share']:.1f}%)", flush=True)
     results["waves"] = rows
     print(format_table(rows))
     if len(rows) > 1:

@@ -7,6 +7,7 @@ so an HTTP handler never blocks a step and a step never waits on a client.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import os
@@ -230,6 +231,9 @@ class Engine:
         # Called (on the engine thread) once the engine has failed for good, after every
         # request it held has been ended: a server stops and exits non-zero.
         self.on_fatal: Callable[[BaseException], None] | None = None
+        # Where the engine thread's time goes, summed over steps: the host's scheduling, input
+        # building and output handling against the device's programs (`stats()`).
+        self._step_time: collections.Counter = collections.Counter()
         self.error: BaseException | None = None
 
     # -- life cycle ----------------------------------------------------------------------------
@@ -375,7 +379,9 @@ class Engine:
                 if self._stop.is_set():
                     break
                 self._between_steps()
+                t0 = time.perf_counter()
                 step = self.scheduler.schedule()
+                self._step_time["schedule"] += time.perf_counter() - t0
                 if not step.empty:
                     self._execute(step)
                 # Stats first, then outputs: whoever sees a request finish sees its pages freed.
@@ -449,6 +455,8 @@ class Engine:
                 self._append(live, int(token))
             except Exception as e:  # this request's own processing (detokenizing, stop strings)
                 self._fail_one(live, e)
+        self._step_time["outputs"] += time.perf_counter() - now
+        self._step_time["steps"] += 1
 
     def _row_table(self, seqs: list[Sequence], rows: int, width: int) -> np.ndarray:
         table = np.zeros((rows, width), np.int32)
@@ -477,15 +485,25 @@ class Engine:
         return groups
 
     def _run_decode(self, seqs: list[Sequence]) -> np.ndarray:
+        t0 = time.perf_counter()
         rows, width = self.programs.decode_shape(len(seqs), max(len(s.pages) for s in seqs))
         tokens = np.zeros(rows, np.int32)
         positions = np.full(rows, -1, np.int32)
         for r, seq in enumerate(seqs):
             tokens[r], positions[r] = seq.tokens[-1], len(seq.tokens) - 1
         program = self.programs.decode(rows, width)
-        ids, _, self.pages = program(self.model.params, self.pages, tokens, positions,
-                                     self._row_table(seqs, rows, width), *self._sampling_rows(seqs, rows))
-        return np.asarray(ids)[: len(seqs)]
+        inputs = (tokens, positions, self._row_table(seqs, rows, width), *self._sampling_rows(seqs, rows))
+        return self._on_device(t0, lambda: program(self.model.params, self.pages, *inputs))[: len(seqs)]
+
+    def _on_device(self, t0: float, call) -> np.ndarray:
+        """Runs a program call and waits for its ids, timing the host's preparation since t0
+        and the device's part (dispatch to result) for `stats()`."""
+        t1 = time.perf_counter()
+        ids, _, self.pages = call()
+        ids = np.asarray(ids)
+        self._step_time["prepare"] += t1 - t0
+        self._step_time["device"] += time.perf_counter() - t1
+        return ids
 
     def _prefill_groups(self, chunks: list[Chunk]) -> list[list[Chunk]]:
         """Splits a step's chunks into batches that each fit a compiled (rows, tokens) shape."""
@@ -498,6 +516,7 @@ class Engine:
         return groups
 
     def _run_prefill(self, chunks: list[Chunk]) -> np.ndarray:
+        t0 = time.perf_counter()
         rows, t, width = self.programs.prefill_shape(max(c.length for c in chunks), len(chunks),
                                                      max(len(c.seq.pages) for c in chunks))
         tokens = np.zeros((rows, t), np.int32)
@@ -509,9 +528,8 @@ class Engine:
             last[r] = c.length - 1
         seqs = [c.seq for c in chunks]
         program = self.programs.prefill(rows, t, width)
-        ids, _, self.pages = program(self.model.params, self.pages, tokens, positions,
-                                     self._row_table(seqs, rows, width), last, *self._sampling_rows(seqs, rows))
-        return np.asarray(ids)[: len(chunks)]
+        inputs = (tokens, positions, self._row_table(seqs, rows, width), last, *self._sampling_rows(seqs, rows))
+        return self._on_device(t0, lambda: program(self.model.params, self.pages, *inputs))[: len(chunks)]
 
     # -- outputs -------------------------------------------------------------------------------
 
@@ -583,5 +601,7 @@ class Engine:
             "tokens_generated": self._tokens_generated,
             "tokens_per_s": (sum(n for _, n in self._recent[1:]) / window) if window > 0 else 0.0,
             "compiled_programs": self.programs.num_compiled,
+            "steps": self._step_time["steps"],
+            **{f"step_{k}_s": self._step_time[k] for k in ("schedule", "prepare", "device", "outputs")},
             "startup_s": self.startup_s,
         }
