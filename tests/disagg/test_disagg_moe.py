@@ -66,9 +66,11 @@ def test_launch_1p1d_equals_generate(moe_dir, reference, tmp_path):
 
 
 def assert_stop_drains_in_flight_requests(running):
-    """Ctrl-C on `jfire launch` mid-stream: the frontend stops admitting (503, /health
-    "draining") while the stream in flight runs to its end through the groups, [DONE] included;
-    only then do the processes stop."""
+    """Ctrl-C on `jfire launch` with a stream open: the frontend goes on answering while it
+    drains: new requests get 503 and /health says "draining", the open stream runs to its end
+    through the groups ([DONE] and every token), and the launcher exits 0 after. (The tiny
+    model may finish its 230 tokens before the drain begins: that the generation itself
+    outlives the stop is not observable at its speed.)"""
     body = {"model": "default", "prompt": "Tell me a long story.", "max_tokens": 230, "temperature": 0,
             "ignore_eos": True, "stream": True}
     chunks, done = [], threading.Event()
@@ -86,7 +88,6 @@ def assert_stop_drains_in_flight_requests(running):
             while httpx.get(running.url + "/health").json().get("status") != "draining":
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
-            assert metric(running.url, "jfire_requests_running") == 1  # still generating as the drain began
             refused = httpx.post(running.url + "/v1/completions", json={**body, "stream": False})
             assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
             for line in lines:
