@@ -218,11 +218,6 @@ def kv_bytes_per_token(cfg: Family, cache_shardings: dict, dtype) -> dict:
     return {device: -(-b // n) for device, b in total.items()}
 
 
-def kv_bytes_per_token_model(cfg: Family, dtype) -> int:
-    """What the cache declaration stores for one token, each layer once, whatever the mesh."""
-    return sum(c.values_per_token() for c in cfg.cache_specs()) * np.dtype(dtype).itemsize
-
-
 def layer_bytes(cfg: Family, param_shardings: dict, dtype) -> int:
     """One layer's weights on one device, each param in its own dtype (`dtype` for the rest):
     the largest segment's per-layer shards (a device holds whole layers of its pipeline stage,
@@ -401,7 +396,7 @@ def plan(model: str | Path, spec: meshes.MeshSpec, *, dtype: str = "bfloat16", l
     per_page = (sharding.page_bytes_per_device(wide, page_size, DTYPES[dtype], cache_shardings)
                 if mesh is not None else page_size * kv_device)
     kv_cache_bytes = pages * per_page  # per device: what --kv-cache-gb should be
-    kv_model = kv_bytes_per_token_model(cfg, DTYPES[dtype])
+    kv_model = cfg.kv_bytes_per_token(DTYPES[dtype])  # the cache declaration's, each layer once
     problems = []
     if min(d["kv_bytes_free"] for d in per_device) <= 0:
         problems.append("the weights, workspace and reserve leave no memory for the KV cache")
