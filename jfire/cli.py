@@ -136,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--served-model-name", default=None, help="the model id clients send (default: from --model)")
     n.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="on Ctrl-C/SIGTERM, seconds in-flight requests get to finish before the groups stop (default 30)")
+    n.add_argument("--max-restarts", type=int, default=3,
+                   help="times a group process that dies after start-up is restarted (default 3; 0: never)")
     n.add_argument("--process-id", type=int, default=None,
                    help="run only this process of the deployment (SSH/Slurm launchers); needs --coordinator")
     n.add_argument("--coordinator", default=None, help="HOST:PORT of the deployment's coordinator (process 0)")
@@ -371,9 +373,11 @@ def cmd_launch(args) -> int:
               ("--served-model-name", args.served_model_name or served_name(args.model))]
     if not args.shutdown_grace >= 0:
         raise JfireError(f"--shutdown-grace must be >= 0 seconds, got {args.shutdown_grace}")
+    if args.max_restarts < 0:
+        raise JfireError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     options = launch.Options(model=args.model, dtype=args.dtype, host=args.host, port=args.port,
                              engine_args=tuple(str(x) for flag, v in passed if v is not None for x in (flag, v)),
-                             shutdown_grace=args.shutdown_grace)
+                             shutdown_grace=args.shutdown_grace, max_restarts=args.max_restarts)
     if args.process_id is None:
         if args.coordinator:
             raise JfireError("--coordinator goes with --process-id (one process of a multi-host launch)")

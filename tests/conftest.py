@@ -42,6 +42,16 @@ def tiny_hf_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def colocated_reference(tmp_path_factory):
+    """The shared test prompts (tests/disagg/clients.py) through colocated `jfire generate`:
+    the greedy reference the server, deployment and fault tests compare with."""
+    from tests.disagg.clients import PROMPTS
+    from tests.disagg.deployment_process import colocated
+
+    return colocated(PROMPTS, tmp_path_factory.mktemp("colocated"))
+
+
+@pytest.fixture(scope="session")
 def default_checkpoint():
     from jfire.checkpoint.default_model import ensure_default_checkpoint
 

@@ -2,10 +2,12 @@
 
 Every process of a deployment is one jax.distributed process; the frontend (process 0)
 hosts the coordinator service. The store carries small messages: where each group's control
-server and transfer server listen, and the decode side's acknowledgements of KV transfers.
+server and transfer server listen, and the decode side's acknowledgements of KV transfers
+(and its word when it gave up on one).
 
 Recoverability is switched on so that one group dying does not take the others down: the
-frontend reports it on /health and routes around it.
+frontend reports it on /health and routes around it, and a restarted process joins again
+under its old process id and registers anew.
 """
 
 from __future__ import annotations
@@ -45,9 +47,22 @@ def publish_group(client, name: str, info: dict) -> None:
     client.key_value_set(GROUPS_DIR + name, json.dumps(info), allow_overwrite=True)
 
 
+def read_group(client, name: str) -> dict | None:
+    """What a group registered last (a restarted group registers again), or None."""
+    try:
+        return json.loads(client.key_value_try_get(GROUPS_DIR + name))
+    except Exception:  # noqa: BLE001 - the store raises NotFound as a plain runtime error
+        return None
+
+
 def wait_group(client, name: str, timeout_s: float) -> dict:
     return json.loads(client.blocking_key_value_get(GROUPS_DIR + name, int(timeout_s * 1000)))
 
 
 def ack_key(prefill_group: str, uuid: int) -> str:
     return f"jfire/acks/{prefill_group}/{uuid}"
+
+
+def abandon_key(prefill_group: str, uuid) -> str:
+    """Where a decode group leaves word that it gave up pulling a transfer (see kv_transfer)."""
+    return f"jfire/abandoned/{prefill_group}/{uuid}"

@@ -15,17 +15,18 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import time
 
-
 from jfire.disagg import cluster
-from jfire.disagg.kv_transfer import KVLayout, Pull, TransferPrograms, drain, new_uuid
+from jfire.disagg.kv_transfer import KVLayout, Pull, TransferPrograms, drain, new_uuid, placeholder, pull_threads
 from jfire.engine import Engine, RequestHandle, RequestOutput, _Live
 from jfire.errors import JfireError
 from jfire.sampling import SamplingParams
 from jfire.scheduler import Phase, Sequence
 
 ACK_POLL_S = 0.01
+ABANDON_POLL_S = 0.2  # how often a prefill group looks for pulls a decode group gave up on
 
 
 def _layout(engine: Engine) -> KVLayout:
@@ -52,7 +53,8 @@ class PrefillEngine(Engine):
         self.transfer_timeout_s = transfer_timeout_s
         self._shards: dict[str, int] = {}  # request id -> the wire split its decode group asked for
         self._published: dict[int, _Published] = {}
-        self._last_ack_poll = 0.0
+        self._placeholders: dict[int, tuple[list, float]] = {}  # uuid -> (zeros published, when to drop them)
+        self._last_ack_poll = self._last_abandon_poll = 0.0
         self.transfer_counts = collections.Counter()
 
     def start(self, compile_progress=None):
@@ -97,9 +99,12 @@ class PrefillEngine(Engine):
         return 0.02 if (self._published and not self._live) else super()._idle_wait()
 
     def _between_steps(self) -> None:
+        now = time.monotonic()
+        if now - self._last_abandon_poll >= ABANDON_POLL_S:
+            self._last_abandon_poll = now
+            self._answer_abandoned_pulls(now)
         if not self._published:
             return
-        now = time.monotonic()
         if now - self._last_ack_poll >= ACK_POLL_S:
             self._last_ack_poll = now
             prefix = cluster.ack_key(self.group, "")
@@ -112,11 +117,31 @@ class PrefillEngine(Engine):
         for uuid, published in list(self._published.items()):
             if now > published.deadline:
                 self._release(uuid)
-                drain(self.server, uuid, published.structs)
+                drain(self.server, uuid, published.structs, self.transfer_timeout_s)
                 self.transfer_counts["expired"] += 1
 
     def _release(self, uuid: int) -> None:
         self.pool.free(self._published.pop(uuid).pages)
+
+    def _answer_abandoned_pulls(self, now: float) -> None:
+        """A decode group gave up on a pull still blocked on an id published here never or no
+        longer (expired first): zeros published under that id end its pull. An id still
+        published needs nothing: the pull is served from it."""
+        for key, value in self.store.key_value_dir_get(cluster.abandon_key(self.group, "")):
+            self.store.key_value_delete(key)
+            uuid = int(key.rsplit("/", 1)[1])
+            if uuid in self._published or uuid in self._placeholders:
+                continue
+            shape = json.loads(value)
+            zeros = placeholder(self.layout, int(shape["num_pages"]), int(shape["shards"]))
+            self.server.await_pull(uuid, zeros)
+            # Kept alive while the pull takes them; dropped after a timeout in case it never
+            # comes (the pull ended on its own between giving up and this answer).
+            self._placeholders[uuid] = (zeros, now + self.transfer_timeout_s)
+            self.transfer_counts["abandoned"] += 1
+        for uuid, (_, drop_at) in list(self._placeholders.items()):
+            if now > drop_at:
+                del self._placeholders[uuid]
 
     def _publish_stats(self) -> None:
         super()._publish_stats()
@@ -124,6 +149,7 @@ class PrefillEngine(Engine):
                        "transfers_published": self.transfer_counts["published"],
                        "transfers_acknowledged": self.transfer_counts["acknowledged"],
                        "transfers_expired": self.transfer_counts["expired"],
+                       "pulls_abandoned": self.transfer_counts["abandoned"],
                        "compiled_programs": self.programs.num_compiled + self.gather.num_compiled}
 
 
@@ -207,6 +233,10 @@ class DecodeEngine(Engine):
                 self._arrive(incoming)
             elif incoming.pull.expired:
                 del self._pulling[request_id]
+                t = incoming.transfer
+                # The pull is still blocked: the sender ends it (see kv_transfer.Pull).
+                self.store.key_value_set(cluster.abandon_key(t["group"], t["uuid"]),
+                                         json.dumps({"num_pages": t["num_pages"], "shards": t["shards"]}))
                 self._fail(incoming, f"the KV cache from prefill group {incoming.transfer.get('group')!r} did not "
                                      f"arrive within {self.transfer_timeout_s:g} s; the request was dropped")
 
@@ -265,5 +295,5 @@ class DecodeEngine(Engine):
         self._stats = {**self._stats, "waiting": self._stats["waiting"] + len(self._admitting),
                        "transferring": len(self._pulling), "kv_transfer_bytes": self.kv_transfer_bytes,
                        "kv_transfers": self.transfer_counts["pulled"],
-                       "transfers_failed": self.transfer_counts["failed"],
+                       "transfers_failed": self.transfer_counts["failed"], "pull_threads": pull_threads(),
                        "compiled_programs": self.programs.num_compiled + self.insert.num_compiled}

@@ -8,7 +8,9 @@ stats, health), so the HTTP service is the same code in both modes. Each request
      KV cache waits to be pulled, in the wire split the decode group asked for;
   3. hands that to the decode group and relays its streamed outputs.
 A group that stops answering fails its requests at once with a clear error and is marked
-down (/health says "degraded"); routing skips it while it is down.
+down (/health says "degraded"); routing skips it while it is down. When `jfire launch` has
+restarted it, it registers again in the store; the frontend adopts the new registration and
+routes to it once it answers.
 """
 
 from __future__ import annotations
@@ -43,12 +45,14 @@ class _GroupState:
         self.in_flight = 0
         self.slow_polls = 0
         self.problem: str | None = None
+        self.restarts = 0  # registrations adopted after the first
 
     def describe(self) -> dict:
         info = self.info or {}
         return {"role": self.role, "alive": self.alive, "pid": info.get("pid"), "control": info.get("control"),
                 "transfer": info.get("transfer"), "mesh": info.get("mesh"), "devices": info.get("devices"),
-                "in_flight": self.in_flight, **({"problem": self.problem} if self.problem else {})}
+                "in_flight": self.in_flight, "restarts": self.restarts,
+                **({"problem": self.problem} if self.problem else {})}
 
 
 class RemoteEngine:
@@ -101,6 +105,8 @@ class RemoteEngine:
         """Polls every group's stats: load for routing, liveness for /health."""
         while not self._stop.wait(HEALTH_POLL_S):
             for state in self.groups.values():
+                if not state.alive and not self._adopt_new_registration(state):
+                    continue  # its restart failed: nothing to poll
                 try:
                     r = self._http.get(state.info["control"] + "/stats", timeout=2.0)
                     r.raise_for_status()
@@ -111,6 +117,21 @@ class RemoteEngine:
                     state.slow_polls += 1
                     if state.slow_polls >= SLOW_POLLS_DOWN:
                         self._mark_down(state, f"not answering for {state.slow_polls} polls ({type(e).__name__})")
+
+    def _adopt_new_registration(self, state: _GroupState) -> bool:
+        """A group that is down may have been restarted: take what it registered since.
+        False if its restart failed (it registered an error instead)."""
+        info = cluster.read_group(self.store, state.name)
+        if info is None or info == state.info:
+            return True
+        if "error" in info:
+            state.problem = f"restart failed: {info['error']}"
+            return False
+        print(f"jfire: frontend: group {state.name!r} registered again (pid {info.get('pid')}, control "
+              f"{info.get('control')})", file=sys.stderr, flush=True)
+        state.info, state.slow_polls = info, 0
+        state.restarts += 1
+        return True
 
     def _mark_down(self, state: _GroupState, problem: str) -> None:
         if state.alive:

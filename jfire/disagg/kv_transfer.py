@@ -20,7 +20,9 @@ built-in timeout is not relied on.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import secrets
+import socket
 import threading
 import time
 
@@ -207,9 +209,15 @@ class TransferPrograms:
 
 
 class Pull:
-    """One pull running on its own thread. A pull whose sender never publishes blocks for
-    ever inside the transfer server, so the caller polls `done` against its own deadline and
-    abandons the thread when it passes."""
+    """One pull running on its own thread, polled by the engine against its own deadline.
+    The transfer server's pull has no deadline of its own that works across processes, so
+    each way it could wait for ever is closed separately:
+      - the sender is already gone: a pull from an address nobody listens on retries for
+        ever, so the thread first probes the address with a plain TCP connect;
+      - the sender dies mid-pull: the connection breaks and the pull fails at once;
+      - the sender is alive but never publishes this id (it expired it, or never had it):
+        past the deadline the decode side leaves word in the cluster store (`abandon`), and
+        the sender publishes zeros under that id, which ends the pull."""
 
     def __init__(self, server, address: str, uuid: int, structs: list, timeout_s: float):
         self.deadline = time.monotonic() + timeout_s
@@ -217,14 +225,18 @@ class Pull:
         self.error: str | None = None
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(server, address, uuid, structs),
-                                        name=f"jfire-pull-{uuid}", daemon=True)
+                                        name=f"{PULL_THREAD}{uuid}", daemon=True)
         self._thread.start()
 
     def _run(self, server, address, uuid, structs) -> None:
         try:
-            arrays = server.connect(address).pull(uuid, structs)
-            jax.block_until_ready(arrays)
-            self.arrays = arrays
+            problem = unreachable(address)
+            if problem:
+                self.error = f"its transfer server at {address} is not answering ({problem}); the process has stopped"
+            else:
+                arrays = server.connect(address).pull(uuid, structs)
+                jax.block_until_ready(arrays)
+                self.arrays = arrays
         except Exception as e:  # noqa: BLE001 - the transfer server raises runtime errors
             self.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         self._done.set()
@@ -238,8 +250,41 @@ class Pull:
         return not self.done and time.monotonic() > self.deadline
 
 
-def drain(server, uuid: int, structs: list) -> None:
+PULL_THREAD = "jfire-pull-"
+
+
+def pull_threads() -> int:
+    """Pull threads still running in this process (each ends by its deadline at the latest)."""
+    return sum(t.name.startswith(PULL_THREAD) for t in threading.enumerate())
+
+
+def unreachable(address: str, timeout_s: float = 2.0) -> str | None:
+    """Why nothing accepts a TCP connection at host:port, or None if something does."""
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        return e.strerror or type(e).__name__
+    return None
+
+
+def drain(server, uuid: int, structs: list, timeout_s: float) -> None:
     """Pulls an expired, never-pulled transfer from ourselves, so the transfer server drops
-    its reference to the arrays too (in the background: it must never block the caller)."""
-    threading.Thread(target=lambda: server.connect(server.address()).pull(uuid, structs),
-                     name=f"jfire-drain-{uuid}", daemon=True).start()
+    its reference to the arrays too (in the background, and bounded: if the decode side took
+    it after all, this pull would otherwise wait for ever; a pull from this process's own
+    server honours an aware-datetime timeout)."""
+    until = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=timeout_s)
+
+    def run():
+        try:
+            jax.block_until_ready(server.connect(server.address()).pull(uuid, structs, timeout=until))
+        except Exception:  # noqa: BLE001 - "Pull expired": someone else took it, which is fine
+            pass
+
+    threading.Thread(target=run, name=f"{PULL_THREAD}drain-{uuid}", daemon=True).start()
+
+
+def placeholder(layout: KVLayout, num_pages: int, shards: int) -> list[jax.Array]:
+    """Zeros in the wire layout of a transfer: published under an id a decode group gave up
+    on, so its blocked pull returns (and is thrown away)."""
+    return [jax.device_put(np.zeros(s.shape, s.dtype), s.sharding) for s in layout.wire_structs(num_pages, shards)]

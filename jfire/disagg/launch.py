@@ -2,8 +2,10 @@
 
 Without --process-id it launches every process of the deployment on this machine (the
 frontend, which hosts the jax.distributed coordinator, then each group process with its own
-count of host devices), relays their logs, and on Ctrl-C stops the groups first and the
-frontend last (the groups need the coordinator to leave cleanly).
+count of host devices), relays their logs, restarts a group process that dies once the deployment is up (up to
+--max-restarts times; the restarted process rejoins the cluster and registers again, and the
+frontend routes to it once it is ready), and on Ctrl-C drains the frontend, then stops the
+groups and the frontend last (the groups need the coordinator to leave cleanly).
 
 With --process-id N --coordinator HOST:PORT it runs just process N: this is what the SSH and
 Slurm launchers in scripts/ start on each host, with the same deployment file.
@@ -36,6 +38,7 @@ class Options:
     port: int | None = None  # the frontend's port (default: the deployment's)
     engine_args: tuple[str, ...] = ()  # --kv-cache-gb etc., passed through to the groups' engines
     shutdown_grace: float = 30.0  # seconds in-flight requests get to finish when the launch stops
+    max_restarts: int = 3  # times each group process is restarted if it dies after start-up
 
     def argv(self) -> list[str]:
         out = ["--model", self.model, "--dtype", self.dtype, "--host", self.host,
@@ -101,32 +104,45 @@ def launch_local(deployment: Deployment, deployment_arg: str, options: Options) 
         nonlocal stopping
         stopping = True
 
+    def start(process: Process) -> subprocess.Popen:
+        argv = [sys.executable, "-m", "jfire.cli", *process_argv(deployment_arg, process.process_id, coordinator,
+                                                                  options)]
+        # A session of its own: Ctrl-C reaches only this launcher, which stops them in order.
+        child = subprocess.Popen(argv, env=process_env(process), start_new_session=True)
+        print(f"jfire: launch: process {process.process_id} {process.label} ({process.devices} devices): "
+              f"pid {child.pid}", file=sys.stderr, flush=True)
+        return child
+
     previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    restarts = {p.process_id: 0 for p in deployment.processes}
+    left_down: set[int] = set()  # processes that died once too often
     try:
         for process in deployment.processes:
-            argv = [sys.executable, "-m", "jfire.cli", *process_argv(deployment_arg, process.process_id, coordinator,
-                                                                      options)]
-            # A session of its own: Ctrl-C reaches only this launcher, which stops them in order.
-            child = subprocess.Popen(argv, env=process_env(process), start_new_session=True)
-            children.append((process, child))
-            print(f"jfire: launch: process {process.process_id} {process.label} ({process.devices} devices): "
-                  f"pid {child.pid}", file=sys.stderr, flush=True)
-        reported: set[int] = set()
+            children.append((process, start(process)))
         ready, failed = False, False
         frontend_url = f"http://{'127.0.0.1' if options.host in ('0.0.0.0', '::') else options.host}:{frontend_port}"
         while not stopping:
             time.sleep(0.2)
             ready = ready or _healthy(frontend_url)
-            for process, child in children:
+            for i, (process, child) in enumerate(children):
                 code = child.poll()
-                if code is not None and child.pid not in reported:
-                    reported.add(child.pid)
-                    print(f"jfire: launch: {process.label} (pid {child.pid}) exited with code {code}",
-                          file=sys.stderr, flush=True)
-                    # Nothing is served without the frontend; a process that fails while the
-                    # deployment starts (a bad mesh, a missing model) fails the launch.
-                    if process.group is None or not ready:
-                        stopping = failed = True
+                if code is None or stopping or process.process_id in left_down:
+                    continue
+                print(f"jfire: launch: {process.label} (pid {child.pid}) exited with code {code}",
+                      file=sys.stderr, flush=True)
+                # Nothing is served without the frontend; a process that fails while the
+                # deployment starts (a bad mesh, a missing model) fails the launch.
+                if process.group is None or not ready:
+                    stopping = failed = True
+                elif restarts[process.process_id] < options.max_restarts:
+                    restarts[process.process_id] += 1
+                    print(f"jfire: launch: restarting {process.label} (restart {restarts[process.process_id]} of "
+                          f"{options.max_restarts})", file=sys.stderr, flush=True)
+                    children[i] = (process, start(process))
+                else:
+                    print(f"jfire: launch: {process.label} is left down (restarted {options.max_restarts} times "
+                          "already); the frontend routes around it", file=sys.stderr, flush=True)
+                    left_down.add(process.process_id)
     finally:
         if ready and not failed:
             _drain_frontend(children, frontend_url, options.shutdown_grace)
@@ -202,8 +218,8 @@ def run_one(deployment: Deployment, process_id: int, coordinator: str, options: 
         worker.run(deployment, process, model=options.model, dtype=options.dtype, coordinator=coordinator,
                    bind_host=bind, advertise_host=advertise, config=engine_config)
     sys.stderr.flush()
-    # Skip interpreter teardown: a pull abandoned after its timeout may still sit in the
-    # transfer server, and the coordinator client's own shutdown would wait on peers.
+    # Skip interpreter teardown: the coordinator client's own shutdown would wait on peers, and
+    # a pull still within its deadline would hold the transfer server up.
     os._exit(0)
 
 

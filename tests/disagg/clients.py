@@ -1,8 +1,23 @@
-"""Sending the shared test prompts through the OpenAI client."""
+"""The shared test prompts, and sending them through the OpenAI client."""
 
 from __future__ import annotations
 
+import itertools
+
 import openai
+
+from jfire.disagg.frontend import affinity_index
+
+# Several page lengths (1 to 7 pages of 16 tokens), a chat prompt, and a stop string.
+PROMPTS = [
+    {"prompt": "The capital of France is", "max_tokens": 16},
+    {"prompt": "Write a short poem about the sea and the wind. " * 4, "max_tokens": 16},
+    {"prompt": "List three prime numbers: 2, 3,", "max_tokens": 12},
+    {"messages": [{"role": "user", "content": "What is the boiling point of water in Celsius?"}],
+     "max_tokens": 16},
+    {"prompt": ("In a quiet village by the mountains there lived an old clockmaker who "
+                "repaired every clock in the valley. ") * 4, "max_tokens": 16, "stop": ["."]},
+]
 
 
 def client(url: str, **kw) -> openai.OpenAI:
@@ -31,3 +46,8 @@ def assert_same_as_colocated(url: str, prompts: list[dict], reference: list[dict
                                                    ref["finish_reason"]), prompt
         lengths.append(n_prompt)
     return lengths
+
+
+def key_for(group_index: int, live_groups: int = 2) -> str:
+    """A session key the frontend routes to prefill group number group_index (by name order)."""
+    return next(k for k in (f"session-{i}" for i in itertools.count()) if affinity_index(k, live_groups) == group_index)

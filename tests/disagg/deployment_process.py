@@ -77,6 +77,17 @@ def launch(deployment: Path, log: Path, timeout: float = 900, extra: tuple[str, 
     raise RuntimeError(f"deployment not ready after {timeout} s:\n{log.read_text()}")
 
 
+def wait_for(predicate, timeout: float, what: str):
+    """Polls until predicate() is truthy and returns its value; fails after timeout seconds."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
 def colocated(prompts: list[dict], tmp_path: Path, model: str = "default") -> list[dict]:
     """The same prompts through colocated `jfire generate` (one process, one engine)."""
     src, out = tmp_path / "prompts.jsonl", tmp_path / "colocated.jsonl"
