@@ -119,13 +119,22 @@ def create_control_app(engine, process: Process) -> FastAPI:
             return error(400, str(e))
 
         async def lines():
-            while True:
-                out = await next_output(outputs, request, request_id)
-                if out is None:
-                    return
-                yield json.dumps(output_to_json(out)) + "\n"
-                if out.finished:
-                    return
+            finished = False
+            try:
+                while True:
+                    out = await next_output(outputs, request, request_id)
+                    if out is None:
+                        return
+                    yield json.dumps(output_to_json(out)) + "\n"
+                    if out.finished:
+                        finished = True
+                        return
+            finally:
+                # The frontend left mid-stream (its client went away): while outputs keep
+                # coming, next_output never polls for the disconnect, but the response
+                # stops this generator.
+                if not finished:
+                    engine.cancel(request_id)
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 

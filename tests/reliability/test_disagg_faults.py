@@ -207,6 +207,37 @@ def test_killing_prefill_mid_transfer(deployment, colocated_reference):
     assert_correct_and_nothing_held(deployment, colocated_reference)
 
 
+def test_clients_that_leave_through_the_frontend_are_cancelled(deployment, colocated_reference):
+    """Streaming clients that close after a random number of events and non-streaming ones
+    that give up after a random wait: each request is cancelled through the frontend and
+    the decode group, so far fewer tokens are generated than were asked for, and nothing is
+    held afterwards."""
+    rng = random.Random(11)
+    groups = all_up(deployment)["groups"]
+    generated_before = stats(groups["decode-0"])["tokens_generated"]
+    asked = 0
+    for i in range(4):
+        body = {"model": "default", "prompt": f"Count from {i} to one thousand:", "max_tokens": 400,
+                "temperature": 0, "ignore_eos": True, "stream": i % 2 == 0}
+        asked += body["max_tokens"]
+        TALLY.sent += 1
+        TALLY.faults += 1
+        if body["stream"]:
+            leave_after = rng.randint(1, 20)
+            with httpx.stream("POST", deployment.url + "/v1/completions", json=body, timeout=60) as r:
+                for events, _ in enumerate(r.iter_lines(), start=1):
+                    if events >= leave_after:
+                        break
+        else:
+            with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+                httpx.post(deployment.url + "/v1/completions", json=body, timeout=rng.uniform(0.5, 1.5))
+        TALLY.failed_cleanly += 1
+    assert_correct_and_nothing_held(deployment, colocated_reference)
+    # Run to the end, the four would have generated `asked` tokens (and the check above 2 x 16).
+    generated = stats(groups["decode-0"])["tokens_generated"] - generated_before
+    assert generated < asked / 2, (generated, asked)
+
+
 @pytest.mark.parametrize("seed", [7, 8])
 def test_a_random_process_killed_at_a_random_point_under_load(deployment, colocated_reference, seed):
     rng = random.Random(seed)
