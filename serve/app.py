@@ -109,6 +109,8 @@ def create_app(state: ServerState) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         tokenizer = _require_tokenizer(state.engine)
         messages = [{"role": m.role, "content": _valid_text(m.text(), "messages")} for m in body.messages]
+        for i, m in enumerate(body.messages):  # names are not in the prompt, but must be text all the same
+            _valid_text(m.name or "", f"messages.{i}.name")
         try:
             prompt_ids = await asyncio.to_thread(tokenizer.encode_chat, messages,
                                                  add_generation_prompt=body.add_generation_prompt)
@@ -185,7 +187,9 @@ async def _serve(state: ServerState, request: Request, body: SamplingFields, pro
             raise APIError(400, f"{name} is not supported yet; leave it at 0 or omit it", param=name)
     for stop in body.stop_list():
         _valid_text(stop, "stop")
-    if getattr(body, "logprobs", None):
+    _valid_text(body.user or "", "user")
+    logprobs = getattr(body, "logprobs", None)
+    if logprobs is not None and logprobs is not False:  # 0 still asks for the sampled tokens' logprobs
         raise APIError(400, "logprobs are not supported yet; omit the field", param="logprobs")
     if getattr(body, "echo", False):
         raise APIError(400, "echo is not supported; omit the field", param="echo")
@@ -210,7 +214,7 @@ async def _serve(state: ServerState, request: Request, body: SamplingFields, pro
         raise APIError(503, str(e), kind="server_error", code="engine_stopped")
     except JfireError as e:
         code = "context_length_exceeded" if "context" in str(e) else None
-        message, param = str(e), "max_tokens" if "max_tokens" in str(e) else "prompt"
+        message, param = str(e), "max_tokens" if "max_tokens" in str(e) else "messages" if chat else "prompt"
         if chat and body.max_completion_tokens and param == "max_tokens":  # name the field the client sent
             message, param = message.replace("max_tokens", "max_completion_tokens"), "max_completion_tokens"
         raise APIError(400, message, param=param, code=code)
@@ -361,6 +365,11 @@ def _install_error_handlers(app: FastAPI) -> None:
             message = f"missing required field '{param}'"
         elif first.get("type") == "extra_forbidden":
             message = f"unknown field '{param}': this endpoint does not take it (see /openapi.json)"
+        elif first.get("type") == "model_attributes_type" and param is not None:
+            message = f"{param} must be a JSON object"
+        elif first.get("type") == "model_attributes_type" and not _is_json(request.headers.get("content-type")):
+            # FastAPI reads a body as JSON only when its Content-Type says so.
+            message = "send the request body as JSON, with 'Content-Type: application/json'"
         elif first.get("type") == "model_attributes_type":
             message = "the request body must be a JSON object"
         elif _is_union_error(first.get("loc", ())):
@@ -460,6 +469,11 @@ class _BearerAuth(_ASGIMiddleware):
             return APIError(401, "missing or wrong API key; send 'Authorization: Bearer <key>'",
                             kind="authentication_error", code="invalid_api_key").response()
         return None
+
+
+def _is_json(content_type: str | None) -> bool:
+    kind = (content_type or "").split(";")[0].strip().lower()
+    return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
 
 
 def _is_type_tag(part) -> bool:

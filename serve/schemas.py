@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationInfo,
+                      field_validator, model_validator)
 
 NonNegFloat = Annotated[float, Field(ge=0)]
 # Numbers must be JSON numbers: "0.5" and true are refused, not coerced.
@@ -20,16 +21,27 @@ UNSUPPORTED_FIELDS = ("response_format", "tools", "tool_choice", "functions", "f
                       "parallel_tool_calls", "logit_bias", "top_logprobs")
 
 
-class StreamOptions(BaseModel):
+class StrictObject(BaseModel):
+    """Unknown fields are refused by name, at any depth (a client must learn the server ignored
+    nothing). A field sent as null is absent: OpenAI's optional fields are nullable, meaning
+    their default, and stock clients send unset options that way."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data):
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+class StreamOptions(StrictObject):
     include_usage: StrictBool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(StrictObject):
     """What completions and chat completions share."""
-
-    # Unknown fields are refused by name (a client must learn the server ignored nothing); one
-    # sent as null is taken as absent, as stock clients send unset options that way.
-    model_config = ConfigDict(extra="forbid")
 
     model: StrictStr
     max_tokens: StrictInt | None = Field(default=None, ge=1)
@@ -56,21 +68,22 @@ class SamplingFields(BaseModel):
     logit_bias: object = None
     top_logprobs: object = None
 
-    @model_validator(mode="before")
+    @field_validator("stream_options")
     @classmethod
-    def _null_is_absent(cls, data):
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None or k in cls.model_fields}
-        return data
+    def _only_when_streaming(cls, value, info: ValidationInfo):
+        if not info.data.get("stream"):  # as OpenAI: it would be silently meaningless
+            raise ValueError('only allowed with "stream": true')
+        return value
 
-    @model_validator(mode="after")
-    def _check_stop(self):
-        stops = self.stop_list()
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, value):
+        stops = [value] if isinstance(value, str) else value
         if len(stops) > 4:
-            raise ValueError("stop takes at most 4 strings")
+            raise ValueError(f"at most 4 strings, got {len(stops)}")
         if any(s == "" for s in stops):
-            raise ValueError("stop strings must not be empty")
-        return self
+            raise ValueError("an empty string cannot stop anything")
+        return value
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -81,14 +94,14 @@ class SamplingFields(BaseModel):
 class CompletionRequest(SamplingFields):
     prompt: Union[StrictStr, list[StrictInt], list[StrictStr], list[list[StrictInt]]] = Field(
         description="one prompt: a string or a list of token ids (a one-element list of either is accepted)")
-    max_tokens: StrictInt | None = Field(default=16, ge=1)
+    max_tokens: StrictInt = Field(default=16, ge=1)
     echo: StrictBool = False
     logprobs: StrictInt | None = Field(default=None, ge=0, le=5)
     suffix: None = None
     best_of: StrictInt | None = Field(default=None, ge=1, le=1)
 
 
-class TextPart(BaseModel):
+class TextPart(StrictObject):
     type: Literal["text"]
     text: StrictStr
 
@@ -100,11 +113,10 @@ class ImagePart(BaseModel):
     type: Literal["image_url", "input_image", "image"]
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class ChatMessage(StrictObject):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[Union[TextPart, ImagePart]] | None = None
+    # Required, as OpenAI has it unless the message carries tool calls, which this server does not take.
+    content: StrictStr | list[Union[TextPart, ImagePart]]
     name: StrictStr | None = None
 
     @model_validator(mode="after")
@@ -115,21 +127,15 @@ class ChatMessage(BaseModel):
         return self
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, description=(
+        'a list of {"role", "content", "name"} messages; content is a string or a list of '
+        '{"type": "text", "text"} parts'))
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
-    logprobs: StrictBool = Field(default=False, description="not supported for chat: must be false")
+    logprobs: StrictBool = Field(default=False, description="not supported yet: must be false")
     add_generation_prompt: StrictBool = True
-
-    @model_validator(mode="after")
-    def _no_chat_logprobs(self):
-        if self.logprobs:
-            raise ValueError("logprobs are supported on /v1/completions only")
-        return self
