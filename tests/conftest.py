@@ -3,12 +3,14 @@ default model (converted once into checkpoints/, as users get it)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import tempfile
 
 import pytest
 
+from tests.reliability.tally import TALLY
 from tests.tiny_models import save_tiny_hf_model
 
 # Tests run on the CPU; keep XLA from grabbing every core for one tiny matmul.
@@ -23,6 +25,19 @@ if "JFIRE_COMPILE_CACHE" not in os.environ:
 def pytest_sessionfinish(session, exitstatus):
     if _OWN_CACHE is not None:
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+    worker_output = getattr(session.config, "workeroutput", None)
+    if worker_output is not None:  # a parallel worker: its fault-suite counts go to the controller
+        worker_output["fault_tally"] = dataclasses.asdict(TALLY)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    TALLY.add(getattr(node, "workeroutput", {}).get("fault_tally", {}))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if TALLY.sent:  # the fault suite ran (tests/reliability)
+        terminalreporter.write_line(TALLY.line())
 
 
 @pytest.fixture(scope="session")

@@ -1,13 +1,12 @@
-"""The fault suite: marked `reliability` so `pytest -m reliability` runs it alone; its
-summary line closes the run."""
+"""The fault suite is marked `reliability`, so `pytest -m reliability` runs it alone. Its
+summary line is printed by tests/conftest.py, which also adds up the counts of parallel
+workers."""
 
 from __future__ import annotations
 
 import pathlib
 
 import pytest
-
-from tests.reliability.tally import TALLY
 
 HERE = pathlib.Path(__file__).parent
 
@@ -16,8 +15,3 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if HERE in pathlib.Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.reliability)
-
-
-def pytest_terminal_summary(terminalreporter):
-    if TALLY.sent:
-        terminalreporter.write_line(TALLY.line())

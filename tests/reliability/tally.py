@@ -1,5 +1,5 @@
 """The fault suite's running count, shared by its modules and printed as one line at the end
-of the run (tests/reliability/conftest.py). Each test asserts its own invariants; the tally
+of the run (tests/conftest.py). Each test asserts its own invariants; the tally
 only adds them up so the whole battery reads at a glance."""
 
 from __future__ import annotations
@@ -17,6 +17,10 @@ class Tally:
     hangs: int = 0  # requests with no answer within their bound (must be 0)
     leaked_pages: int = 0  # KV pages still used once the engines are idle (must be 0)
     restarts: int = 0  # group processes restarted by `jfire launch`
+
+    def add(self, counts: dict) -> None:
+        for key, value in counts.items():
+            setattr(self, key, getattr(self, key) + value)
 
     def line(self) -> str:
         return (f"fault suite: {self.sent} requests sent, {self.faults} faults injected, {self.completed} completed, "
