@@ -22,6 +22,34 @@ if "JFIRE_COMPILE_CACHE" not in os.environ:
     _OWN_CACHE = os.environ["JFIRE_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="jfire-test-xla-")
 
 
+# The suite runs on two parallel workers (pytest -n 2 --dist loadscope in pyproject.toml), each
+# module on one worker, handed out in collection order as workers free up. The slowest modules
+# (measured) go first so that no worker is left running a long one alone at the end; the rest
+# keep their order.
+SLOWEST_FIRST = [
+    "tests/test_mesh_suite.py",
+    "tests/reliability/test_disagg_faults.py",
+    "tests/reliability/test_serve_faults.py",
+    "tests/test_engine_moe.py",
+    "tests/disagg/test_disagg_1p1d.py",
+    "tests/models/test_hf_parity.py",
+    "tests/serve/test_openai_api.py",
+    "tests/disagg/test_disagg_meshes.py",
+    "tests/disagg/test_disagg_moe.py",
+    "tests/test_engine.py",
+    "tests/test_cli_mesh.py",
+    "tests/checkpoint/test_compressed_default_model.py",
+    "tests/test_default_model.py",
+    "tests/checkpoint/test_compressed_checkpoint.py",
+]
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    rank = {module: i for i, module in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+
+
 def pytest_sessionfinish(session, exitstatus):
     if _OWN_CACHE is not None:
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)

@@ -14,7 +14,9 @@ def test_mesh_suite_passes_on_eight_devices():
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "JFIRE_MESH_SESSION": "1", "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(root / "tests" / "mesh")],
+    # One process: this test already runs beside the main session's other worker.
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
+                          str(root / "tests" / "mesh")],
                          cwd=root, env=env, capture_output=True, text=True, timeout=1500)
     summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""
     assert run.returncode == 0, run.stdout[-20000:] + run.stderr[-5000:]
