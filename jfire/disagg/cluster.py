@@ -2,8 +2,8 @@
 
 Every process of a deployment is one jax.distributed process; the frontend (process 0)
 hosts the coordinator service. The store carries small messages: where each group's control
-server and transfer server listen, and the decode side's acknowledgements of KV transfers
-(and its word when it gave up on one).
+server and transfer server listen, and the decode side's word on each KV transfer: pulled or
+dropped, still wanted (renewed while it waits for pages), or given up.
 
 Recoverability is switched on so that one group dying does not take the others down: the
 frontend reports it on /health and routes around it, and a restarted process joins again
@@ -59,8 +59,19 @@ def wait_group(client, name: str, timeout_s: float) -> dict:
     return json.loads(client.blocking_key_value_get(GROUPS_DIR + name, int(timeout_s * 1000)))
 
 
-def ack_key(prefill_group: str, uuid: int) -> str:
+def ack_key(prefill_group: str, uuid) -> str:
+    """Set by the decode side once it has a transfer's KV cache (value PULLED), or on its
+    behalf when the request ended before the pull (value DROPPED)."""
     return f"jfire/acks/{prefill_group}/{uuid}"
+
+
+PULLED, DROPPED = "pulled", "dropped"
+
+
+def renew_key(prefill_group: str, uuid) -> str:
+    """Set again and again by a decode group while a request waits there for pages: the
+    prefill group keeps its KV cache for another timeout instead of releasing it."""
+    return f"jfire/renew/{prefill_group}/{uuid}"
 
 
 def abandon_key(prefill_group: str, uuid) -> str:

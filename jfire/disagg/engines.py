@@ -26,7 +26,7 @@ from jfire.sampling import SamplingParams
 from jfire.scheduler import Phase, Sequence
 
 ACK_POLL_S = 0.01
-ABANDON_POLL_S = 0.2  # how often a prefill group looks for pulls a decode group gave up on
+CONTROL_POLL_S = 0.2  # how often a prefill group reads renewals and pulls a decode group gave up on
 
 
 def _layout(engine: Engine) -> KVLayout:
@@ -54,7 +54,7 @@ class PrefillEngine(Engine):
         self._shards: dict[str, int] = {}  # request id -> the wire split its decode group asked for
         self._published: dict[int, _Published] = {}
         self._placeholders: dict[int, tuple[list, float]] = {}  # uuid -> (zeros published, when to drop them)
-        self._last_ack_poll = self._last_abandon_poll = 0.0
+        self._last_ack_poll = self._last_control_poll = 0.0
         self.transfer_counts = collections.Counter()
 
     def start(self, compile_progress=None):
@@ -100,20 +100,26 @@ class PrefillEngine(Engine):
 
     def _between_steps(self) -> None:
         now = time.monotonic()
-        if now - self._last_abandon_poll >= ABANDON_POLL_S:
-            self._last_abandon_poll = now
+        if now - self._last_control_poll >= CONTROL_POLL_S:
+            self._last_control_poll = now
             self._answer_abandoned_pulls(now)
+            self._renew(now)
         if not self._published:
             return
         if now - self._last_ack_poll >= ACK_POLL_S:
             self._last_ack_poll = now
             prefix = cluster.ack_key(self.group, "")
-            for key, _ in self.store.key_value_dir_get(prefix):
+            for key, value in self.store.key_value_dir_get(prefix):
                 uuid = int(key.rsplit("/", 1)[1])
                 self.store.key_value_delete(key)
                 if uuid in self._published:
+                    published = self._published[uuid]
                     self._release(uuid)
-                    self.transfer_counts["acknowledged"] += 1
+                    if value == cluster.DROPPED:  # nobody will pull it: take it off the transfer server too
+                        drain(self.server, uuid, published.structs, self.transfer_timeout_s)
+                        self.transfer_counts["dropped"] += 1
+                    else:
+                        self.transfer_counts["acknowledged"] += 1
         for uuid, published in list(self._published.items()):
             if now > published.deadline:
                 self._release(uuid)
@@ -122,6 +128,15 @@ class PrefillEngine(Engine):
 
     def _release(self, uuid: int) -> None:
         self.pool.free(self._published.pop(uuid).pages)
+
+    def _renew(self, now: float) -> None:
+        """A decode group still waiting for pages for a request wants its cache kept."""
+        for key, _ in self.store.key_value_dir_get(cluster.renew_key(self.group, "")):
+            self.store.key_value_delete(key)
+            uuid = int(key.rsplit("/", 1)[1])
+            if uuid in self._published:
+                self._published[uuid].deadline = now + self.transfer_timeout_s
+                self.transfer_counts["renewed"] += 1
 
     def _answer_abandoned_pulls(self, now: float) -> None:
         """A decode group gave up on a pull still blocked on an id published here never or no
@@ -149,6 +164,8 @@ class PrefillEngine(Engine):
                        "transfers_published": self.transfer_counts["published"],
                        "transfers_acknowledged": self.transfer_counts["acknowledged"],
                        "transfers_expired": self.transfer_counts["expired"],
+                       "transfers_dropped": self.transfer_counts["dropped"],
+                       "transfers_renewed": self.transfer_counts["renewed"],
                        "pulls_abandoned": self.transfer_counts["abandoned"],
                        "compiled_programs": self.programs.num_compiled + self.gather.num_compiled}
 
@@ -163,6 +180,7 @@ class _Incoming:
     pages: list[int] = dataclasses.field(default_factory=list)
     pull: Pull | None = None
     cancelled: bool = False
+    renewed_at: float = dataclasses.field(default_factory=time.monotonic)  # when the prefill group last heard it is wanted
 
 
 class DecodeEngine(Engine):
@@ -227,6 +245,7 @@ class DecodeEngine(Engine):
 
     def _between_steps(self) -> None:
         self._admit()
+        self._keep_waiting_caches()
         for request_id, incoming in list(self._pulling.items()):
             if incoming.pull.done:
                 del self._pulling[request_id]
@@ -261,6 +280,17 @@ class DecodeEngine(Engine):
             incoming.pull = Pull(self.server, t["address"], t["uuid"], structs, self.transfer_timeout_s)
             self._pulling[seq.request_id] = incoming
 
+    def _keep_waiting_caches(self) -> None:
+        """Requests waiting here for pages (the pool is full) ask their prefill group, three
+        times per timeout, to keep their KV cache: the wait may outlast the timeout, and the
+        prefill group holding pages meanwhile is the backpressure that should be."""
+        now = time.monotonic()
+        for incoming in self._admitting:
+            if now - incoming.renewed_at >= self.transfer_timeout_s / 3 and not incoming.cancelled:
+                t = incoming.transfer
+                self.store.key_value_set(cluster.renew_key(t["group"], t["uuid"]), "1", allow_overwrite=True)
+                incoming.renewed_at = now
+
     def _arrive(self, incoming: _Incoming) -> None:
         t, seq = incoming.transfer, incoming.live.seq
         if incoming.pull.error is not None:
@@ -268,7 +298,7 @@ class DecodeEngine(Engine):
                                  f"{incoming.pull.error}")
             return
         # Acknowledge at once: the prefill group frees its pages as soon as it reads this.
-        self.store.key_value_set(cluster.ack_key(t["group"], t["uuid"]), "1")
+        self.store.key_value_set(cluster.ack_key(t["group"], t["uuid"]), cluster.PULLED)
         if incoming.cancelled:
             self._fail(incoming, None)
             return
@@ -283,6 +313,9 @@ class DecodeEngine(Engine):
 
     def _fail(self, incoming: _Incoming, error: str | None) -> None:
         """Ends a request that never joined the batch: cancelled (error None) or failed."""
+        if incoming.pull is None:  # never pulled: the prefill group frees its cache now, not at its timeout
+            t = incoming.transfer
+            self.store.key_value_set(cluster.ack_key(t["group"], t["uuid"]), cluster.DROPPED, allow_overwrite=True)
         self.pool.free(incoming.pages)
         incoming.pages = []
         incoming.live.seq.phase = Phase.FINISHED

@@ -225,7 +225,7 @@ class RemoteEngine:
             if self._take_cancel(request_id):
                 # Nobody will pull it: acknowledge on the decode side's behalf so the prefill
                 # group frees the pages now rather than at the timeout.
-                self.store.key_value_set(cluster.ack_key(prefill.name, first["transfer"]["uuid"]), "1")
+                self.store.key_value_set(cluster.ack_key(prefill.name, first["transfer"]["uuid"]), cluster.DROPPED)
                 return emit(RequestOutput(request_id, [], "", finished=True, finish_reason="cancelled"))
             error = self._decode(decode, request_id, prompt_ids, sampling, first, emit)
             if error:

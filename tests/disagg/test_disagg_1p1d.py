@@ -70,6 +70,27 @@ def test_a_transfer_never_pulled_is_released_after_its_timeout(deployment):
     assert released["pages_used"] == 0 and released["transfers_expired"] == 1
 
 
+def test_a_request_waiting_for_decode_pages_outlasts_the_transfer_timeout(deployment, colocated_reference):
+    """The decode pool is full with one long request, so the next one waits there for pages
+    longer than the transfer timeout: the decode group keeps renewing it, the prefill group
+    keeps its cache, and it completes exactly as colocated generation, with nothing expired."""
+    before = deployment.stats("prefill")
+    pages_total = deployment.stats("decode")["pages_total"]
+    # Leaves less than one page free: the short request below needs two.
+    long_body = {"model": "default", "prompt": [1, 2, 3, 4], "max_tokens": min(508, pages_total * 16 - 4 - 8),
+                 "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", deployment.url + "/v1/completions", json=long_body, timeout=120) as long_stream:
+        lines = long_stream.iter_lines()
+        next(line for line in lines if line.startswith("data: "))  # decoding: its pages are taken
+        assert deployment.stats("decode")["pages_free"] < 2
+        # Waits for pages until the long request ends, far longer than the timeout.
+        assert_same_as_colocated(deployment.url, PROMPTS[:1], colocated_reference[:1])
+        assert [line for line in lines if line][-1] == "data: [DONE]"
+    after = deployment.stats("prefill")
+    assert after["transfers_expired"] == before["transfers_expired"]
+    assert after["transfers_renewed"] > before["transfers_renewed"]
+
+
 def _pull_from(deployment, request_id: str, address: str) -> list[dict]:
     body = {"request_id": request_id, "prompt_ids": list(range(100, 140)), "first_token": 5,
             "sampling": {"temperature": 0.0, "max_tokens": 4, "seed": 1},
