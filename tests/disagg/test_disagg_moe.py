@@ -7,6 +7,8 @@ cache bytes moved equal to the prompts' latent size computed from config.json.""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -68,9 +70,9 @@ def test_launch_1p1d_equals_generate(moe_dir, reference, tmp_path):
 def assert_stop_drains_in_flight_requests(running):
     """Ctrl-C on `jfire launch` with a stream open: the frontend goes on answering while it
     drains: new requests get 503 and /health says "draining", the open stream runs to its end
-    through the groups ([DONE] and every token), and the launcher exits 0 after. (The tiny
-    model may finish its 230 tokens before the drain begins: that the generation itself
-    outlives the stop is not observable at its speed.)"""
+    through the groups ([DONE] and every token), and the launcher exits 0 after. The decode
+    group is frozen for the first moments of the drain: the tiny model would otherwise finish
+    its tokens, and the frontend stop, before the drain could be observed."""
     body = {"model": "default", "prompt": "Tell me a long story.", "max_tokens": 230, "temperature": 0,
             "ignore_eos": True, "stream": True}
     chunks, done = [], threading.Event()
@@ -82,14 +84,20 @@ def assert_stop_drains_in_flight_requests(running):
                 if line.startswith("data: {"):
                     chunks.append(json.loads(line[6:]))
                     break
-            stopper = threading.Thread(target=lambda: (running.stop(), done.set()))
-            stopper.start()
-            deadline = time.monotonic() + 60
-            while httpx.get(running.url + "/health").json().get("status") != "draining":
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
-            refused = httpx.post(running.url + "/v1/completions", json={**body, "stream": False})
-            assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+            decode_pid = running.group("decode")["pid"]
+            os.kill(decode_pid, signal.SIGSTOP)
+            try:
+                stopper = threading.Thread(target=lambda: (running.stop(), done.set()))
+                stopper.start()
+                # Kept short: a group frozen past the cluster's 10 s heartbeat would be declared dead.
+                deadline = time.monotonic() + 8
+                while httpx.get(running.url + "/health", timeout=5).json().get("status") != "draining":
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+                refused = httpx.post(running.url + "/v1/completions", json={**body, "stream": False}, timeout=5)
+                assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+            finally:
+                os.kill(decode_pid, signal.SIGCONT)
             for line in lines:
                 if line == "data: [DONE]":
                     chunks.append("[DONE]")
