@@ -30,14 +30,20 @@ def deployment(tmp_path_factory):
 
 
 def test_outputs_equal_colocated_and_kv_bytes_match_the_cache(deployment, colocated_reference):
+    # Counted from here: the module's other tests may have run first.
+    bytes_before, transfers_before = (metric(deployment.url, "jfire_kv_transfer_bytes_total"),
+                                      metric(deployment.url, "jfire_kv_transfers_total"))
+    decode_before, prefill_before = deployment.stats("decode"), deployment.stats("prefill")
     lengths = assert_same_as_colocated(deployment.url, PROMPTS, colocated_reference)
     expected = expected_kv_bytes(lengths)
-    assert metric(deployment.url, "jfire_kv_transfer_bytes_total") == expected
-    assert metric(deployment.url, "jfire_kv_transfers_total") == len(PROMPTS)
+    assert metric(deployment.url, "jfire_kv_transfer_bytes_total") - bytes_before == expected
+    assert metric(deployment.url, "jfire_kv_transfers_total") - transfers_before == len(PROMPTS)
     decode, prefill = deployment.stats("decode"), deployment.stats("prefill")
-    assert decode["kv_transfer_bytes"] == expected  # what the decode side actually pulled
+    # What the decode side actually pulled.
+    assert decode["kv_transfer_bytes"] - decode_before["kv_transfer_bytes"] == expected
     # Every transfer acknowledged, nothing held on either side.
-    assert prefill["transfers_acknowledged"] == len(PROMPTS) and prefill["transfers_pending"] == 0
+    assert prefill["transfers_acknowledged"] - prefill_before["transfers_acknowledged"] == len(PROMPTS)
+    assert prefill["transfers_pending"] == 0
     # Acknowledgements are read between prefill steps, every 10-20 ms; the generous bounds here
     # and below absorb 3-4 JAX processes sharing a loaded 2-core machine, nothing more.
     assert wait_for(lambda: deployment.stats("prefill")["pages_used"] == 0, 30, "prefill pages freed")
@@ -59,6 +65,7 @@ def test_prefill_and_decode_ran_in_different_processes(deployment):
 
 def test_a_transfer_never_pulled_is_released_after_its_timeout(deployment):
     control = deployment.group("prefill")["control"]
+    expired_before = deployment.stats("prefill")["transfers_expired"]
     body = {"request_id": "never-pulled", "prompt_ids": list(range(100, 140)),
             "sampling": {"temperature": 0.0, "max_tokens": 4, "seed": 1}, "shards": 1}
     answer = httpx.post(control + "/prefill", json=body, timeout=60).json()
@@ -67,7 +74,7 @@ def test_a_transfer_never_pulled_is_released_after_its_timeout(deployment):
     assert held["transfers_pending"] == 1 and held["pages_used"] == 3
     released = wait_for(lambda: (s := deployment.stats("prefill"))["transfers_pending"] == 0 and s,
                          TRANSFER_TIMEOUT_S + 5, "the transfer to expire")
-    assert released["pages_used"] == 0 and released["transfers_expired"] == 1
+    assert released["pages_used"] == 0 and released["transfers_expired"] == expired_before + 1
 
 
 def test_a_request_waiting_for_decode_pages_outlasts_the_transfer_timeout(deployment, colocated_reference):

@@ -59,7 +59,8 @@ def test_health_is_not_ready_until_programs_are_compiled(server):
     first = server.health_seen.index(503)
     assert all(s == 503 for s in server.health_seen[first:-1])
     deadline = time.monotonic() + 600  # the background compilation of the remaining programs
-    while (body := httpx.get(server.url + "/health").json())["compiling"]:  # no key needed
+    # A generous read timeout: the background compilation shares two loaded cores with this poll.
+    while (body := httpx.get(server.url + "/health", timeout=60).json())["compiling"]:  # no key needed
         assert body["status"] == "ok" and 0 < body["programs"]["compiled"] < body["programs"]["total"]
         assert time.monotonic() < deadline, body
         time.sleep(0.5)
@@ -239,6 +240,9 @@ def test_chat_with_image_parts_is_refused_clearly(server):
 
 def test_metrics_count_requests_latency_and_tokens(server, client):
     client.completions.create(model="default", prompt="Count: one, two,", max_tokens=8, temperature=0)
+    refused = httpx.post(server.url + "/v1/completions", headers=auth(), json={"model": "default", "prompt": "x",
+                                                                               "temperature": 5})
+    assert refused.status_code == 400
     text = httpx.get(server.url + "/metrics", headers=auth()).text
     assert re.search(r'^jfire_requests_total\{endpoint="completions",status="200"\} [1-9]', text, re.M)
     assert re.search(r'^jfire_requests_total\{endpoint="completions",status="400"\} [1-9]', text, re.M)
