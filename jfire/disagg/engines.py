@@ -78,7 +78,8 @@ class PrefillEngine(Engine):
         pages = seq.pages[: self.scheduler.pages_needed(len(seq.prompt_ids))]
         self.pool.retain(pages)
         shards = self.layout.usable_shards(self._shards.pop(seq.request_id, 1))
-        arrays = self.layout.to_wire(self.gather.gather(self.pages, pages), shards)
+        gathered, sent_checksum = self.gather.gather(self.pages, pages)
+        arrays = self.layout.to_wire(gathered, shards)
         uuid = new_uuid()
         self.server.await_pull(uuid, arrays)
         self._published[uuid] = _Published(pages, arrays, self.layout.wire_structs(len(pages), shards),
@@ -86,7 +87,7 @@ class PrefillEngine(Engine):
         self.transfer_counts["published"] += 1
         self._tokens_generated += 1
         transfer = {"address": self.server.address(), "uuid": uuid, "num_pages": len(pages), "shards": shards,
-                    "group": self.group, "bytes": len(pages) * self.layout.page_nbytes}
+                    "group": self.group, "bytes": len(pages) * self.layout.page_nbytes, "checksum": sent_checksum}
         out = RequestOutput(seq.request_id, [token], "", prompt_tokens=len(seq.prompt_ids), completion_tokens=1,
                             prefix_hit_tokens=seq.prefix_hit_tokens, transfer=transfer)
         self._finish(live, "prefilled", last=out)
@@ -303,7 +304,12 @@ class DecodeEngine(Engine):
             self._fail(incoming, None)
             return
         arrays = incoming.pull.arrays
-        self.pages = self.insert.insert(self.pages, arrays, incoming.pages[: t["num_pages"]])
+        self.pages, arrived_checksum = self.insert.insert(self.pages, arrays, incoming.pages[: t["num_pages"]])
+        if "checksum" in t and arrived_checksum != t["checksum"]:
+            self._fail(incoming, f"the KV cache from prefill group {t.get('group')!r} arrived corrupted (checksum "
+                                 f"{arrived_checksum:#010x}, sent {t['checksum']:#010x}): its process may have stopped "
+                                 "mid-transfer; the request was dropped")
+            return
         self.kv_transfer_bytes += sum(a.nbytes for a in arrays)
         self.transfer_counts["pulled"] += 1
         seq.pages, seq.computed = incoming.pages, len(seq.prompt_ids)

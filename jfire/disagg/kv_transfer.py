@@ -123,19 +123,40 @@ def _heads_every(x, c: CacheSpec, replication: int):
     return jax.lax.slice_in_dim(x, 0, None, replication, axis=c.axes.index(HEADS))
 
 
+def _bits(x):
+    """An array's bit patterns as uint32 (a checksum compares bits, never float values)."""
+    unsigned = {4: jnp.uint32, 2: jnp.uint16, 1: jnp.uint8}[jnp.dtype(x.dtype).itemsize]
+    return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+
+
+def _page_sums(wire, n: int):
+    """[pages] uint32: each page's wrapping sum of the bits of its n wire arrays. The sender
+    and the receiver each compute it on their side; a transfer broken off midway (its
+    sender killed) can otherwise arrive as if complete, holding stale bytes."""
+    pages = len(wire) // n
+    return jnp.stack([sum(jnp.sum(_bits(wire[i * n + a]), dtype=jnp.uint32) for a in range(n)) for i in range(pages)])
+
+
+def checksum(page_sums, num_pages: int) -> int:
+    """The transfer's checksum: its first num_pages page sums (the rest pad the width), mod 2**32."""
+    return int(np.asarray(page_sums)[:num_pages].astype(np.uint64).sum() % (1 << 32))
+
+
 def gather_pages(pages, page_ids, *, arrays: tuple[CacheSpec, ...], replication: int):
-    """page_ids [w] -> w * len(arrays) wire arrays, page-major."""
+    """page_ids [w] -> w * len(arrays) wire arrays, page-major, and the [w] page sums."""
     taken = []
     for c in arrays:
         axis = c.pages_axis
         x = jnp.take(_heads_every(pages[c.name], c, replication), page_ids, axis=axis)
         taken.append([jax.lax.index_in_dim(x, i, axis, keepdims=False) for i in range(page_ids.shape[0])])
-    return tuple(taken[a][i] for i in range(page_ids.shape[0]) for a in range(len(arrays)))
+    wire = tuple(taken[a][i] for i in range(page_ids.shape[0]) for a in range(len(arrays)))
+    return wire + (_page_sums(wire, len(arrays)),)
 
 
 def insert_pages(pages, wire, page_ids, *, arrays: tuple[CacheSpec, ...], replication: int):
     """Writes wire arrays (page-major) into the pages named by page_ids; an id past the pool
-    is dropped (padding up to the compiled width)."""
+    is dropped (padding up to the compiled width). Also returns the [w] page sums of what
+    arrived (padding pages are zeros: they sum to 0)."""
     out = dict(pages)
     n = len(arrays)
     for a, c in enumerate(arrays):
@@ -145,7 +166,7 @@ def insert_pages(pages, wire, page_ids, *, arrays: tuple[CacheSpec, ...], replic
             stacked = jnp.repeat(stacked, replication, axis=c.axes.index(HEADS))
         index = (slice(None),) * axis + (page_ids,)
         out[c.name] = pages[c.name].at[index].set(stacked, mode="drop")
-    return out
+    return out, _page_sums(wire, n)
 
 
 class TransferPrograms:
@@ -180,7 +201,7 @@ class TransferPrograms:
         ids = jax.ShapeDtypeStruct((w,), jnp.int32, sharding=self._ids_sharding)
         static = dict(arrays=self.layout.arrays, replication=self.layout.replication)
         if self.kind == "gather":
-            out = tuple(s.sharding for s in self._page_structs(w))
+            out = tuple(s.sharding for s in self._page_structs(w)) + (self._ids_sharding,)
             return jax.jit(gather_pages, static_argnames=("arrays", "replication"), out_shardings=out).lower(
                 self._pages, ids, **static)
         return jax.jit(insert_pages, static_argnames=("arrays", "replication"), donate_argnames=("pages",)).lower(
@@ -189,20 +210,24 @@ class TransferPrograms:
     def width_for(self, n: int) -> int:
         return next(w for w in self.widths if w >= n)
 
-    def gather(self, pages, page_ids: list[int]) -> list[jax.Array]:
+    def gather(self, pages, page_ids: list[int]) -> tuple[list[jax.Array], int]:
+        """The pages' wire arrays, and their checksum."""
         w = self.width_for(len(page_ids))
         ids = np.zeros(w, np.int32)
         ids[: len(page_ids)] = page_ids
-        return list(self._compiled[w](pages, jax.device_put(ids, self._ids_sharding))[: len(page_ids) * len(self.layout.arrays)])
+        *wire, sums = self._compiled[w](pages, jax.device_put(ids, self._ids_sharding))
+        return list(wire[: len(page_ids) * len(self.layout.arrays)]), checksum(sums, len(page_ids))
 
     def insert(self, pages, arrays: list[jax.Array], page_ids: list[int]):
+        """(the pages with these written in, the checksum of what arrived)."""
         w = self.width_for(len(page_ids))
         ids = np.full(w, self._num_pages, np.int32)  # past the pool: dropped
         ids[: len(page_ids)] = page_ids
         n = len(self.layout.arrays)
         arrays = [jax.device_put(a, self.layout.page_sharding(self.layout.arrays[i % n])) for i, a in enumerate(arrays)]
         arrays += self.padding * (w - len(page_ids))
-        return self._compiled[w](pages, tuple(arrays), jax.device_put(ids, self._ids_sharding))
+        pages, sums = self._compiled[w](pages, tuple(arrays), jax.device_put(ids, self._ids_sharding))
+        return pages, checksum(sums, len(page_ids))
 
 
 # -- the decode side's pull, with its own deadline -------------------------------------------

@@ -63,14 +63,18 @@ def test_pages_survive_the_move_between_meshes(server, src_spec, src_devices, sr
     insert.compile_all()
 
     sent_ids, received_ids = [7, 2, 9, 4, 0], [1, 5, 3, 11, 8]
-    wire = src.to_wire(gather.gather(src_pages, sent_ids), shards)
+    gathered, sent_checksum = gather.gather(src_pages, sent_ids)
+    wire = src.to_wire(gathered, shards)
     assert len(wire) == 2 * len(sent_ids)  # one key and one value array per page
     assert len(wire[0].addressable_shards) == shards
     uuid = new_uuid()
     server.await_pull(uuid, wire)
     pulled = server.connect(server.address()).pull(uuid, dst.wire_structs(len(sent_ids), shards))
     assert sum(a.nbytes for a in pulled) == len(sent_ids) * 2 * CFG.num_layers * CFG.num_kv_heads * PAGE * CFG.head_dim * 4
-    out = insert.insert(dst_pages, pulled, received_ids)
+    out, arrived_checksum = insert.insert(dst_pages, pulled, received_ids)
+    # Both sides sum the same bits: the sent pages' own (an independent numpy sum here).
+    own = sum(int(canonical[:, :, :, s].view(np.uint32).astype(np.uint64).sum()) for s in sent_ids) % (1 << 32)
+    assert arrived_checksum == sent_checksum == own
 
     got_k, got_v = np.asarray(out["k"]), np.asarray(out["v"])
     for s, r in zip(sent_ids, received_ids):
@@ -79,3 +83,6 @@ def test_pages_survive_the_move_between_meshes(server, src_spec, src_devices, sr
             np.testing.assert_array_equal(got_v[:, h, r], canonical[1, :, h // dst_rep, s])
     untouched = sorted(set(range(PAGES)) - set(received_ids))
     assert not got_k[:, :, untouched].any() and not got_v[:, :, untouched].any()
+    # A transfer that arrives with a page's bytes stale (zeros here) fails the comparison.
+    stale = [jax.numpy.zeros_like(pulled[0]), *pulled[1:]]
+    assert insert.insert(out, stale, received_ids)[1] != sent_checksum
