@@ -59,6 +59,16 @@ def wait_group(client, name: str, timeout_s: float) -> dict:
     return json.loads(client.blocking_key_value_get(GROUPS_DIR + name, int(timeout_s * 1000)))
 
 
+def take_all(client, directory: str) -> list[tuple[int, str]]:
+    """Reads and deletes every key under directory (one of the per-transfer keys below, given
+    uuid ""): [(uuid, value)]."""
+    taken = []
+    for key, value in client.key_value_dir_get(directory):
+        client.key_value_delete(key)
+        taken.append((int(key.rsplit("/", 1)[1]), value))
+    return taken
+
+
 def ack_key(prefill_group: str, uuid) -> str:
     """Set by the decode side once it has a transfer's KV cache (value PULLED), or on its
     behalf when the request ended before the pull (value DROPPED)."""

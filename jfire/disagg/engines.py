@@ -109,10 +109,7 @@ class PrefillEngine(Engine):
             return
         if now - self._last_ack_poll >= ACK_POLL_S:
             self._last_ack_poll = now
-            prefix = cluster.ack_key(self.group, "")
-            for key, value in self.store.key_value_dir_get(prefix):
-                uuid = int(key.rsplit("/", 1)[1])
-                self.store.key_value_delete(key)
+            for uuid, value in cluster.take_all(self.store, cluster.ack_key(self.group, "")):
                 if uuid in self._published:
                     published = self._published[uuid]
                     self._release(uuid)
@@ -132,9 +129,7 @@ class PrefillEngine(Engine):
 
     def _renew(self, now: float) -> None:
         """A decode group still waiting for pages for a request wants its cache kept."""
-        for key, _ in self.store.key_value_dir_get(cluster.renew_key(self.group, "")):
-            self.store.key_value_delete(key)
-            uuid = int(key.rsplit("/", 1)[1])
+        for uuid, _ in cluster.take_all(self.store, cluster.renew_key(self.group, "")):
             if uuid in self._published:
                 self._published[uuid].deadline = now + self.transfer_timeout_s
                 self.transfer_counts["renewed"] += 1
@@ -143,9 +138,7 @@ class PrefillEngine(Engine):
         """A decode group gave up on a pull still blocked on an id published here never or no
         longer (expired first): zeros published under that id end its pull. An id still
         published needs nothing: the pull is served from it."""
-        for key, value in self.store.key_value_dir_get(cluster.abandon_key(self.group, "")):
-            self.store.key_value_delete(key)
-            uuid = int(key.rsplit("/", 1)[1])
+        for uuid, value in cluster.take_all(self.store, cluster.abandon_key(self.group, "")):
             if uuid in self._published or uuid in self._placeholders:
                 continue
             shape = json.loads(value)
