@@ -24,10 +24,12 @@ import numpy as np
 from jfire import sharding
 from jfire.checkpoint.load import LoadedModel
 from jfire.errors import JfireError
+from jfire.grammar import Grammars, ban, fill_mask
 from jfire.kv_cache import BlockPool, init_pages, page_bytes
 from jfire.pipeline import Pipeline
 from jfire.programs import ATTENTION_IMPLS, Buckets, CompiledPrograms
-from jfire.sampling import SamplingParams
+from jfire.sampling import (PenaltyState, RowSampling, SamplingParams, init_penalty_state, mask_words,
+                            set_penalty_slot)
 from jfire.scheduler import Chunk, Phase, Scheduler, Sequence
 from jfire.tokenizer import find_stop, holdback
 
@@ -114,6 +116,10 @@ class RequestOutput:
     completion_tokens: int = 0
     prefix_hit_tokens: int = 0
     transfer: dict | None = None  # prefill role: where the decode side pulls this request's KV
+    # With SamplingParams.logprobs, per token of token_ids: [logprob, [[id, logprob], ...]]
+    logprobs: list | None = None
+    # With SamplingParams.prompt_logprobs, on the first output: the same for prompt tokens 1..n-1
+    prompt_logprobs: list | None = None
 
 
 @dataclasses.dataclass
@@ -171,6 +177,10 @@ class _Live:
     decoder: object | None
     text: str = ""
     emitted: int = 0  # characters of `text` already sent
+    matcher: object | None = None  # the llguidance matcher of a constrained request
+    slot: int | None = None  # its PenaltyState slot while it samples with penalties
+    prompt_logprobs: list = dataclasses.field(default_factory=list)  # entry p: of prompt token p + 1
+    prompt_logprobs_sent: bool = False
 
 
 class Engine:
@@ -211,10 +221,18 @@ class Engine:
             page_size=config.page_size)
         self.scheduler = Scheduler(self.pool, max_batch=config.max_batch, prefill_budget=config.prefill_budget,
                                    max_prefill_rows=config.max_prefill_rows, prefix_caching=config.prefix_caching)
-        self.programs = CompiledPrograms(self.cfg, model.params, self.pages, self.buckets, config.attention,
+        # One penalty slot per batch row, and a last, scratch, slot for rows without one.
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None else None
+        self.penalties: PenaltyState = init_penalty_state(config.max_batch + 1, self.cfg.vocab_size, replicated)
+        self._scratch_slot = config.max_batch
+        self._free_slots = list(range(config.max_batch))
+        self._all_allowed: dict[int, np.ndarray] = {}  # rows -> a mask allowing every token
+        self.programs = CompiledPrograms(self.cfg, model.params, self.pages, self.penalties, self.buckets,
+                                         config.attention,
                                          lazy=not config.aot, mesh=mesh, layer_stack=layer_stack,
                                          kinds=self.PROGRAM_KINDS, parallel=model.parallel)
         self.eos_ids = frozenset(self.cfg.eos_token_ids) | (model.tokenizer.eos_ids if model.tokenizer else frozenset())
+        self.grammars = Grammars(model.tokenizer, self.cfg.vocab_size, self.eos_ids)
         self._commands: queue.Queue = queue.Queue()
         self._live: dict[str, _Live] = {}
         self._outbox: list[tuple[_Live, RequestOutput]] = []  # outputs of this step, sent after stats
@@ -331,16 +349,20 @@ class Engine:
     def validate(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
         """Raises JfireError when this request can never run; nothing is queued."""
         check_request(prompt_ids, sampling, self.cfg, self.max_model_len, self.model.tokenizer is not None)
+        if sampling.grammar is not None:
+            self.grammars.validate(sampling.grammar)
         needed = self.scheduler.pages_needed(len(prompt_ids) + sampling.max_tokens)
         if needed > self.pool.num_pages:
             raise JfireError(f"this request needs {needed} KV pages "
                              f"but the pool has {self.pool.num_pages}; lower max_tokens or enlarge the KV cache")
 
     def submit(self, prompt_ids: list[int], sampling: SamplingParams, *, request_id: str | None = None,
-               on_output: Callable[[RequestOutput], None] | None = None, affinity: str | None = None) -> RequestHandle:
+               on_output: Callable[[RequestOutput], None] | None = None, affinity: str | None = None,
+               after: str | None = None) -> RequestHandle:
         """Queues a request; outputs go to the handle's queue, or to `on_output` (called on the
         engine thread: it must not block). `affinity` (a session key) matters only where there
-        are several prefill groups to choose from."""
+        are several prefill groups to choose from. `after` (a request id with the same prompt,
+        n > 1) admits this one once that one's prompt is in the cache, so it reuses its pages."""
         if self.error is not None:
             raise EngineStopped(f"the engine has stopped after an error: {self.error}")
         prompt_ids = [int(i) for i in prompt_ids]
@@ -350,9 +372,16 @@ class Engine:
         request_id = request_id or f"req-{next(self._ids)}"
         handle = RequestHandle(self, request_id, prompt_ids, self.model.tokenizer is not None)
         seq = Sequence(request_id, prompt_ids, sampling, sampling.resolved_seed())
-        decoder = self.model.tokenizer.stream_decoder() if self.model.tokenizer else None
-        self._commands.put(("submit", _Live(seq, handle, on_output or handle.outputs.put, decoder)))
+        seq.after = after
+        self._commands.put(("submit", self._new_live(seq, handle, on_output or handle.outputs.put)))
         return handle
+
+    def _new_live(self, seq: Sequence, handle: RequestHandle, on_output) -> _Live:
+        sp = seq.sampling
+        decoder = (self.model.tokenizer.stream_decoder(skip_special_tokens=sp.skip_special_tokens)
+                   if self.model.tokenizer else None)
+        matcher = self.grammars.matcher(sp.grammar) if sp.grammar is not None else None
+        return _Live(seq, handle, on_output, decoder, matcher=matcher)
 
     def cancel(self, request_id: str) -> None:
         self._commands.put(("cancel", request_id))
@@ -428,6 +457,8 @@ class Engine:
     def _command(self, kind: str, arg) -> None:
         if kind == "submit":
             self._live[arg.seq.request_id] = arg
+            first = self._live.get(arg.seq.after) if isinstance(arg.seq.after, str) else None
+            arg.seq.after = first.seq if first is not None else None
             try:
                 self.scheduler.add(arg.seq)
             except Exception as e:
@@ -439,20 +470,21 @@ class Engine:
             self._finish(self._live[arg], "cancelled")
 
     def _execute(self, step) -> None:
-        new_ids: dict[Sequence, int] = {}
+        for seq in step.preempted:  # it samples again only after recomputing: its slot restarts then
+            self._release_slot(self._live[seq.request_id])
+        sampled: dict[Sequence, tuple] = {}
         for group in self._decode_groups(step.decode):
-            ids = self._run_decode(group)
-            new_ids.update(zip(group, ids))
+            sampled.update(zip(group, self._run_decode(group)))
         for group in self._prefill_groups(step.prefill):
-            ids = self._run_prefill(group)
-            new_ids.update((c.seq, i) for c, i in zip(group, ids) if c.completes_prompt)
+            results = self._run_prefill(group)
+            sampled.update((c.seq, r) for c, r in zip(group, results) if c.completes_prompt)
         self.scheduler.on_step_done(step)
         now = time.perf_counter()
-        self._recent.append((now, len(new_ids)))
-        for seq, token in new_ids.items():
+        self._recent.append((now, len(sampled)))
+        for seq, (token, logprobs) in sampled.items():
             live = self._live[seq.request_id]
             try:
-                self._append(live, int(token))
+                self._append(live, token, logprobs)
             except Exception as e:  # this request's own processing (detokenizing, stop strings)
                 self._fail_one(live, e)
         self._step_time["outputs"] += time.perf_counter() - now
@@ -464,15 +496,66 @@ class Engine:
             table[r, : len(seq.pages)] = seq.pages
         return table
 
-    def _sampling_rows(self, seqs: list[Sequence], rows: int):
+    def _sampling_rows(self, seqs: list[Sequence], rows: int, sampling_now: list[bool]) -> RowSampling:
+        """The rows' sampling inputs; sampling_now[r]: row r's token is kept (a prefill chunk
+        that does not end its prompt samples nothing anyone reads)."""
         seeds = np.zeros(rows, np.uint32)
-        temperature = np.zeros(rows, np.float32)
+        temperature, top_p = np.zeros(rows, np.float32), np.ones(rows, np.float32)
         top_k = np.zeros(rows, np.int32)
-        top_p = np.ones(rows, np.float32)
+        frequency, presence = np.zeros(rows, np.float32), np.zeros(rows, np.float32)
+        repetition = np.ones(rows, np.float32)
+        slot = np.full(rows, self._scratch_slot, np.int32)
+        logprobs = np.zeros(rows, bool)
+        masked = [r for r, seq in enumerate(seqs) if sampling_now[r] and self._needs_mask(seq)]
+        allowed = self._masks(rows, masked, seqs)
         for r, seq in enumerate(seqs):
             sp = seq.sampling
             seeds[r], temperature[r], top_k[r], top_p[r] = seq.seed, sp.temperature, sp.top_k, sp.top_p
-        return seeds, temperature, top_k, top_p
+            if not sampling_now[r]:
+                continue
+            logprobs[r] = sp.logprobs is not None
+            if sp.penalized:
+                frequency[r], presence[r], repetition[r] = sp.frequency_penalty, sp.presence_penalty, sp.repetition_penalty
+                slot[r] = self._slot_of(self._live[seq.request_id])
+        return RowSampling(seeds, temperature, top_k, top_p, allowed, frequency, presence, repetition, slot, logprobs)
+
+    def _needs_mask(self, seq: Sequence) -> bool:
+        live = self._live[seq.request_id]
+        return live.matcher is not None or seq.num_generated < seq.sampling.min_tokens
+
+    def _masks(self, rows: int, masked: list[int], seqs: list[Sequence]) -> np.ndarray:
+        if not masked:  # the common case: one shared array, nothing to fill
+            if rows not in self._all_allowed:
+                self._all_allowed[rows] = np.full((rows, mask_words(self.cfg.vocab_size)), -1, np.int32)
+            return self._all_allowed[rows]
+        allowed = np.full((rows, mask_words(self.cfg.vocab_size)), -1, np.int32)
+        for r in masked:
+            seq = seqs[r]
+            live = self._live[seq.request_id]
+            if live.matcher is not None:
+                fill_mask(live.matcher, allowed, r)
+            if seq.num_generated < seq.sampling.min_tokens:
+                grammar_allows = allowed[r].copy()
+                ban(allowed, r, (*self.eos_ids, *seq.sampling.stop_token_ids))
+                if not allowed[r].any():  # a complete grammar allows only the end: it wins
+                    allowed[r] = grammar_allows
+        return allowed
+
+    def _slot_of(self, live: _Live) -> int:
+        """The request's penalty slot, started from what it has generated so far."""
+        if live.slot is None:
+            live.slot = self._free_slots.pop()
+            seq, vocab = live.seq, self.cfg.vocab_size
+            generated = np.bincount(np.asarray(seq.tokens[len(seq.prompt_ids):], np.int64), minlength=vocab)
+            in_prompt = np.bincount(np.asarray(seq.prompt_ids, np.int64), minlength=vocab) > 0
+            self.penalties = set_penalty_slot(self.penalties, live.slot, generated[:vocab].astype(np.int32),
+                                              in_prompt[:vocab])
+        return live.slot
+
+    def _release_slot(self, live: _Live) -> None:
+        if live.slot is not None:
+            self._free_slots.append(live.slot)
+            live.slot = None
 
     def _decode_groups(self, seqs: list[Sequence]) -> list[list[Sequence]]:
         """The step's decode rows in batches that each fit a compiled program (one batch once
@@ -484,7 +567,7 @@ class Engine:
             pending = pending[rows:]
         return groups
 
-    def _run_decode(self, seqs: list[Sequence]) -> np.ndarray:
+    def _run_decode(self, seqs: list[Sequence]) -> list[tuple]:
         t0 = time.perf_counter()
         rows, width = self.programs.decode_shape(len(seqs), max(len(s.pages) for s in seqs))
         tokens = np.zeros(rows, np.int32)
@@ -492,18 +575,30 @@ class Engine:
         for r, seq in enumerate(seqs):
             tokens[r], positions[r] = seq.tokens[-1], len(seq.tokens) - 1
         program = self.programs.decode(rows, width)
-        inputs = (tokens, positions, self._row_table(seqs, rows, width), *self._sampling_rows(seqs, rows))
-        return self._on_device(t0, lambda: program(self.model.params, self.pages, *inputs))[: len(seqs)]
+        sampling = self._sampling_rows(seqs, rows, [True] * len(seqs))
+        inputs = (tokens, positions, self._row_table(seqs, rows, width), sampling)
+        return self._on_device(t0, seqs, lambda: program(self.model.params, self.pages, *inputs, self.penalties))[0]
 
-    def _on_device(self, t0: float, call) -> np.ndarray:
+    def _on_device(self, t0: float, seqs: list[Sequence], call) -> tuple[list[tuple], object]:
         """Runs a program call and waits for its ids, timing the host's preparation since t0
-        and the device's part (dispatch to result) for `stats()`."""
+        and the device's part (dispatch to result) for `stats()`. Returns, per row of seqs,
+        (token, logprobs entry or None), and the program's SampleOut."""
         t1 = time.perf_counter()
-        ids, _, self.pages = call()
-        ids = np.asarray(ids)
+        out, _, self.penalties, self.pages = call()
+        ids = np.asarray(out.ids)
+        wanted = [seq.sampling.logprobs for seq in seqs]
+        if any(k is not None for k in wanted):
+            logprob, top_ids, top_lps = np.asarray(out.logprob), np.asarray(out.top_ids), np.asarray(out.top_logprobs)
         self._step_time["prepare"] += t1 - t0
         self._step_time["device"] += time.perf_counter() - t1
-        return ids
+        results = []
+        for r, k in enumerate(wanted):
+            entry = None
+            if k is not None:
+                top = [[int(i), float(lp)] for i, lp in zip(top_ids[r, :k], top_lps[r, :k]) if np.isfinite(lp)]
+                entry = [float(logprob[r]), top]
+            results.append((int(ids[r]), entry))
+        return results, out
 
     def _prefill_groups(self, chunks: list[Chunk]) -> list[list[Chunk]]:
         """Splits a step's chunks into batches that each fit a compiled (rows, tokens) shape."""
@@ -515,7 +610,7 @@ class Engine:
             pending = pending[rows:]
         return groups
 
-    def _run_prefill(self, chunks: list[Chunk]) -> np.ndarray:
+    def _run_prefill(self, chunks: list[Chunk]) -> list[tuple]:
         t0 = time.perf_counter()
         rows, t, width = self.programs.prefill_shape(max(c.length for c in chunks), len(chunks),
                                                      max(len(c.seq.pages) for c in chunks))
@@ -528,22 +623,59 @@ class Engine:
             last[r] = c.length - 1
         seqs = [c.seq for c in chunks]
         program = self.programs.prefill(rows, t, width)
-        inputs = (tokens, positions, self._row_table(seqs, rows, width), last, *self._sampling_rows(seqs, rows))
-        return self._on_device(t0, lambda: program(self.model.params, self.pages, *inputs))[: len(chunks)]
+        sampling = self._sampling_rows(seqs, rows, [c.completes_prompt for c in chunks])
+        targets = self._prompt_targets(chunks, rows, t)
+        inputs = (tokens, positions, self._row_table(seqs, rows, width), last, sampling)
+        results, out = self._on_device(
+            t0, seqs, lambda: program(self.model.params, self.pages, *inputs, self.penalties, targets))
+        if (targets >= 0).any():
+            self._keep_prompt_logprobs(chunks, targets, out.prompt)
+        return results
+
+    def _prompt_targets(self, chunks: list[Chunk], rows: int, t: int) -> np.ndarray:
+        """[rows, t]: the prompt token after each position of rows that want the prompt's logprobs."""
+        targets = np.full((rows, t), -1, np.int32)
+        for r, c in enumerate(chunks):
+            prompt = c.seq.prompt_ids
+            if c.seq.sampling.prompt_logprobs:
+                for j in range(c.length):
+                    if c.start + j + 1 < len(prompt):
+                        targets[r, j] = prompt[c.start + j + 1]
+        return targets
+
+    def _keep_prompt_logprobs(self, chunks: list[Chunk], targets: np.ndarray, prompt) -> None:
+        logprob, top_ids, top_lps = (np.asarray(x) for x in prompt)
+        for r, c in enumerate(chunks):
+            live = self._live[c.seq.request_id]
+            k = c.seq.sampling.logprobs or 0
+            for j in range(c.length):
+                position = c.start + j
+                # A recompute after preemption runs these positions again: keep the first.
+                if targets[r, j] >= 0 and len(live.prompt_logprobs) == position:
+                    top = [[int(i), float(lp)] for i, lp in zip(top_ids[r, j, :k], top_lps[r, j, :k])]
+                    live.prompt_logprobs.append([float(logprob[r, j]), top])
 
     # -- outputs -------------------------------------------------------------------------------
 
-    def _append(self, live: _Live, token: int) -> None:
+    def _append(self, live: _Live, token: int, logprobs: list | None = None) -> None:
         seq, sp = live.seq, live.seq.sampling
         seq.tokens.append(token)
         self._tokens_generated += 1
         finish = None
-        if token in self.eos_ids and not sp.ignore_eos:
+        ends = (token in self.eos_ids and not sp.ignore_eos) or token in sp.stop_token_ids
+        if live.matcher is not None and not ends:
+            # The token came from the matcher's own mask, so it is accepted; a matcher that
+            # refuses it has failed (a bug, not the request's fault): the request ends loudly.
+            if not live.matcher.consume_token(token):
+                raise JfireError(f"constrained decoding failed: {live.matcher.get_error()}")
+            if live.matcher.is_stopped():  # the grammar is complete and allows nothing more
+                finish = "stop"
+        if ends:
             finish = "stop"
-        elif seq.num_generated >= sp.max_tokens or len(seq.tokens) >= self.max_model_len:
+        elif finish is None and (seq.num_generated >= sp.max_tokens or len(seq.tokens) >= self.max_model_len):
             finish = "length"
         delta = ""
-        if live.decoder is not None and not (finish == "stop"):
+        if live.decoder is not None and not ends:
             live.text += live.decoder.push(token)
             if finish is not None:
                 live.text += live.decoder.flush()
@@ -556,16 +688,25 @@ class Engine:
             live.text += live.decoder.flush()
             delta, live.emitted = live.text[live.emitted:], len(live.text)
         out = RequestOutput(seq.request_id, [token], delta, prompt_tokens=len(seq.prompt_ids),
-                            completion_tokens=seq.num_generated, prefix_hit_tokens=seq.prefix_hit_tokens)
+                            completion_tokens=seq.num_generated, prefix_hit_tokens=seq.prefix_hit_tokens,
+                            logprobs=[logprobs] if logprobs is not None else None,
+                            prompt_logprobs=self._prompt_logprobs_once(live))
         if finish is not None:
             self._finish(live, finish, last=out)
         else:
             self._outbox.append((live, out))
 
+    def _prompt_logprobs_once(self, live: _Live) -> list | None:
+        if not live.seq.sampling.prompt_logprobs or live.prompt_logprobs_sent:
+            return None
+        live.prompt_logprobs_sent = True
+        return live.prompt_logprobs
+
     def _finish(self, live: _Live, reason: str, *, last: RequestOutput | None = None, error: str | None = None):
         seq = live.seq
         if seq.phase is not Phase.FINISHED:
             self.scheduler.finish(seq)
+        self._release_slot(live)
         self._live.pop(seq.request_id, None)
         out = last or RequestOutput(seq.request_id, [], "", prompt_tokens=len(seq.prompt_ids),
                                     completion_tokens=seq.num_generated, prefix_hit_tokens=seq.prefix_hit_tokens)
@@ -601,6 +742,7 @@ class Engine:
             "tokens_generated": self._tokens_generated,
             "tokens_per_s": (sum(n for _, n in self._recent[1:]) / window) if window > 0 else 0.0,
             "compiled_programs": self.programs.num_compiled,
+            "compiling": self.compiled_s is None,  # serving, with programs still compiling in the background
             "steps": self._step_time["steps"],
             **{f"step_{k}_s": self._step_time[k] for k in ("schedule", "prepare", "device", "outputs")},
             "startup_s": self.startup_s,

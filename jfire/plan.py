@@ -274,6 +274,7 @@ def measure_workspace(cfg: Family, param_shardings: dict, cache_shardings: dict,
     donated cache."""
     from jfire.pipeline import Pipeline
     from jfire.programs import Buckets, CompiledPrograms
+    from jfire.sampling import PenaltyState
 
     params: dict = {}
     for p in cfg.param_specs():
@@ -290,7 +291,12 @@ def measure_workspace(cfg: Family, param_shardings: dict, cache_shardings: dict,
     buckets = Buckets(tuple(p.rows for p in programs if p.kind == "decode"),
                       tuple((p.rows, p.tokens) for p in programs if p.kind == "prefill"),
                       tuple(sorted({p.width for p in programs})))
-    compiled = CompiledPrograms(cfg, params, pages, buckets, "reference", lazy=True, mesh=mesh,
+    # The sampler's penalty counts: one slot per row of the largest batch, and the scratch slot.
+    slots = max(p.rows for p in programs) + 1
+    counts_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None else None
+    penalties = PenaltyState(jax.ShapeDtypeStruct((slots, cfg.vocab_size), jnp.int32, sharding=counts_sharding),
+                             jax.ShapeDtypeStruct((slots, cfg.vocab_size), jnp.bool_, sharding=counts_sharding))
+    compiled = CompiledPrograms(cfg, params, pages, penalties, buckets, "reference", lazy=True, mesh=mesh,
                                 layer_stack=layer_stack, parallel=parallel)
 
     def one(p: Program) -> dict:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from jfire.kernels.paged_attention import paged_attention
 from jfire.models.family import Family
-from jfire.sampling import sample
+from jfire.sampling import PenaltyState, RowSampling, mask_words, prompt_logprobs, sample
 
 ATTENTION_IMPLS = ("reference", "pallas", "pallas-interpret")
 
@@ -107,31 +107,36 @@ def _smallest_at_least(options, n: int, what: str) -> int:
     raise ValueError(f"{what} {n} exceeds the largest compiled bucket {max(options)}")
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "layer_stack", "parallel"), donate_argnames=("pages",))
-def prefill(params, pages, tokens, positions, page_table, last_index, seeds, temperature, top_k, top_p, *,
-            cfg: Family, layer_stack=None, parallel=None):
+@functools.partial(jax.jit, static_argnames=("cfg", "layer_stack", "parallel"), donate_argnames=("pages", "penalties"))
+def prefill(params, pages, tokens, positions, page_table, last_index, rows: RowSampling, penalties: PenaltyState,
+            targets, *, cfg: Family, layer_stack=None, parallel=None):
     """Chunks of prompts: tokens/positions [b, t] (position -1 = padding), page_table [b, w];
-    last_index [b] picks the token whose next-token logits are wanted.
-    Returns (next ids [b], their logits [b, v], pages)."""
+    last_index [b] picks the token whose next-token logits are wanted; targets [b, t] the
+    prompt token after each position whose logprob is wanted (-1: none, the usual case).
+    Returns (SampleOut of the next ids with the prompt's logprobs, their logits [b, v],
+    penalties, pages)."""
     hidden, pages = cfg.decoder(params, tokens, positions, pages, page_table, layer_stack=layer_stack,
                                 parallel=parallel)
-    rows = jnp.arange(tokens.shape[0])
-    logits = cfg.logits(params, hidden[rows, last_index])
-    steps = positions[rows, last_index].astype(jnp.uint32)
-    return sample(logits, seeds, steps, temperature, top_k, top_p), logits, pages
+    row = jnp.arange(tokens.shape[0])
+    logits = cfg.logits(params, hidden[row, last_index])
+    steps = positions[row, last_index].astype(jnp.uint32)
+    out, penalties = sample(logits, steps, rows, penalties)
+    out = out._replace(prompt=prompt_logprobs(functools.partial(cfg.logits, params), hidden, targets))
+    return out, logits, penalties, pages
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "attention", "layer_stack", "parallel"),
-                   donate_argnames=("pages",))
-def decode(params, pages, tokens, positions, page_table, seeds, temperature, top_k, top_p, *,
+                   donate_argnames=("pages", "penalties"))
+def decode(params, pages, tokens, positions, page_table, rows: RowSampling, penalties: PenaltyState, *,
            cfg: Family, attention: str = "reference", layer_stack=None, parallel=None):
     """One token per row: tokens/positions [b] (position -1 = an empty row), page_table [b, w].
-    Returns (next ids [b], logits [b, v], pages)."""
+    Returns (SampleOut of the next ids, logits [b, v], penalties, pages)."""
     hidden, pages = cfg.decoder(params, tokens[:, None], positions[:, None], pages, page_table,
                                 attention_impl=_decode_attention(attention), layer_stack=layer_stack,
                                 parallel=parallel)
     logits = cfg.logits(params, hidden[:, 0])
-    return sample(logits, seeds, positions.astype(jnp.uint32), temperature, top_k, top_p), logits, pages
+    out, penalties = sample(logits, positions.astype(jnp.uint32), rows, penalties)
+    return out, logits, penalties, pages
 
 
 class CompiledPrograms:
@@ -150,7 +155,7 @@ class CompiledPrograms:
     reads them while the compiling thread adds to them.
     """
 
-    def __init__(self, cfg: Family, params, pages, buckets: Buckets, attention: str = "reference",
+    def __init__(self, cfg: Family, params, pages, penalties, buckets: Buckets, attention: str = "reference",
                  lazy: bool = False, mesh=None, layer_stack=None, kinds=("prefill", "decode"), parallel=None):
         self.cfg = cfg
         self.kinds = kinds  # a disaggregated group compiles only its own role's programs
@@ -164,6 +169,7 @@ class CompiledPrograms:
         self.attention = attention
         self._params = jax.tree.map(_abstract, params)
         self._pages = jax.tree.map(_abstract, pages)
+        self._penalties = jax.tree.map(_abstract, penalties)
         self._decode: dict[tuple[int, int], object] = {}
         self._prefill: dict[tuple[int, int, int], object] = {}
 
@@ -220,24 +226,31 @@ class CompiledPrograms:
         return (shape[1:] in self._decode) if shape[0] == "decode" else (shape[1:] in self._prefill)
 
     def _compile(self, shape: tuple) -> None:
-        i32, u32, f32 = jnp.int32, jnp.uint32, jnp.float32
+        i32 = jnp.int32
         s = functools.partial(jax.ShapeDtypeStruct, sharding=self._input_sharding)
         if shape[0] == "decode":
             _, n, w = shape
             exe = decode.lower(
-                self._params, self._pages, s((n,), i32), s((n,), i32), s((n, w), i32),
-                s((n,), u32), s((n,), f32), s((n,), i32), s((n,), f32), cfg=self.cfg, attention=self.attention,
-                layer_stack=self.layer_stack, parallel=self.parallel,
+                self._params, self._pages, s((n,), i32), s((n,), i32), s((n, w), i32), self._rows(n),
+                self._penalties, cfg=self.cfg, attention=self.attention, layer_stack=self.layer_stack,
+                parallel=self.parallel,
             ).compile()
             self._decode = {**self._decode, (n, w): exe}
         else:
             _, r, t, w = shape
             exe = prefill.lower(
                 self._params, self._pages, s((r, t), i32), s((r, t), i32), s((r, w), i32), s((r,), i32),
-                s((r,), u32), s((r,), f32), s((r,), i32), s((r,), f32), cfg=self.cfg, layer_stack=self.layer_stack,
+                self._rows(r), self._penalties, s((r, t), i32), cfg=self.cfg, layer_stack=self.layer_stack,
                 parallel=self.parallel,
             ).compile()
             self._prefill = {**self._prefill, (r, t, w): exe}
+
+    def _rows(self, n: int) -> RowSampling:
+        s = functools.partial(jax.ShapeDtypeStruct, sharding=self._input_sharding)
+        i32, u32, f32 = jnp.int32, jnp.uint32, jnp.float32
+        return RowSampling(s((n,), u32), s((n,), f32), s((n,), i32), s((n,), f32),
+                           s((n, mask_words(self.cfg.vocab_size)), i32), s((n,), f32), s((n,), f32), s((n,), f32),
+                           s((n,), i32), s((n,), jnp.bool_))
 
     # -- choosing a program for a step ------------------------------------------------------------
 

@@ -40,6 +40,9 @@ class Sequence:
     prefix_hit_tokens: int = 0
     preemptions: int = 0
     registered_blocks: int = 0  # full prompt blocks whose hashes are in the pool
+    # Another sequence with the same prompt (n > 1): admitted once that one's prompt blocks are
+    # cached, so it reuses them instead of computing them again.
+    after: "Sequence | None" = None
 
     def __post_init__(self):
         if not self.tokens:
@@ -159,6 +162,8 @@ class Scheduler:
             if len(self.running) >= self.max_batch:
                 break
             seq = self.waiting[0]
+            if not self._prefix_ready(seq.after):
+                break
             self._attach_prefix(seq)
             chunk = self._chunk(seq, budget)
             if chunk is None:
@@ -175,6 +180,11 @@ class Scheduler:
             budget -= chunk.length
         return chunks
 
+    def _prefix_ready(self, first: Sequence | None) -> bool:
+        if first is None or not self.prefix_caching or first.phase is Phase.FINISHED:
+            return True
+        return first.registered_blocks >= (len(first.prompt_ids) - 1) // self.pool.page_size
+
     def _chunk(self, seq: Sequence, budget: int) -> Chunk | None:
         """The next chunk of seq's uncached tokens within budget, with pages for it (or None)."""
         length = min(len(seq.tokens) - seq.computed, budget)
@@ -189,7 +199,7 @@ class Scheduler:
     def _attach_prefix(self, seq: Sequence) -> None:
         """Reuses cached pages for seq's leading full blocks, keeping at least one token to
         compute (its logits give the next token)."""
-        if not self.prefix_caching or seq.pages:
+        if not self.prefix_caching or seq.pages or seq.sampling.prompt_logprobs:  # those compute every token
             return
         reusable = (len(seq.tokens) - 1) // self.pool.page_size
         hashes = block_hashes(seq.tokens[: reusable * self.pool.page_size], self.pool.page_size)

@@ -112,6 +112,9 @@ def _bytes_to_unicode() -> dict[int, str]:
     return table
 
 
+_UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
+
+
 def _gguf_value(reader: gguf.GGUFReader, key: str, default=None):
     field = reader.fields.get(key)
     return default if field is None else field.contents()
@@ -333,6 +336,18 @@ class Tokenizer:
 
     def decode(self, ids, *, skip_special_tokens: bool = True) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a byte-level token can be part of a UTF-8
+        character, which decoding it alone would turn into U+FFFD): logprobs report them."""
+        token_id = int(token_id)
+        if not isinstance(self.backend, tokenizers.Tokenizer):
+            return self.backend.encoding.decode_single_token_bytes(token_id)
+        text = self.decode([token_id], skip_special_tokens=False)
+        piece = self.backend.id_to_token(token_id)
+        if "\ufffd" in text and piece is not None and all(c in _UNICODE_TO_BYTE for c in piece):
+            return bytes(_UNICODE_TO_BYTE[c] for c in piece)
+        return text.encode("utf-8")
 
     def stream_decoder(self, *, skip_special_tokens: bool = True) -> StreamDecoder:
         return StreamDecoder(self, skip_special_tokens=skip_special_tokens)

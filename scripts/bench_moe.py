@@ -41,6 +41,7 @@ from jfire.models import moe  # noqa: E402
 from jfire.models.family import Parallel  # noqa: E402
 from jfire.models.llama import LlamaConfig  # noqa: E402
 from jfire.models.params import init_params  # noqa: E402
+from jfire.sampling import init_penalty_state, neutral_rows  # noqa: E402
 
 MESH_SPLITS = ((1, 8), (4, 2), (8, 1))  # (ep, tp); the same 8 devices, the same FLOPs per device
 
@@ -70,8 +71,7 @@ def model_step_times(mesh_texts, *, batch: int, repeats: int, hidden: int, ffn: 
     tokens = np.arange(batch, dtype=np.int32) % cfg.vocab_size
     positions = np.full(batch, 100, np.int32)
     table = np.arange(batch * width, dtype=np.int32).reshape(batch, width)
-    knobs = (np.zeros(batch, np.uint32), np.zeros(batch, np.float32), np.zeros(batch, np.int32),
-             np.ones(batch, np.float32))
+    knobs = neutral_rows(batch, cfg.vocab_size)
     steps, outputs = {}, {}
     for text in mesh_texts:
         spec = meshes_.MeshSpec.inline(text)
@@ -79,10 +79,11 @@ def model_step_times(mesh_texts, *, batch: int, repeats: int, hidden: int, ffn: 
         mesh = meshes_.build(spec)
         params = sharding.place(host, cfg, mesh)
         pages = init_pages(cfg, batch * width, page, jnp.float32, sharding.cache_shardings(cfg, mesh))
-        state = {"pages": pages}
+        state = {"pages": pages, "penalties": init_penalty_state(1, cfg.vocab_size)}
 
         def step(params=params, state=state):
-            ids, logits, state["pages"] = programs.decode(params, state["pages"], tokens, positions, table, *knobs,
+            _, logits, state["penalties"], state["pages"] = programs.decode(
+                params, state["pages"], tokens, positions, table, knobs, state["penalties"],
                                                           cfg=cfg, parallel=Parallel(mesh))
             return logits
 

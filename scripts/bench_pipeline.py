@@ -29,6 +29,7 @@ from jfire import programs, sharding  # noqa: E402
 from jfire.kv_cache import init_pages  # noqa: E402
 from jfire.models.llama import LlamaConfig  # noqa: E402
 from jfire.models.params import init_params  # noqa: E402
+from jfire.sampling import init_penalty_state, neutral_rows  # noqa: E402
 from jfire.pipeline import Pipeline  # noqa: E402
 
 
@@ -59,7 +60,7 @@ def main(argv=None) -> int:
     b, page = args.batch, 16
     width = 8
     table = np.arange(b * width, dtype=np.int32).reshape(b, width)
-    knobs = (np.zeros(b, np.uint32), np.zeros(b, np.float32), np.zeros(b, np.int32), np.ones(b, np.float32))
+    knobs = neutral_rows(b, cfg.vocab_size)
     results = {}
     for micro in (1, 4):
         spec = meshes.MeshSpec(name=f"pp=4,tp=2,microbatches={micro}", pp=4, tp=2, microbatches=micro)
@@ -67,23 +68,24 @@ def main(argv=None) -> int:
         params = sharding.place(host, cfg, mesh)
         pages = init_pages(cfg, b * width, page, jnp.float32, sharding.cache_shardings(cfg, mesh))
         stack = Pipeline(mesh, micro)
-        state = {"pages": pages}
+        state = {"pages": pages, "penalties": init_penalty_state(1, cfg.vocab_size)}
         tokens = np.ones(b, np.int32)
         positions = np.full(b, 40, np.int32)
 
         def decode_step():
-            ids, _, state["pages"] = programs.decode(params, state["pages"], tokens, positions, table, *knobs,
-                                                     cfg=cfg, layer_stack=stack)
-            ids.block_until_ready()
+            out, _, state["penalties"], state["pages"] = programs.decode(
+                params, state["pages"], tokens, positions, table, knobs, state["penalties"], cfg=cfg, layer_stack=stack)
+            out.ids.block_until_ready()
 
         t = args.prefill_tokens
         p_tokens = np.ones((b, t), np.int32)
         p_positions = np.tile(np.arange(t, dtype=np.int32), (b, 1))
 
         def prefill_step():
-            ids, _, state["pages"] = programs.prefill(params, state["pages"], p_tokens, p_positions, table,
-                                                      np.full(b, t - 1, np.int32), *knobs, cfg=cfg, layer_stack=stack)
-            ids.block_until_ready()
+            out, _, state["penalties"], state["pages"] = programs.prefill(
+                params, state["pages"], p_tokens, p_positions, table, np.full(b, t - 1, np.int32), knobs,
+                state["penalties"], np.full((b, t), -1, np.int32), cfg=cfg, layer_stack=stack)
+            out.ids.block_until_ready()
 
         results[micro] = {"decode_step_s": time_calls(decode_step, args.repeats),
                           "prefill_step_s": time_calls(prefill_step, args.repeats)}

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
+import re
 import secrets
 import time
 import uuid
-from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,13 +22,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jfire.engine import Engine, EngineStopped, QueueFull, RequestOutput
 from jfire.errors import JfireError
+from jfire.grammar import GrammarError
 from jfire.sampling import SamplingParams
+from serve.chat import OutputPlan, PromptError, render_chat, response_grammar
 from serve.metrics import ServerMetrics
+from serve.responses import Responder
 from serve.schemas import UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest, SamplingFields
 
 log = logging.getLogger("jfire.serve")
 RETRY_AFTER_S = 1
-DISCONNECT_CHECK_S = 0.25
 
 
 class APIError(Exception):
@@ -103,20 +104,27 @@ def create_app(state: ServerState) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         # Tokenizing a long prompt takes a while: off the event loop, which serves everyone.
         prompt_ids = await asyncio.to_thread(_completion_prompt, body, state.engine)
-        return await _serve(state, request, body, prompt_ids, chat=False)
+        try:
+            plan = OutputPlan(grammar=response_grammar(body))
+        except PromptError as e:
+            raise APIError(400, str(e), param=e.param, code="invalid_value")
+        echo = _echo_text(body, prompt_ids, state.engine)
+        return await _serve(state, request, body, prompt_ids, chat=False, plan=plan, echo=echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         tokenizer = _require_tokenizer(state.engine)
-        messages = [{"role": m.role, "content": _valid_text(m.text(), "messages")} for m in body.messages]
         for i, m in enumerate(body.messages):  # names are not in the prompt, but must be text all the same
+            _valid_text(m.text(), "messages")
             _valid_text(m.name or "", f"messages.{i}.name")
+        model_type = getattr(state.engine.cfg, "model_type", None)
         try:
-            prompt_ids = await asyncio.to_thread(tokenizer.encode_chat, messages,
-                                                 add_generation_prompt=body.add_generation_prompt)
+            prompt_ids, plan = await asyncio.to_thread(render_chat, tokenizer, model_type, body)
+        except PromptError as e:
+            raise APIError(400, str(e), param=e.param, code="invalid_value")
         except JfireError as e:
             raise APIError(400, str(e), param="messages")
-        return await _serve(state, request, body, prompt_ids, chat=True)
+        return await _serve(state, request, body, prompt_ids, chat=True, plan=plan)
 
     return app
 
@@ -153,10 +161,35 @@ def _valid_text(text: str, param: str) -> str:
     return text
 
 
-def _sampling(body: SamplingFields, max_tokens: int) -> SamplingParams:
+def _echo_text(body: CompletionRequest, prompt_ids: list[int], engine: Engine) -> str:
+    if not body.echo:
+        return ""
+    prompt = body.prompt[0] if isinstance(body.prompt, list) and body.prompt and isinstance(
+        body.prompt[0], (str, list)) else body.prompt
+    if isinstance(prompt, str):
+        return prompt
+    tokenizer = engine.model.tokenizer
+    return tokenizer.decode(prompt_ids, skip_special_tokens=False) if tokenizer else ""
+
+
+def _logprobs_asked(body: SamplingFields, chat: bool) -> int | None:
+    """How many top logprobs per token (0: the sampled token's only), or None for none."""
+    if chat:
+        return (body.top_logprobs or 0) if body.logprobs else None
+    return body.logprobs
+
+
+def _sampling(body: SamplingFields, max_tokens: int, plan: OutputPlan, logprobs: int | None,
+              seed: int | None) -> SamplingParams:
     try:
-        return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
-                              max_tokens=max_tokens, stop=tuple(body.stop_list()), ignore_eos=body.ignore_eos)
+        return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=seed,
+                              max_tokens=max_tokens, stop=tuple(body.stop_list()), ignore_eos=body.ignore_eos,
+                              frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
+                              repetition_penalty=body.repetition_penalty, logprobs=logprobs,
+                              min_tokens=body.min_tokens,
+                              stop_token_ids=tuple(body.stop_token_ids or ()), grammar=plan.grammar,
+                              skip_special_tokens=not plan.keep_special_tokens,
+                              prompt_logprobs=getattr(body, "echo", False) and logprobs is not None)
     except JfireError as e:
         raise APIError(400, str(e))
 
@@ -168,7 +201,8 @@ def _max_tokens(body: SamplingFields, prompt_len: int, engine: Engine, chat: boo
     return given
 
 
-async def _serve(state: ServerState, request: Request, body: SamplingFields, prompt_ids: list[int], *, chat: bool):
+async def _serve(state: ServerState, request: Request, body: SamplingFields, prompt_ids: list[int], *, chat: bool,
+                 plan: OutputPlan, echo: str = ""):
     engine = state.engine
     if state.draining:
         raise APIError(503, "the server is shutting down; send the request to another replica or retry later",
@@ -181,19 +215,16 @@ async def _serve(state: ServerState, request: Request, body: SamplingFields, pro
                        param="model", code="model_not_found")
     for name in UNSUPPORTED_FIELDS:
         if getattr(body, name) is not None:
-            raise APIError(400, f"{name} is not supported by this server yet; omit the field", param=name)
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name) != 0:
-            raise APIError(400, f"{name} is not supported yet; leave it at 0 or omit it", param=name)
+            raise APIError(400, f"{name} is not supported by this server; omit the field", param=name)
     for stop in body.stop_list():
         _valid_text(stop, "stop")
     _valid_text(body.user or "", "user")
-    logprobs = getattr(body, "logprobs", None)
-    if logprobs is not None and logprobs is not False:  # 0 still asks for the sampled tokens' logprobs
-        raise APIError(400, "logprobs are not supported yet; omit the field", param="logprobs")
-    if getattr(body, "echo", False):
-        raise APIError(400, "echo is not supported; omit the field", param="echo")
-    sampling = _sampling(body, _max_tokens(body, len(prompt_ids), engine, chat))
+    for token_id in body.stop_token_ids or ():
+        if not 0 <= token_id < engine.cfg.vocab_size:
+            raise APIError(400, f"stop_token_ids: {token_id} is outside the vocabulary [0, {engine.cfg.vocab_size})",
+                           param="stop_token_ids", code="invalid_value")
+    logprobs = _logprobs_asked(body, chat)
+    max_tokens = _max_tokens(body, len(prompt_ids), engine, chat)
     loop = asyncio.get_running_loop()
     outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
@@ -204,144 +235,52 @@ async def _serve(state: ServerState, request: Request, body: SamplingFields, pro
             pass
 
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+    # Choice i > 0 draws from seed + i (a given seed stays reproducible, the choices differ)
+    # and waits for choice 0's prompt pages (engine `after`).
+    choice_ids = [request_id] if body.n == 1 else [f"{request_id}-{i}" for i in range(body.n)]
+    first_seed = body.seed if body.seed is not None else SamplingParams().resolved_seed()
+    submitted: list[str] = []
     try:
-        engine.submit(prompt_ids, sampling, request_id=request_id, on_output=on_output,
-                      affinity=request.headers.get("x-session-affinity"))
-    except QueueFull as e:
+        for i, choice_id in enumerate(choice_ids):
+            sampling = _sampling(body, max_tokens, plan, logprobs, (first_seed + i) % 2**32)
+            engine.submit(prompt_ids, sampling, request_id=choice_id, on_output=on_output,
+                          affinity=request.headers.get("x-session-affinity"), after=submitted[0] if i else None)
+            submitted.append(choice_id)
+    except BaseException as e:
+        for choice_id in submitted:
+            engine.cancel(choice_id)
+        _raise_submit_error(e, body, chat, plan)
+    responder = Responder(state, request, engine, request_id, choice_ids, outputs, body.model, chat, plan,
+                          logprobs=logprobs, echo=echo, prompt_ids=prompt_ids)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(responder.sse(include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    response = await responder.whole()
+    if response is None:  # nobody is listening any more
+        return JSONResponse({}, status_code=499)
+    if "error" in response:
+        raise APIError(503 if state.draining else 500, response["error"], kind="server_error")
+    return response
+
+
+def _raise_submit_error(e: BaseException, body: SamplingFields, chat: bool, plan: OutputPlan):
+    """The HTTP error for an engine that refused a request."""
+    if isinstance(e, QueueFull):
         raise APIError(429, str(e), kind="rate_limit_error", code="queue_full",
                        headers={"Retry-After": str(RETRY_AFTER_S)})
-    except EngineStopped as e:  # not the client's fault: the server is down until restarted
+    if isinstance(e, EngineStopped):  # not the client's fault: the server is down until restarted
         raise APIError(503, str(e), kind="server_error", code="engine_stopped")
-    except JfireError as e:
+    if isinstance(e, GrammarError):
+        forced = getattr(body, "tool_choice", None) not in (None, "auto", "none")
+        raise APIError(400, str(e), param="tools" if forced else "response_format", code="invalid_value")
+    if isinstance(e, JfireError):
         code = "context_length_exceeded" if "context" in str(e) else None
         message, param = str(e), "max_tokens" if "max_tokens" in str(e) else "messages" if chat else "prompt"
         if chat and body.max_completion_tokens and param == "max_tokens":  # name the field the client sent
             message, param = message.replace("max_tokens", "max_completion_tokens"), "max_completion_tokens"
         raise APIError(400, message, param=param, code=code)
-    stream = _Stream(state, request, engine, request_id, outputs, body.model, chat)
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(stream.sse(include_usage), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
-    return await stream.whole()
-
-
-class _Stream:
-    """One request's outputs, as SSE chunks or one response, with latency metrics."""
-
-    def __init__(self, state, request, engine, request_id, outputs, model, chat):
-        self.state, self.request, self.engine = state, request, engine
-        self.request_id, self.outputs, self.model, self.chat = request_id, outputs, model, chat
-        self.created = int(time.time())
-        self.start = time.perf_counter()
-        self.first: float | None = None
-        self.finished = False
-        self.last_check = self.start
-
-    async def _next(self) -> RequestOutput | None:
-        """The next output, or None if the client went away (the request is then cancelled).
-
-        The client is checked every DISCONNECT_CHECK_S whether or not outputs are flowing: a
-        non-streaming response writes nothing until the end, so a client that left would
-        otherwise hold its batch slot and pages until max_tokens."""
-        while True:
-            now = time.perf_counter()
-            if now - self.last_check >= DISCONNECT_CHECK_S:
-                self.last_check = now
-                if await self.request.is_disconnected():
-                    return None
-            try:
-                out = await asyncio.wait_for(self.outputs.get(), timeout=0.25)
-            except asyncio.TimeoutError:
-                if await self.request.is_disconnected():
-                    return None
-                continue
-            if out.token_ids and self.first is None:
-                self.first = time.perf_counter()
-                self.state.metrics.ttft.observe(self.first - self.start)
-            if out.finished:
-                self.finished = True
-                if self.first is not None and out.completion_tokens > 1:
-                    self.state.metrics.tpot.observe((time.perf_counter() - self.first) / (out.completion_tokens - 1))
-            return out
-
-    def _cancel_unless_finished(self) -> None:
-        if not self.finished:
-            self.engine.cancel(self.request_id)
-
-    @staticmethod
-    def _usage(out: RequestOutput) -> dict:
-        return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-                "total_tokens": out.prompt_tokens + out.completion_tokens}
-
-    async def whole(self):
-        text, last = [], None
-        try:
-            while True:
-                out = await self._next()
-                if out is None:  # nobody is listening any more
-                    return JSONResponse({}, status_code=499)
-                text.append(out.text)
-                last = out
-                if out.finished:
-                    break
-        finally:
-            self._cancel_unless_finished()
-        if last.finish_reason == "error":
-            raise APIError(503 if self.state.draining else 500, last.error or "generation failed", kind="server_error")
-        content = "".join(text)
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": content},
-                      "finish_reason": last.finish_reason, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": content, "finish_reason": last.finish_reason, "logprobs": None}
-        return {"id": self.request_id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [choice], "usage": self._usage(last)}
-
-    def _chunk(self, text: str | None, finish_reason: str | None, first: bool = False) -> dict:
-        if self.chat:
-            delta = {}
-            if first:
-                delta["role"] = "assistant"
-            if text:
-                delta["content"] = text
-            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
-            kind = "chat.completion.chunk"
-        else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
-            kind = "text_completion"
-        return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model,
-                "choices": [choice]}
-
-    async def sse(self, include_usage: bool) -> AsyncIterator[str]:
-        def event(payload) -> str:
-            return f"data: {json.dumps(payload)}\n\n"
-
-        try:
-            if self.chat:
-                yield event(self._chunk(None, None, first=True))
-            while True:
-                out = await self._next()
-                if out is None:
-                    return
-                if out.finished and out.finish_reason == "error":
-                    yield event({"error": {"message": out.error, "type": "server_error", "param": None,
-                                           "code": None}})
-                    yield "data: [DONE]\n\n"  # the stream still ends as streams end
-                    return
-                if out.text or out.finished:
-                    finish = out.finish_reason if out.finished else None
-                    yield event(self._chunk(out.text, finish))
-                if out.finished:
-                    if include_usage:
-                        usage_chunk = self._chunk(None, None)
-                        usage_chunk["choices"], usage_chunk["usage"] = [], self._usage(out)
-                        yield event(usage_chunk)
-                    yield "data: [DONE]\n\n"
-                    return
-        finally:
-            # Runs on normal completion and when the client disconnects (the generator is closed).
-            self._cancel_unless_finished()
+    raise e
 
 
 # -- errors and auth -------------------------------------------------------------------------
@@ -375,8 +314,13 @@ def _install_error_handlers(app: FastAPI) -> None:
         elif _is_union_error(first.get("loc", ())):
             message = f"{param}: {_field_description(request, param) or 'invalid value'}"
         else:
-            # pydantic prefixes errors raised in validators with "Value error, ".
+            # pydantic prefixes errors raised in validators with "Value error, ". A check of
+            # several fields together (a model validator) names its field first: "field: ...".
             detail = first.get("msg", "invalid request").removeprefix("Value error, ")
+            named = re.match(r"([a-z_]+): (.*)", detail, re.S)
+            if first.get("type") == "value_error" and named:
+                param = f"{param}.{named.group(1)}" if param else named.group(1)
+                detail = named.group(2)
             message = f"{param + ': ' if param else ''}{detail}"
         return APIError(400, message, param=param, code="invalid_value").response()
 

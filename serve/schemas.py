@@ -16,9 +16,12 @@ NonNegFloat = Annotated[float, Field(ge=0)]
 Number = StrictFloat
 # The largest value the device programs hold in an int32 (top_k travels as one).
 INT32_MAX = 2**31 - 1
-# Fields of OpenAI's API this server does not implement yet: refused by name when given.
-UNSUPPORTED_FIELDS = ("response_format", "tools", "tool_choice", "functions", "function_call",
-                      "parallel_tool_calls", "logit_bias", "top_logprobs")
+# Fields of OpenAI's API this server does not implement: refused by name when given
+# (`functions` / `function_call` are the deprecated forms of `tools` / `tool_choice`).
+UNSUPPORTED_FIELDS = ("functions", "function_call", "logit_bias")
+MAX_CHOICES = 16  # n
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (OpenAI's limit)
+MAX_COMPLETION_LOGPROBS = 5  # completions' logprobs (OpenAI's limit)
 
 
 class StrictObject(BaseModel):
@@ -40,6 +43,47 @@ class StreamOptions(StrictObject):
     include_usage: StrictBool = False
 
 
+class JSONSchemaFormat(StrictObject):
+    name: StrictStr = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: StrictStr | None = None
+    schema_: dict | StrictBool = Field(default=True, alias="schema")
+    strict: StrictBool = False
+
+
+class ResponseFormat(StrictObject):
+    """{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {...}}."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema: required with type "json_schema" and only allowed with it')
+        return self
+
+
+class FunctionDefinition(StrictObject):
+    name: StrictStr = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: StrictStr | None = None
+    parameters: dict = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: StrictBool = False
+
+
+class Tool(StrictObject):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictObject):
+    name: StrictStr
+
+
+class NamedToolChoice(StrictObject):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class SamplingFields(StrictObject):
     """What completions and chat completions share."""
 
@@ -50,23 +94,24 @@ class SamplingFields(StrictObject):
     top_k: StrictInt = Field(default=0, ge=0, le=INT32_MAX,
                              description="jfire extension: keep the k most likely tokens (0 = off)")
     ignore_eos: StrictBool = Field(default=False, description="jfire extension: keep generating past EOS")
-    n: StrictInt = Field(default=1, ge=1, le=1, description="only n=1 is supported")
+    n: StrictInt = Field(default=1, ge=1, le=MAX_CHOICES, description=f"choices to generate, 1 to {MAX_CHOICES}")
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: StrictStr | list[StrictStr] | None = Field(default=None, description="a string or a list of up to 4 strings")
     seed: StrictInt | None = Field(default=None, ge=0, lt=2**32)
-    presence_penalty: Number = Field(default=0.0, description="not supported: must be 0")
-    frequency_penalty: Number = Field(default=0.0, description="not supported: must be 0")
+    presence_penalty: Number = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: Number = Field(default=0.0, ge=-2, le=2)
+    repetition_penalty: Number = Field(default=1.0, gt=0, le=10, description=(
+        "jfire extension: divides the logits of tokens already in the prompt or output (1 = off)"))
+    min_tokens: StrictInt = Field(default=0, ge=0, description="jfire extension: no EOS before this many tokens")
+    stop_token_ids: list[StrictInt] | None = Field(default=None, max_length=64,
+                                                   description="jfire extension: token ids that end the output")
+    response_format: ResponseFormat | None = None
     user: StrictStr | None = None
     # Accepted by the schema only to be refused by name (see UNSUPPORTED_FIELDS).
-    response_format: object = None
-    tools: object = None
-    tool_choice: object = None
     functions: object = None
     function_call: object = None
-    parallel_tool_calls: object = None
     logit_bias: object = None
-    top_logprobs: object = None
 
     @field_validator("stream_options")
     @classmethod
@@ -96,7 +141,7 @@ class CompletionRequest(SamplingFields):
         description="one prompt: a string or a list of token ids (a one-element list of either is accepted)")
     max_tokens: StrictInt = Field(default=16, ge=1)
     echo: StrictBool = False
-    logprobs: StrictInt | None = Field(default=None, ge=0, le=5)
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     suffix: None = None
     best_of: StrictInt | None = Field(default=None, ge=1, le=1)
 
@@ -113,20 +158,43 @@ class ImagePart(BaseModel):
     type: Literal["image_url", "input_image", "image"]
 
 
+class FunctionCall(StrictObject):
+    name: StrictStr
+    arguments: StrictStr  # JSON text, as OpenAI sends it
+
+
+class ToolCallMessage(StrictObject):
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(StrictObject):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    # Required, as OpenAI has it unless the message carries tool calls, which this server does not take.
-    content: StrictStr | list[Union[TextPart, ImagePart]]
+    # Required, as OpenAI has it, unless an assistant message carries tool calls.
+    content: StrictStr | list[Union[TextPart, ImagePart]] | None = None
     name: StrictStr | None = None
+    tool_calls: list[ToolCallMessage] | None = None
+    tool_call_id: StrictStr | None = None  # a tool message: the call it answers
 
     @model_validator(mode="after")
     def _text_only(self):
         if isinstance(self.content, list) and any(isinstance(p, ImagePart) for p in self.content):
             raise ValueError("image content parts are not supported: jfire serves the text model only "
                              "(a multimodal checkpoint's vision tower is not loaded); send text parts")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content: required (it may be null only in an assistant message with tool_calls)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls: only assistant messages carry them")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("tool_call_id: a tool message needs the id of the call it answers")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("tool_call_id: only tool messages carry one")
         return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
@@ -137,5 +205,29 @@ class ChatCompletionRequest(SamplingFields):
         'a list of {"role", "content", "name"} messages; content is a string or a list of '
         '{"type": "text", "text"} parts'))
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
-    logprobs: StrictBool = Field(default=False, description="not supported yet: must be false")
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS,
+                                           description=f"0 to {MAX_TOP_LOGPROBS}, with logprobs: true")
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(default=None, description=(
+        '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}, with tools'))
+    parallel_tool_calls: StrictBool = True
     add_generation_prompt: StrictBool = True
+
+    @model_validator(mode="after")
+    def _combinations(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs: true")
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: two tools share a name")
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and not self.tools:
+            raise ValueError("tool_choice: needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice: names {choice.function.name!r}, which is not among the tools "
+                             f"({', '.join(names)})")
+        forced = choice == "required" or isinstance(choice, NamedToolChoice)
+        if forced and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("response_format: cannot be combined with a tool_choice that forces a call")
+        return self

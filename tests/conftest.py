@@ -95,6 +95,21 @@ def colocated_reference(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def default_hf_reference():
+    """(tokenizer, model): transformers loading the default model's GGUF in float32, the
+    independent reference for its tokens, logits and logprobs."""
+    import torch
+    import transformers
+
+    from jfire.checkpoint.default_model import GGUF_NAME, default_gguf_path
+
+    path = default_gguf_path()
+    tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=GGUF_NAME)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=GGUF_NAME, dtype=torch.float32)
+    return tok, model.eval()
+
+
+@pytest.fixture(scope="session")
 def default_checkpoint():
     from jfire.checkpoint.default_model import ensure_default_checkpoint
 

@@ -17,11 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jfire import programs
 from jfire.models.blocks import RopeScaling
 from jfire.models.family import forward, init_cache
 from jfire.models.llama import LlamaConfig
 from jfire.models.params import get_path, init_params, set_path
+from tests import greedy_programs
 
 TOL = 1e-5  # relative error, float32
 
@@ -84,10 +84,6 @@ def uncached_last_logits(params, cfg, seq) -> np.ndarray:
     return uncached_logits(params, cfg, seq)[-1]
 
 
-def greedy_knobs(b: int):
-    return (jnp.zeros(b, jnp.uint32), jnp.zeros(b, jnp.float32), jnp.zeros(b, jnp.int32), jnp.ones(b, jnp.float32))
-
-
 def scrambled_pool(cfg, rows: int, pages_per_row: int, page_size: int, rng):
     """A page pool shared by `rows` rows whose pages are scattered in a random order, with
     spare pages, all filled with large finite garbage (as pages freed by earlier requests are):
@@ -115,8 +111,8 @@ def run_cached(params, cfg, prompts, bucket, pages_per_row, steps, rng, *, page_
         positions[r, : len(p)] = np.arange(len(p))
     last = jnp.asarray([len(p) - 1 for p in prompts], jnp.int32)
     pages, table = scrambled_pool(cfg, b, pages_per_row, page_size, rng)
-    ids, logits, pages = programs.prefill(
-        params, pages, jnp.asarray(tokens), jnp.asarray(positions), table, last, *greedy_knobs(b), cfg=cfg)
+    ids, logits, pages = greedy_programs.prefill(
+        params, pages, jnp.asarray(tokens), jnp.asarray(positions), table, last, cfg=cfg)
     seqs = [list(p) for p in prompts]
     record = [[] for _ in prompts]
     for step in range(steps + 1):
@@ -130,8 +126,8 @@ def run_cached(params, cfg, prompts, bucket, pages_per_row, steps, rng, *, page_
         if step == steps:
             break
         positions = jnp.asarray([len(s) - 1 for s in seqs], jnp.int32)
-        ids, logits, pages = programs.decode(params, pages, ids, positions, table, *greedy_knobs(b),
-                                             cfg=cfg, attention=attention)
+        ids, logits, pages = greedy_programs.decode(params, pages, ids, positions, table, cfg=cfg,
+                                                    attention=attention)
     return record
 
 
@@ -207,22 +203,21 @@ def test_chunked_prefill_matches_uncached():
     rng = np.random.RandomState(4)
     prompt = rng.randint(0, cfg.vocab_size, size=13).tolist()
     pages, table = scrambled_pool(cfg, 1, 8, 4, rng)
-    knobs = greedy_knobs(1)
     chunk1 = jnp.asarray([prompt[:8]], jnp.int32)
-    _, logits, pages = programs.prefill(params, pages, chunk1, jnp.arange(8, dtype=jnp.int32)[None], table,
-                                        jnp.asarray([7]), *knobs, cfg=cfg)
+    _, logits, pages = greedy_programs.prefill(params, pages, chunk1, jnp.arange(8, dtype=jnp.int32)[None], table,
+                                               jnp.asarray([7]), cfg=cfg)
     assert rel_err(logits[0], uncached_last_logits(params, cfg, prompt[:8])) < TOL
     tokens = rng.randint(0, cfg.vocab_size, size=(1, 8)).astype(np.int32)
     tokens[0, :5] = prompt[8:]
     positions = np.full((1, 8), -1, np.int32)
     positions[0, :5] = np.arange(8, 13)
-    ids, logits, pages = programs.prefill(params, pages, jnp.asarray(tokens), jnp.asarray(positions), table,
-                                          jnp.asarray([4]), *knobs, cfg=cfg)
+    ids, logits, pages = greedy_programs.prefill(params, pages, jnp.asarray(tokens), jnp.asarray(positions), table,
+                                                 jnp.asarray([4]), cfg=cfg)
     seq = list(prompt)
     record = []
     for step in range(4):
         record.append((list(seq), np.asarray(logits[0])))
         seq.append(int(ids[0]))
-        ids, logits, pages = programs.decode(params, pages, ids, jnp.asarray([len(seq) - 1], jnp.int32), table,
-                                             *knobs, cfg=cfg)
+        ids, logits, pages = greedy_programs.decode(params, pages, ids, jnp.asarray([len(seq) - 1], jnp.int32),
+                                                    table, cfg=cfg)
     check_against_uncached(params, cfg, record)

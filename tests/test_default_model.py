@@ -8,9 +8,7 @@ import jax
 import numpy as np
 import pytest
 import torch
-import transformers
 
-from jfire.checkpoint.default_model import GGUF_NAME, default_gguf_path
 from jfire.checkpoint.load import load_model
 from jfire.engine import Engine, EngineConfig
 from jfire.sampling import SamplingParams
@@ -19,11 +17,8 @@ STEPS = 32
 
 
 @pytest.fixture(scope="module")
-def reference():
-    path = default_gguf_path()
-    tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=GGUF_NAME)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=GGUF_NAME, dtype=torch.float32)
-    return tok, model.eval()
+def reference(default_hf_reference):
+    return default_hf_reference
 
 
 @pytest.fixture(scope="module")

@@ -60,10 +60,10 @@ def test_a_request_whose_processing_fails_ends_alone(model, alone, monkeypatch):
     requests batched with it produce exactly what they produce alone."""
     original = Engine._append
 
-    def failing(self, live, token):
+    def failing(self, live, token, logprobs=None):
         if live.seq.request_id == "victim" and live.seq.num_generated >= 3:
             raise ValueError("injected fault")
-        return original(self, live, token)
+        return original(self, live, token, logprobs)
 
     monkeypatch.setattr(Engine, "_append", failing)
     with Engine(model, config()) as engine:

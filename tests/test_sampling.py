@@ -15,13 +15,20 @@ import numpy as np
 import pytest
 
 from jfire.errors import JfireError
-from jfire.sampling import SamplingParams, sample
+from jfire.sampling import SamplingParams, init_penalty_state, neutral_rows, sample
 
 V = 32  # vocabulary size of the test logits
 N = 4000  # draws per distribution
 SIGMAS = 5.0
 
-sample_jit = jax.jit(sample)
+
+
+@jax.jit
+def sample_jit(logits, seeds, steps, temperature, top_k, top_p):
+    """Ids only, with penalties, masks and logprobs off (tested in test_sampling_extras.py)."""
+    n, v = logits.shape
+    rows = neutral_rows(n, v)._replace(seeds=seeds, temperature=temperature, top_k=top_k, top_p=top_p)
+    return sample(logits, steps, rows, init_penalty_state(1, v))[0].ids
 
 
 def reference_probs(logits, temperature, top_k, top_p) -> np.ndarray:

@@ -72,8 +72,10 @@ class PrefillEngine(Engine):
         self._shards[request_id] = shards
         return super().submit(prompt_ids, sampling, request_id=request_id, on_output=on_output)
 
-    def _append(self, live: _Live, token: int) -> None:
-        """The prompt is done: publish its KV and end the request here with the first token."""
+    def _append(self, live: _Live, token: int, logprobs: list | None = None) -> None:
+        """The prompt is done: publish its KV and end the request here with the first token
+        (the decode group checks it against the grammar, adds it to its penalty counts and
+        detokenizes it)."""
         seq = live.seq
         pages = seq.pages[: self.scheduler.pages_needed(len(seq.prompt_ids))]
         self.pool.retain(pages)
@@ -89,7 +91,9 @@ class PrefillEngine(Engine):
         transfer = {"address": self.server.address(), "uuid": uuid, "num_pages": len(pages), "shards": shards,
                     "group": self.group, "bytes": len(pages) * self.layout.page_nbytes, "checksum": sent_checksum}
         out = RequestOutput(seq.request_id, [token], "", prompt_tokens=len(seq.prompt_ids), completion_tokens=1,
-                            prefix_hit_tokens=seq.prefix_hit_tokens, transfer=transfer)
+                            prefix_hit_tokens=seq.prefix_hit_tokens, transfer=transfer,
+                            logprobs=[logprobs] if logprobs is not None else None,
+                            prompt_logprobs=self._prompt_logprobs_once(live))
         self._finish(live, "prefilled", last=out)
 
     def _finish(self, live, reason, *, last=None, error=None):
@@ -171,6 +175,7 @@ class _Incoming:
     live: _Live
     first_token: int
     transfer: dict
+    first_logprobs: list | None = None
     pages: list[int] = dataclasses.field(default_factory=list)
     pull: Pull | None = None
     cancelled: bool = False
@@ -196,7 +201,7 @@ class DecodeEngine(Engine):
         return super().start(compile_progress)
 
     def submit_prefilled(self, prompt_ids: list[int], first_token: int, sampling: SamplingParams, transfer: dict,
-                         *, request_id: str, on_output) -> RequestHandle:
+                         *, request_id: str, on_output, first_logprobs: list | None = None) -> RequestHandle:
         """Queues a request whose prompt a prefill group has run; it is admitted when the pool
         has pages for all of it, and its KV is pulled from `transfer` then."""
         if self.error is not None:
@@ -211,9 +216,8 @@ class DecodeEngine(Engine):
             raise JfireError("a prefilled request needs the seed its prefill sampled with")
         handle = RequestHandle(self, request_id, prompt_ids, self.model.tokenizer is not None)
         seq = Sequence(request_id, prompt_ids, sampling, sampling.seed)
-        decoder = self.model.tokenizer.stream_decoder() if self.model.tokenizer else None
-        self._commands.put(("prefilled", _Incoming(_Live(seq, handle, on_output or handle.outputs.put, decoder), int(first_token),
-                                                   transfer)))
+        live = self._new_live(seq, handle, on_output or handle.outputs.put)
+        self._commands.put(("prefilled", _Incoming(live, int(first_token), transfer, first_logprobs)))
         return handle
 
     def _command(self, kind, arg) -> None:
@@ -308,7 +312,7 @@ class DecodeEngine(Engine):
         seq.pages, seq.computed = incoming.pages, len(seq.prompt_ids)
         self.scheduler.add_running(seq)
         self._live[seq.request_id] = incoming.live
-        self._append(incoming.live, incoming.first_token)
+        self._append(incoming.live, incoming.first_token, incoming.first_logprobs)
 
     def _fail(self, incoming: _Incoming, error: str | None) -> None:
         """Ends a request that never joined the batch: cancelled (error None) or failed."""

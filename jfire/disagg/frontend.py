@@ -29,6 +29,7 @@ from jfire.disagg import cluster
 from jfire.disagg.deployment import Deployment
 from jfire.disagg.worker import sampling_to_json
 from jfire.engine import RequestOutput, check_request, context_limit
+from jfire.grammar import Grammars
 from jfire.errors import JfireError
 from jfire.sampling import SamplingParams
 
@@ -51,7 +52,7 @@ class _GroupState:
         info = self.info or {}
         return {"role": self.role, "alive": self.alive, "pid": info.get("pid"), "control": info.get("control"),
                 "transfer": info.get("transfer"), "mesh": info.get("mesh"), "devices": info.get("devices"),
-                "in_flight": self.in_flight, "restarts": self.restarts,
+                "in_flight": self.in_flight, "restarts": self.restarts, "compiling": bool(self.stats.get("compiling")),
                 **({"problem": self.problem} if self.problem else {})}
 
 
@@ -62,6 +63,8 @@ class RemoteEngine:
         self.store = store
         self.cfg = config
         self.model = SimpleNamespace(tokenizer=tokenizer, config=config)
+        eos = frozenset(config.eos_token_ids) | (tokenizer.eos_ids if tokenizer else frozenset())
+        self.grammars = Grammars(tokenizer, config.vocab_size, eos)
         self.max_model_len = context_limit(config, max_model_len)
         self.max_waiting = max_waiting
         self.groups = {g.name: _GroupState(g.name, g.role) for g in deployment.groups}
@@ -145,8 +148,10 @@ class RemoteEngine:
             return 503, {"status": "starting", "message": "waiting for the prefill and decode groups to start"}
         groups = {name: s.describe() for name, s in self.groups.items()}
         down = [name for name, s in self.groups.items() if not s.alive]
+        # As a colocated server says it: serving already, some programs still compiling.
+        compiling = any(g["compiling"] for g in groups.values() if g["alive"])
         if not down:
-            return 200, {"status": "ok", "groups": groups}
+            return 200, {"status": "ok", "compiling": compiling, "groups": groups}
         serving = all(any(s.alive for s in self.groups.values() if s.role == role) for role in ("prefill", "decode"))
         message = f"group(s) {', '.join(down)} down; " + ("serving with the rest" if serving else
                                                            "no live group for a role: requests fail")
@@ -170,9 +175,13 @@ class RemoteEngine:
     def validate(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
         # The page check is the decode group's: it knows its pool.
         check_request(prompt_ids, sampling, self.cfg, self.max_model_len, self.model.tokenizer is not None)
+        if sampling.grammar is not None:  # refused here with a clear 400, not by a group mid-request
+            self.grammars.validate(sampling.grammar)
 
     def submit(self, prompt_ids, sampling: SamplingParams, *, request_id: str | None = None, on_output=None,
-               affinity: str | None = None):
+               affinity: str | None = None, after: str | None = None):
+        """`after` (n > 1 sharing a prompt) only matters inside one engine; each choice here
+        goes its own way (with `affinity`, to the same prefill group, whose cache it may hit)."""
         from jfire.engine import QueueFull, RequestHandle
 
         if self.error is not None:
@@ -257,8 +266,9 @@ class RemoteEngine:
     def _decode(self, group: _GroupState, request_id, prompt_ids, sampling, first: dict, emit) -> str | None:
         """Relays the decode group's outputs; returns an error message if it failed."""
         body = {"request_id": request_id, "prompt_ids": prompt_ids, "first_token": first["first_token"],
-                "sampling": sampling_to_json(sampling), "transfer": first["transfer"]}
-        arrived = False
+                "first_logprobs": first.get("first_logprobs"), "sampling": sampling_to_json(sampling),
+                "transfer": first["transfer"]}
+        arrived = emitted_prompt_logprobs = False
         try:
             with self._http.stream("POST", group.info["control"] + "/decode", json=body,
                                    timeout=httpx.Timeout(10.0, read=self.deployment.transfer_timeout_s + 60)) as r:
@@ -275,6 +285,8 @@ class RemoteEngine:
                             self._counts["kv_transfer_bytes"] += first["transfer"]["bytes"]
                             self._counts["kv_transfers"] += 1
                     out.prefix_hit_tokens = first.get("prefix_hit_tokens", 0)
+                    if not emitted_prompt_logprobs:  # the prefill group computed them
+                        out.prompt_logprobs, emitted_prompt_logprobs = first.get("prompt_logprobs"), True
                     emit(out)
                     if out.finished:
                         return None

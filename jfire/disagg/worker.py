@@ -34,13 +34,11 @@ from jfire.sampling import SamplingParams
 
 
 def sampling_from_json(d: dict) -> SamplingParams:
-    d = dict(d)
-    d["stop"] = tuple(d.get("stop") or ())
-    return SamplingParams(**d)
+    return SamplingParams.from_json(d)
 
 
 def sampling_to_json(sp: SamplingParams) -> dict:
-    return dataclasses.asdict(sp) | {"stop": list(sp.stop)}
+    return sp.to_json()
 
 
 def output_to_json(out: RequestOutput) -> dict:
@@ -104,7 +102,8 @@ def create_control_app(engine, process: Process) -> FastAPI:
         if out.finish_reason != "prefilled":
             return error(500, out.error or f"the prefill ended with {out.finish_reason!r}")
         return {"first_token": out.token_ids[0], "transfer": out.transfer, "prompt_tokens": out.prompt_tokens,
-                "prefix_hit_tokens": out.prefix_hit_tokens}
+                "prefix_hit_tokens": out.prefix_hit_tokens, "first_logprobs": (out.logprobs or [None])[0],
+                "prompt_logprobs": out.prompt_logprobs}
 
     @app.post("/decode")
     async def decode(body: dict, request: Request):
@@ -114,7 +113,8 @@ def create_control_app(engine, process: Process) -> FastAPI:
         outputs, on_output = attach(request_id)
         try:
             engine.submit_prefilled(body["prompt_ids"], body["first_token"], sampling_from_json(body["sampling"]),
-                                    body["transfer"], request_id=request_id, on_output=on_output)
+                                    body["transfer"], request_id=request_id, on_output=on_output,
+                                    first_logprobs=body.get("first_logprobs"))
         except (JfireError, TypeError, ValueError, KeyError) as e:
             return error(400, str(e))
 

@@ -131,3 +131,69 @@ def test_a_pull_from_a_sender_that_is_gone_fails_at_once(deployment):
     stats = deployment.stats("decode")
     assert stats["pages_used"] == 0 and stats["transfers_failed"] == failed_before + 1
     assert wait_for(lambda: deployment.stats("decode")["pull_threads"] == 0, 20, "the pull thread to end")
+
+
+# The agents' options through the split deployment against the same requests served colocated
+# in this process (the same HTTP app over one engine): the prefill group masks, penalizes and
+# scores the first token, the decode group the rest.
+AGENT_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                                 "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+                "required": ["name", "age"], "additionalProperties": False}
+AGENT_REQUESTS = [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "A person as JSON."}], "max_tokens": 40,
+                              "temperature": 0.9, "seed": 3, "logprobs": True, "top_logprobs": 2,
+                              "response_format": {"type": "json_schema", "json_schema": {
+                                  "name": "p", "schema": AGENT_SCHEMA}}}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Say yes many times."}], "max_tokens": 12,
+                              "temperature": 0, "frequency_penalty": 1.0, "presence_penalty": 0.5, "n": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Weather in Oslo?"}], "max_tokens": 40,
+                              "temperature": 0, "tool_choice": "required", "tools": [{"type": "function", "function": {
+                                  "name": "get_weather", "parameters": {"type": "object", "properties": {
+                                      "city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+                                      "additionalProperties": False}}}]}),
+    ("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0, "logprobs": 2,
+                         "echo": True}),
+]
+
+
+@pytest.fixture(scope="module")
+def colocated_app():
+    from fastapi.testclient import TestClient
+
+    from jfire.checkpoint.load import load_model
+    from jfire.engine import Engine, EngineConfig
+    from serve.app import ServerState, create_app
+
+    engine = Engine(load_model("default", "float32"), EngineConfig(max_batch=4, prefill_budget=64, max_model_len=512,
+                                                                   aot=False)).start()
+    with TestClient(create_app(ServerState(engine, "default"))) as http:
+        yield http
+    engine.shutdown()
+
+
+def _assert_same(split, local, where="choices"):
+    """Equal outputs; logprobs within 1e-4 (the two sides chunk prompts differently, which
+    moves float32 logits in their last bits). Tool call ids are random."""
+    if isinstance(split, float) and isinstance(local, float):
+        assert abs(split - local) <= 1e-4, (where, split, local)
+    elif isinstance(split, dict) and isinstance(local, dict):
+        assert split.keys() == local.keys(), where
+        for key in split:
+            if key != "id":
+                _assert_same(split[key], local[key], f"{where}.{key}")
+    elif isinstance(split, list) and isinstance(local, list):
+        assert len(split) == len(local), where
+        for i, (a, b) in enumerate(zip(split, local)):
+            _assert_same(a, b, f"{where}[{i}]")
+    else:
+        assert split == local, (where, split, local)
+
+
+@pytest.mark.parametrize("index", range(len(AGENT_REQUESTS)), ids=["schema-logprobs", "penalties-n2", "tool", "echo"])
+def test_agent_options_through_the_deployment_equal_colocated(deployment, colocated_app, index):
+    path, body = AGENT_REQUESTS[index]
+    body = {"model": "default", **body}
+    split = httpx.post(deployment.url + path, json=body, timeout=300)
+    local = colocated_app.post(path, json=body)
+    assert split.status_code == local.status_code == 200, (split.text, local.text)
+    _assert_same(split.json()["choices"], local.json()["choices"])

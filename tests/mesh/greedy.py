@@ -8,10 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jfire import mesh as meshes
-from jfire import programs, sharding
+from jfire import sharding
 from jfire.kv_cache import init_pages
 from jfire.models.family import Parallel
 from jfire.pipeline import Pipeline
+from tests import greedy_programs
 
 LENGTHS = [12, 5, 9, 1]  # one prompt per row
 ROWS, STEPS = len(LENGTHS), 6
@@ -41,14 +42,13 @@ def run_greedy(cfg, host, spec_text, table: np.ndarray, *, num_pages: int, page_
     for r, n in enumerate(LENGTHS):
         tokens[r, :n] = rng.integers(0, cfg.vocab_size, n)
         positions[r, :n] = np.arange(n)
-    knobs = (np.zeros(ROWS, np.uint32), np.zeros(ROWS, np.float32), np.zeros(ROWS, np.int32), np.ones(ROWS, np.float32))
-    ids, logits, pages = programs.prefill(params, pages, tokens, positions, table, np.array(LENGTHS) - 1, *knobs,
-                                          cfg=cfg, layer_stack=stack, parallel=parallel)
+    ids, logits, pages = greedy_programs.prefill(params, pages, tokens, positions, table, np.array(LENGTHS) - 1,
+                                                 cfg=cfg, layer_stack=stack, parallel=parallel)
     all_logits, all_ids = [np.asarray(logits)], [np.asarray(ids)]
     pos = np.array(LENGTHS, np.int32)
     for _ in range(STEPS):
-        ids, logits, pages = programs.decode(params, pages, np.asarray(ids), pos, table, *knobs, cfg=cfg,
-                                             layer_stack=stack, parallel=parallel)
+        ids, logits, pages = greedy_programs.decode(params, pages, np.asarray(ids), pos, table, cfg=cfg,
+                                                    layer_stack=stack, parallel=parallel)
         all_logits.append(np.asarray(logits))
         all_ids.append(np.asarray(ids))
         pos = pos + 1

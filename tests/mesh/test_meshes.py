@@ -18,6 +18,7 @@ from jfire.kv_cache import init_pages
 from jfire.models.llama import LlamaConfig
 from jfire.models.params import init_params
 from jfire.pipeline import Pipeline, schedule
+from tests import greedy_programs
 
 MESHES = ["pp=1,tp=8", "pp=2,tp=4", "pp=4,tp=2", "pp=8,tp=1"]
 CFG = LlamaConfig(architecture="LlamaForCausalLM", vocab_size=512, hidden_size=128, intermediate_size=256,
@@ -57,14 +58,13 @@ def run_greedy(host, spec_text):
         tokens[r, :n] = rng.integers(0, CFG.vocab_size, n)
         positions[r, :n] = np.arange(n)
     table = np.arange(ROWS * 8, dtype=np.int32).reshape(ROWS, 8)[:, ::-1].copy()  # non-trivial page order
-    knobs = (np.zeros(ROWS, np.uint32), np.zeros(ROWS, np.float32), np.zeros(ROWS, np.int32), np.ones(ROWS, np.float32))
-    ids, logits, pages = programs.prefill(params, pages, tokens, positions, table, np.array(lengths) - 1, *knobs,
-                                          cfg=cfg, layer_stack=stack)
+    ids, logits, pages = greedy_programs.prefill(params, pages, tokens, positions, table, np.array(lengths) - 1,
+                                                 cfg=cfg, layer_stack=stack)
     all_logits, all_ids = [np.asarray(logits)], [np.asarray(ids)]
     pos = np.array(lengths, np.int32)
     for _ in range(STEPS):
-        ids, logits, pages = programs.decode(params, pages, np.asarray(ids), pos, table, *knobs, cfg=cfg,
-                                             layer_stack=stack)
+        ids, logits, pages = greedy_programs.decode(params, pages, np.asarray(ids), pos, table, cfg=cfg,
+                                                    layer_stack=stack)
         all_logits.append(np.asarray(logits))
         all_ids.append(np.asarray(ids))
         pos = pos + 1
@@ -107,11 +107,11 @@ def test_kv_heads_are_replicated_when_tp_exceeds_them(host_params):
     tokens = np.arange(1, 11, dtype=np.int32)[None]
     positions = np.arange(10, dtype=np.int32)[None]
     table = np.arange(4, dtype=np.int32)[None]
-    knobs = (np.zeros(1, np.uint32), np.zeros(1, np.float32), np.zeros(1, np.int32), np.ones(1, np.float32))
-    _, want, _ = programs.prefill(jax.device_put(host), init_pages(narrow, 8, PAGE, jnp.float32), tokens, positions,
-                                  table, np.array([9]), *knobs, cfg=narrow)
-    _, got, _ = programs.prefill(params, init_pages(wide, 8, PAGE, jnp.float32, sharding.cache_shardings(wide, mesh)),
-                                 tokens, positions, table, np.array([9]), *knobs, cfg=wide)
+    _, want, _ = greedy_programs.prefill(jax.device_put(host), init_pages(narrow, 8, PAGE, jnp.float32), tokens,
+                                         positions, table, np.array([9]), cfg=narrow)
+    _, got, _ = greedy_programs.prefill(
+        params, init_pages(wide, 8, PAGE, jnp.float32, sharding.cache_shardings(wide, mesh)), tokens, positions, table,
+        np.array([9]), cfg=wide)
     assert np.linalg.norm(np.asarray(got) - np.asarray(want)) / np.linalg.norm(np.asarray(want)) < 1e-5
 
 
@@ -123,8 +123,7 @@ def compiled_decode_hlo(host, spec):
     b, w = 4, 8
     return programs.decode.lower(
         abstract(params), abstract(pages), s((b,), jnp.int32), s((b,), jnp.int32), s((b, w), jnp.int32),
-        s((b,), jnp.uint32), s((b,), jnp.float32), s((b,), jnp.int32), s((b,), jnp.float32),
-        cfg=cfg, layer_stack=stack).compile().as_text()
+        *greedy_programs.abstract_sampling(b, cfg.vocab_size, rep), cfg=cfg, layer_stack=stack).compile().as_text()
 
 
 @pytest.mark.parametrize("spec", ["pp=1,tp=8", "pp=2,tp=4", "pp=8,tp=1"])

@@ -15,6 +15,7 @@ import pytest
 from jfire import programs
 from jfire.models.llama import LlamaConfig
 from jfire.models.params import get_path, init_params
+from tests import greedy_programs
 from tests.mesh import greedy
 
 # Mixtral-shaped: 8 experts, top-2, every layer routed.
@@ -74,8 +75,8 @@ def test_decode_exchanges_activations_never_expert_weights(spec, host_params):
     b, w = 4, 8
     hlo = programs.decode.lower(
         abstract(params), abstract(pages), s((b,), jnp.int32), s((b,), jnp.int32), s((b, w), jnp.int32),
-        s((b,), jnp.uint32), s((b,), jnp.float32), s((b,), jnp.int32), s((b,), jnp.float32),
-        cfg=cfg, layer_stack=stack, parallel=parallel).compile().as_text()
+        *greedy_programs.abstract_sampling(b, cfg.vocab_size, rep), cfg=cfg, layer_stack=stack,
+        parallel=parallel).compile().as_text()
     # The experts' combine: an all-reduce of the [tokens, embed] activations over the ep x tp group.
     assert re.search(rf"f32\[{b},{CFG.hidden_size}\][^\n]*all-reduce", hlo), "no expert exchange collective"
     expert_shapes = set()

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from jfire import programs
 from jfire.checkpoint.load import load_model
 from jfire.engine import Engine, EngineConfig
 from jfire.models.family import forward, init_cache
 from jfire.sampling import SamplingParams
+from tests import greedy_programs
 from tests.tiny_models import ALL_FAMILIES, hf_text_model
 
 PROMPT_LEN = 20  # past two of the tiny Llama 4's 8-token attention chunks
@@ -46,10 +46,6 @@ def hf_logits(model, ids) -> np.ndarray:
         return model(torch.tensor([ids])).logits[0].numpy()
 
 
-def greedy_knobs():
-    return (jnp.zeros(1, jnp.uint32), jnp.zeros(1, jnp.float32), jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.float32))
-
-
 @pytest.mark.parametrize("family", sorted(ALL_FAMILIES))
 def test_prefill_and_decode_logits_match_transformers(family, tiny_hf_dir):
     path = tiny_hf_dir(family)
@@ -66,24 +62,21 @@ def test_prefill_and_decode_logits_match_transformers(family, tiny_hf_dir):
     # Decode through the compiled programs, checking each step's logits against HF recomputing
     # the whole sequence from scratch.
     cache = init_cache(cfg, 1, 64, jnp.float32)
-    seeds, temperature, top_k, top_p = greedy_knobs()
     tokens = np.zeros((1, 32), np.int32)
     tokens[0, :PROMPT_LEN] = prompt
     positions = np.full((1, 32), -1, np.int32)
     positions[0, :PROMPT_LEN] = np.arange(PROMPT_LEN)
     table = cache.pop("page_table")
-    ids, step_logits, cache = programs.prefill(
-        params, cache, jnp.asarray(tokens), jnp.asarray(positions), table, jnp.asarray([PROMPT_LEN - 1]),
-        seeds, temperature, top_k, top_p, cfg=cfg)
+    ids, step_logits, cache = greedy_programs.prefill(
+        params, cache, jnp.asarray(tokens), jnp.asarray(positions), table, jnp.asarray([PROMPT_LEN - 1]), cfg=cfg)
     seq = list(prompt)
     for step in range(DECODE_STEPS):
         ref = hf_logits(ref_model, seq)[-1]
         assert_close_per_position(step_logits[0], ref, what=f"decode step {step}")
         assert int(ids[0]) == int(np.argmax(ref))
         seq.append(int(ids[0]))
-        ids, step_logits, cache = programs.decode(
-            params, cache, ids, jnp.asarray([len(seq) - 1], jnp.int32), table, seeds, temperature, top_k, top_p,
-            cfg=cfg)
+        ids, step_logits, cache = greedy_programs.decode(
+            params, cache, ids, jnp.asarray([len(seq) - 1], jnp.int32), table, cfg=cfg)
 
 
 @pytest.mark.parametrize("family", sorted(ALL_FAMILIES))

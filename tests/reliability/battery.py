@@ -88,8 +88,8 @@ def valid_stop(v) -> bool:
     return (text(v) and v != "") or (type(v) is list and len(v) <= 4 and all(text(s) and s != "" for s in v))
 
 
-# The roles tried here. `tool` is left out: OpenAI wants a tool_call_id with it, and this
-# server, which takes no tools, neither asks for one nor takes one.
+# The roles tried here. `tool` is left out: it needs a tool_call_id (tests/serve/test_agent_api.py
+# sends real tool turns).
 ROLES = {"system", "developer", "user", "assistant"}
 
 
@@ -112,6 +112,8 @@ def valid_messages(v) -> bool:
     return type(v) is list and len(v) > 0 and all(valid_message(m) for m in v)
 
 
+MAX_VALID_N = 2  # the largest valid n among the values tried
+OPENAI_OBJECTS = ["1", '"x"', "null", '{"type": "json_object"}']
 ROOM = 400  # max_tokens the short base prompts leave room for, of the 512-token context
 MAX_TOKENS = optional(lambda v: integer(v) and 1 <= v <= ROOM)
 # field: (values besides the wrong types, which values are valid). Numbers with a range get
@@ -123,10 +125,14 @@ SHARED = {
     "top_p": (INTEGERS + FLOATS, optional(lambda v: number(v) and 0 < v <= 1)),
     "top_k": (INTEGERS + FLOATS, optional(lambda v: integer(v) and 0 <= v <= 2**31 - 1)),  # an int32 on the device
     "seed": (INTEGERS + FLOATS, optional(lambda v: integer(v) and 0 <= v < 2**32)),
-    "n": (FEW_NUMBERS, optional(lambda v: integer(v) and v == 1)),  # only one choice is served
-    # Penalties are not implemented: only their neutral 0 is taken.
-    "presence_penalty": (FEW_NUMBERS, optional(lambda v: number(v) and v == 0)),
-    "frequency_penalty": (FEW_NUMBERS, optional(lambda v: number(v) and v == 0)),
+    # n counts against the waiting queue (a choice is an engine request): the battery's valid
+    # n stay small (MAX_VALID_N); 16 is the schema's bound.
+    "n": (FEW_NUMBERS + ["17"], optional(lambda v: integer(v) and 1 <= v <= 16)),
+    "presence_penalty": (FEW_NUMBERS + ["-2", "-2.5", "2.5"], optional(lambda v: number(v) and -2 <= v <= 2)),
+    "frequency_penalty": (FEW_NUMBERS + ["-2", "-2.5", "2.5"], optional(lambda v: number(v) and -2 <= v <= 2)),
+    "repetition_penalty": (FEW_NUMBERS + ["10", "10.5"], optional(lambda v: number(v) and 0 < v <= 10)),
+    "response_format": (OPENAI_OBJECTS + ['{"type": "text"}', '{"type": "json_schema"}'],
+                        lambda v: v is None or v in ({"type": "json_object"}, {"type": "text"})),
     "stream": (SOME_NUMBERS, optional(boolean)),
     # Only with "stream": true, which the base bodies do not set.
     "stream_options": (SOME_NUMBERS + ['{"include_usage": true}'], lambda v: v is None),
@@ -139,10 +145,11 @@ COMPLETIONS = {
     **SHARED,
     "prompt": (SOME_NUMBERS + SURROGATES + ['""', "[-1]", f"[{VOCAB}]", "[1.5]", "[true]", '["a", "b"]', "[[1]]",
                                              "[[1], [2]]", '["a"]', "[[]]", r'["\ud800"]'], valid_prompt),
-    # Not implemented: only their neutral values are taken (logprobs 0 still asks for the
-    # sampled tokens' log probabilities).
-    "logprobs": (FEW_NUMBERS, lambda v: v is None),
-    "echo": (SOME_NUMBERS, optional(lambda v: v is False)),
+    "logprobs": (FEW_NUMBERS + ["5", "6"], optional(lambda v: integer(v) and 0 <= v <= 5)),
+    "echo": (SOME_NUMBERS, optional(boolean)),
+    # Chat's: refused by name here.
+    "tools": (OPENAI_OBJECTS, lambda v: v is None),
+    "tool_choice": (OPENAI_OBJECTS, lambda v: v is None),
     "best_of": (FEW_NUMBERS, optional(lambda v: integer(v) and v == 1)),
     "suffix": (SOME_NUMBERS, lambda v: v is None),
 }
@@ -154,7 +161,9 @@ CHAT = {
     "messages": (SOME_NUMBERS + ['[{"role": "user", "content": "hi"}]', "[1]", "[null]", '["hi"]', "[[]]", "[{}]"],
                  valid_messages),
     "max_completion_tokens": (INTEGERS + FLOATS, MAX_TOKENS),
-    "logprobs": (SOME_NUMBERS, optional(lambda v: v is False)),
+    "logprobs": (SOME_NUMBERS, optional(boolean)),
+    "tools": (OPENAI_OBJECTS + ["[]"], lambda v: v is None or v == []),
+    "tool_choice": (OPENAI_OBJECTS + ['"none"', '"auto"'], lambda v: v in (None, "none")),  # "auto" needs tools
     "add_generation_prompt": (SOME_NUMBERS, optional(boolean)),
 }
 # Each part of the one chat message, in place of its valid value.
@@ -167,13 +176,15 @@ MESSAGE = {
         '[{"text": "hi"}]', '[{"type": "text", "text": "hi", "extra": 1}]', r'[{"type": "text", "text": "\ud800"}]',
         '[{"type": "text", "text": "hi", "cache_control": null}]'], valid_content),
     "name": (SOME_NUMBERS + SURROGATES + ['"bob"'], optional(text)),
-    "tool_calls": ([], lambda v: v is None),  # no tools here
+    # Only assistant messages carry tool calls, and only tool messages a tool_call_id.
+    "tool_calls": (["[]", '[{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]'],
+                   lambda v: v is None),
+    "tool_call_id": (['"c"'], lambda v: v is None),
     "made_up_field": (["1"], lambda v: v is None),
 }
 # Fields OpenAI has and this server does not implement, and one nobody has: refused by name
 # unless null.
-UNKNOWN = {name: (["1", '"x"', "null", '{"type": "json_object"}'], lambda v: v is None)
-           for name in ("response_format", "tools", "tool_choice", "logit_bias", "functions", "made_up_option")}
+UNKNOWN = {name: (OPENAI_OBJECTS, lambda v: v is None) for name in ("logit_bias", "functions", "made_up_option")}
 
 BASES = {
     "/v1/completions": {"model": "default", "prompt": "hi", "max_tokens": 1, "temperature": 0},

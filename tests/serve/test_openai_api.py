@@ -195,7 +195,7 @@ BAD_INPUTS = {
     "negative_temperature": ({"model": "default", "prompt": "hi", "temperature": -1}, "temperature"),
     "top_p_above_one": ({"model": "default", "prompt": "hi", "top_p": 2}, "top_p"),
     "negative_top_k": ({"model": "default", "prompt": "hi", "top_k": -3}, "top_k"),
-    "n_above_one": ({"model": "default", "prompt": "hi", "n": 2}, "n"),
+    "n_above_limit": ({"model": "default", "prompt": "hi", "n": 17}, "n"),
     "too_many_stops": ({"model": "default", "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, None),
     "token_outside_vocabulary": ({"model": "default", "prompt": [1, 10 ** 7]}, "prompt"),
     "several_prompts": ({"model": "default", "prompt": ["a", "b"]}, "prompt"),

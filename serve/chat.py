@@ -1,0 +1,90 @@
+"""From an OpenAI request to what the engine runs: the chat prompt (tools and tool-call turns
+rendered through the model's chat template, or through jfire's documented default tool
+prompt when the template takes no tools) and the grammar that constrains the output
+(`response_format`, and `tool_choice` "required" or a named function).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jfire import grammar as grammars
+from jfire import tool_calls
+from jfire.errors import JfireError
+from serve.schemas import ChatCompletionRequest, NamedToolChoice, SamplingFields
+
+
+@dataclasses.dataclass
+class OutputPlan:
+    """How a request's output is constrained and read back."""
+
+    grammar: str | None = None  # llguidance grammar, or None for free text
+    tool_format: tool_calls.ToolCallFormat | None = None  # parse tool calls out of the text
+    keep_special_tokens: bool = False  # tool-call markers are special tokens in some formats
+
+
+class PromptError(JfireError):
+    """A request whose prompt or constraint cannot be built (the message names the field)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def chat_messages(body: ChatCompletionRequest) -> list[dict]:
+    """The request's messages as the plain dicts chat templates read."""
+    out = []
+    for m in body.messages:
+        message = {"role": m.role, "content": m.text() if m.content is not None else None}
+        if m.name is not None:
+            message["name"] = m.name
+        if m.tool_calls:
+            message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
+    return out
+
+
+def tool_dicts(body: ChatCompletionRequest) -> list[dict] | None:
+    """The tools the model is offered: none with tool_choice "none"."""
+    if not body.tools or body.tool_choice == "none":
+        return None
+    return [t.model_dump(exclude_none=True) for t in body.tools]
+
+
+def render_chat(tokenizer, model_type: str | None, body: ChatCompletionRequest) -> tuple[list[int], OutputPlan]:
+    """(prompt ids, output plan) of a chat request."""
+    template = tokenizer.chat_template
+    tools = tool_dicts(body)
+    messages = chat_messages(body)
+    kwargs = {}
+    has_tool_turns = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
+    fmt = tool_calls.format_for(template, model_type) if tools or has_tool_turns else None
+    if tools or has_tool_turns:
+        messages = tool_calls.prepare_messages(messages, tools, template, fmt)
+        if tools and tool_calls.template_takes_tools(template):
+            kwargs["tools"] = tools
+    prompt_ids = tokenizer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt, **kwargs)
+    plan = OutputPlan(grammar=response_grammar(body), tool_format=fmt if tools else None,
+                      keep_special_tokens=tools is not None)
+    if tools and body.tool_choice is not None and body.tool_choice not in ("auto", "none"):
+        only = body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else None
+        try:
+            plan.grammar = fmt.grammar(tools, only=only, parallel=body.parallel_tool_calls and only is None)
+        except (ValueError, JfireError) as e:
+            raise PromptError(f"tools: a tool's parameters cannot be used as a JSON schema: {e}", "tools") from None
+    return prompt_ids, plan
+
+
+def response_grammar(body: SamplingFields) -> str | None:
+    """The grammar `response_format` asks for, or None."""
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    try:
+        if fmt.type == "json_object":
+            return grammars.json_object_grammar()
+        return grammars.json_schema_grammar(fmt.json_schema.schema_)
+    except grammars.GrammarError as e:
+        raise PromptError(f"response_format: {e}", "response_format") from None
