@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from jfire.checkpoint.default_model import default_gguf_path
 from jfire.checkpoint.load import load_model
 from jfire.engine import Engine, EngineConfig
 from jfire.sampling import SamplingParams
