@@ -34,6 +34,7 @@ SLOWEST_FIRST = [
     "tests/disagg/test_disagg_1p1d.py",
     "tests/models/test_hf_parity.py",
     "tests/serve/test_openai_api.py",
+    "tests/serve/test_agent_api.py",
     "tests/disagg/test_disagg_meshes.py",
     "tests/disagg/test_disagg_moe.py",
     "tests/test_engine.py",
