@@ -267,6 +267,11 @@ class Engine:
         if self.config.aot:
             shapes = self.programs.essential_shapes() if background else None
             self.programs.compile_all(workers=self.config.compile_workers, progress=compile_progress, shapes=shapes)
+        # The penalty-slot update is the one program outside the buckets: compile it now (by
+        # running it on the scratch slot), never when a request first asks for penalties.
+        vocab = self.cfg.vocab_size
+        self.penalties = set_penalty_slot(self.penalties, self._scratch_slot, np.zeros(vocab, np.int32),
+                                          np.zeros(vocab, bool))
         self.startup_s = time.perf_counter() - t0
         if background:
             self._compiler = threading.Thread(target=self._compile_rest, name="jfire-compile-rest", daemon=True)
