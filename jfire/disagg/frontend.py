@@ -27,7 +27,6 @@ import httpx
 
 from jfire.disagg import cluster
 from jfire.disagg.deployment import Deployment
-from jfire.disagg.worker import sampling_to_json
 from jfire.engine import RequestOutput, check_request, context_limit
 from jfire.grammar import Grammars
 from jfire.errors import JfireError
@@ -251,7 +250,7 @@ class RemoteEngine:
 
     def _prefill(self, group: _GroupState, decode: _GroupState, request_id, prompt_ids, sampling) -> dict | str:
         """The prefill group's answer, or an error message."""
-        body = {"request_id": request_id, "prompt_ids": prompt_ids, "sampling": sampling_to_json(sampling),
+        body = {"request_id": request_id, "prompt_ids": prompt_ids, "sampling": sampling.to_json(),
                 "shards": decode.info.get("kv_shards", 1)}
         try:
             r = self._http.post(group.info["control"] + "/prefill", json=body)
@@ -266,7 +265,7 @@ class RemoteEngine:
     def _decode(self, group: _GroupState, request_id, prompt_ids, sampling, first: dict, emit) -> str | None:
         """Relays the decode group's outputs; returns an error message if it failed."""
         body = {"request_id": request_id, "prompt_ids": prompt_ids, "first_token": first["first_token"],
-                "first_logprobs": first.get("first_logprobs"), "sampling": sampling_to_json(sampling),
+                "first_logprobs": first.get("first_logprobs"), "sampling": sampling.to_json(),
                 "transfer": first["transfer"]}
         arrived = emitted_prompt_logprobs = False
         try:

@@ -33,14 +33,6 @@ from jfire.errors import JfireError
 from jfire.sampling import SamplingParams
 
 
-def sampling_from_json(d: dict) -> SamplingParams:
-    return SamplingParams.from_json(d)
-
-
-def sampling_to_json(sp: SamplingParams) -> dict:
-    return sp.to_json()
-
-
 def output_to_json(out: RequestOutput) -> dict:
     return {k: v for k, v in dataclasses.asdict(out).items() if v is not None}
 
@@ -89,7 +81,7 @@ def create_control_app(engine, process: Process) -> FastAPI:
         request_id = body["request_id"]
         outputs, on_output = attach(request_id)
         try:
-            engine.submit(body["prompt_ids"], sampling_from_json(body["sampling"]), request_id=request_id,
+            engine.submit(body["prompt_ids"], SamplingParams.from_json(body["sampling"]), request_id=request_id,
                           on_output=on_output, shards=int(body.get("shards", 1)))
         except (JfireError, TypeError, ValueError) as e:
             return error(400, str(e))
@@ -112,7 +104,7 @@ def create_control_app(engine, process: Process) -> FastAPI:
         request_id = body["request_id"]
         outputs, on_output = attach(request_id)
         try:
-            engine.submit_prefilled(body["prompt_ids"], body["first_token"], sampling_from_json(body["sampling"]),
+            engine.submit_prefilled(body["prompt_ids"], body["first_token"], SamplingParams.from_json(body["sampling"]),
                                     body["transfer"], request_id=request_id, on_output=on_output,
                                     first_logprobs=body.get("first_logprobs"))
         except (JfireError, TypeError, ValueError, KeyError) as e:
