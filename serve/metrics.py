@@ -35,6 +35,7 @@ class EngineCollector:
         # Disaggregated serving: KV cache moved from prefill groups to decode groups.
         "kv_transfer_bytes": ("jfire_kv_transfer_bytes", "KV cache bytes pulled from prefill into decode groups"),
         "kv_transfers": ("jfire_kv_transfers", "Requests whose KV cache moved from prefill to decode"),
+        "kv_handoffs": ("jfire_kv_handoffs", "Requests whose prefill group published their KV cache to the frontend"),
     }
 
     def __init__(self, stats: Callable[[], dict]):

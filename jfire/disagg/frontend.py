@@ -166,6 +166,7 @@ class RemoteEngine:
         out = dict(total)
         out["kv_transfer_bytes"] = self._counts["kv_transfer_bytes"]
         out["kv_transfers"] = self._counts["kv_transfers"]
+        out["kv_handoffs"] = self._counts["kv_handoffs"]
         out["running"] = sum(s.in_flight for s in self.groups.values() if s.role == "decode")
         return out
 
@@ -260,6 +261,8 @@ class RemoteEngine:
                     f"{type(e).__name__} ({e or 'connection lost'}); the process may have stopped")
         if r.status_code != 200:
             return f"prefill group {group.name!r}: {_error_of(r)}"
+        with self._lock:  # published, and the frontend knows where: the decode group pulls from here on
+            self._counts["kv_handoffs"] += 1
         return r.json()
 
     def _decode(self, group: _GroupState, request_id, prompt_ids, sampling, first: dict, emit) -> str | None:

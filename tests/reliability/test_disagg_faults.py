@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from tests.disagg.clients import PROMPTS, ask, assert_same_as_colocated, client, key_for
-from tests.disagg.deployment_process import REPO, launch, wait_for
+from tests.disagg.deployment_process import REPO, launch, metric, wait_for
 from tests.reliability.tally import TALLY
 
 TRANSFER_TIMEOUT_S = 5
@@ -176,7 +176,7 @@ def test_killing_prefill_mid_transfer(deployment, colocated_reference):
     the prefill process is killed, and the decode group, thawed, finds its sender gone."""
     before = all_up(deployment)
     prefill, decode = before["groups"]["prefill-0"], before["groups"]["decode-0"]
-    published = stats(prefill)["transfers_published"]
+    handoffs = metric(deployment.url, "jfire_kv_handoffs_total")
     kill(decode, signal.SIGSTOP)
     result: dict = {}
 
@@ -192,7 +192,10 @@ def test_killing_prefill_mid_transfer(deployment, colocated_reference):
         thread.start()
         TALLY.sent += 1
         # Kept short: a process frozen past the cluster's 10 s heartbeat would be declared dead.
-        wait_for(lambda: stats(prefill)["transfers_published"] > published, 8, "the prefill group to publish")
+        # The frontend has the prefill group's answer (published, not yet pulled): killing the
+        # prefill group any earlier would test the failure before publishing instead.
+        wait_for(lambda: metric(deployment.url, "jfire_kv_handoffs_total") > handoffs, 8,
+                 "the frontend to receive the prefill group's published transfer")
         kill(prefill)
     finally:
         kill(decode, signal.SIGCONT)
