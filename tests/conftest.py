@@ -22,6 +22,14 @@ if "JFIRE_COMPILE_CACHE" not in os.environ:
     _OWN_CACHE = os.environ["JFIRE_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="jfire-test-xla-")
 
 
+def pytest_configure(config):
+    """The tests' own engines and programs use that cache too: a program another module or the
+    other worker already compiled (the same model at the same shapes) is loaded, not rebuilt."""
+    from jfire.engine import enable_compilation_cache
+
+    enable_compilation_cache(os.environ["JFIRE_COMPILE_CACHE"])
+
+
 # The suite runs on two parallel workers (pytest -n 2 --dist loadscope in pyproject.toml), each
 # module on one worker, handed out in collection order as workers free up. The slowest modules
 # (measured) go first so that no worker is left running a long one alone at the end; the rest
