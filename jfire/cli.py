@@ -6,6 +6,7 @@ Every user-facing failure is a JfireError, printed as one line with exit status 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -106,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--output-len", type=int, default=128)
     b.add_argument("--output", default="bench.json", help="JSON results file (default bench.json)")
     b.add_argument("--skip-startup", action="store_true", help="do not measure cold/warm start-up")
+    b.add_argument("--compare", action="store_true",
+                   help="the default model through jfire, llama.cpp (F32 and Q4_1 GGUF) and transformers, side by side "
+                        "in alternating rounds: a table, --output JSON and --chart PNG (needs the 'bench' extra)")
+    b.add_argument("--rounds", type=int, default=3, help="with --compare: rounds of every engine (default 3)")
+    b.add_argument("--chart", default="bench-compare.png", help="with --compare: PNG chart (default bench-compare.png)")
 
     v = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     _add_model_args(v)
@@ -310,6 +316,8 @@ def cmd_bench(args) -> int:
     from jfire import bench
     from jfire.checkpoint.load import load_model
 
+    if args.compare:
+        return _bench_compare(args)
     try:
         args.concurrency = [int(c) for c in args.concurrency.split(",")]
     except ValueError:
@@ -327,6 +335,24 @@ def cmd_bench(args) -> int:
     if args.keep_compressed:
         engine_args += ["--keep-compressed"]
     bench.run(args, model, config, engine_args)
+    return 0
+
+
+def _bench_compare(args) -> int:
+    from jfire import bench_compare
+
+    if args.model not in (None, "default") or args.dtype != "float32":
+        raise JfireError("--compare measures the default model in float32 (llama.cpp and transformers read the same "
+                         "GGUF); drop --model/--dtype")
+    if args.rounds < 1:
+        raise JfireError(f"--rounds must be >= 1, got {args.rounds}")
+    missing = [name for name, module in (("llama-cpp-python", "llama_cpp"), ("transformers", "transformers"),
+                                         ("matplotlib", "matplotlib")) if importlib.util.find_spec(module) is None]
+    if missing:
+        raise JfireError(f"--compare needs {', '.join(missing)}: install the bench extra "
+                         "(.venv/bin/pip install -e '.[bench]'; llama-cpp-python compiles from source)")
+    output = args.output if args.output != "bench.json" else "bench-compare.json"
+    bench_compare.run_compare(args.rounds, output, args.chart)
     return 0
 
 
