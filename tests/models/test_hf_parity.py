@@ -56,7 +56,7 @@ def test_prefill_and_decode_logits_match_transformers(family, tiny_hf_dir):
 
     # Prefill: every position's logits.
     cache = init_cache(cfg, 1, 64, jnp.float32)
-    logits, _ = forward(params, cfg, jnp.asarray([prompt]), jnp.arange(PROMPT_LEN)[None], cache)
+    logits, _ = jax.jit(forward, static_argnums=1)(params, cfg, jnp.asarray([prompt]), jnp.arange(PROMPT_LEN)[None], cache)
     assert_close_per_position(logits[0], hf_logits(ref_model, prompt), what="prefill")
 
     # Decode through the compiled programs, checking each step's logits against HF recomputing
