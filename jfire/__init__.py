@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 # touches JAX. They do not apply to GPU or TPU compiles.
 #  - xla_cpu_use_fusion_emitters=false: XLA's older elemental emitters for loop fusions. On
 #    the default model they run decode and prefill steps at the same speed as the newer
-#    emitters and compile each program about 30% faster (measured in docs/performance.md).
+#    emitters and compile each program about 25% faster (measured in docs/performance.md).
 CPU_XLA_FLAGS = {"xla_cpu_use_fusion_emitters": "false"}
 
 

@@ -33,7 +33,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -86,7 +85,8 @@ def memory_bandwidth_gbs(gib: float = 1.0, repeats: int = 7) -> float:
 
 
 def prompts(vocab: int, seed: int = 0) -> tuple[list[int], list[list[int]]]:
-    """The 512-token prompt and the 16 concurrent 128-token prompts (random ids, no EOS)."""
+    """The 512-token prompt and the 16 concurrent 128-token prompts (random ids, no EOS) for
+    llama.cpp and transformers; jfire's come from `jfire bench`'s own waves, drawn alike."""
     rng = np.random.default_rng(seed)
     one = [int(x) for x in rng.integers(100, vocab, PROMPT_LEN)]
     many = [[int(x) for x in rng.integers(100, vocab, CONC_PROMPT)] for _ in range(CONC)]
@@ -97,37 +97,21 @@ def prompts(vocab: int, seed: int = 0) -> tuple[list[int], list[list[int]]]:
 
 
 def _jfire(cache_dir: str) -> dict:
+    from jfire.bench import run_wave
     from jfire.checkpoint.load import load_model
     from jfire.engine import Engine, EngineConfig
     from jfire.sampling import SamplingParams
 
     model = load_model("default", "float32")
     config = EngineConfig(max_batch=CONC, max_model_len=1024, compilation_cache_dir=cache_dir)
-    greedy = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)  # noqa: E731
-    one, many = prompts(model.config.vocab_size)
     with Engine(model, config) as engine:
-        engine.generate([([1, 2, 3], greedy(1))])
+        engine.generate([([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=1))])
         print(FIRST_TOKEN, flush=True)
         engine.wait_compiled()  # the rest measures serving, not background compilation
-        out = {}
-        times: list[float] = []  # when each output arrived
-        finished = threading.Event()
-
-        def record(o):
-            if o.token_ids:
-                times.append(time.perf_counter())
-            if o.finished:
-                finished.set()
-
-        start = time.perf_counter()
-        engine.submit(one, greedy(DECODE_TOKENS + 1), on_output=record)
-        finished.wait()
-        out["ttft_s"] = times[0] - start
-        out["decode_tps"] = DECODE_TOKENS / (times[-1] - times[0])
-        start = time.perf_counter()
-        results = engine.generate([(p, greedy(CONC_TOKENS)) for p in many])
-        out["conc16_tps"] = sum(len(r.token_ids) for r in results) / (time.perf_counter() - start)
-    return out
+        alone = run_wave(engine, 1, PROMPT_LEN, DECODE_TOKENS + 1, seed=0)
+        together = run_wave(engine, CONC, CONC_PROMPT, CONC_TOKENS, seed=1)
+    return {"ttft_s": alone["ttft_s"]["p50"], "decode_tps": 1 / alone["tpot_s"]["p50"],
+            "conc16_tps": together["output_tokens_per_s"]}
 
 
 def _llama_cpp(path: str) -> dict:
