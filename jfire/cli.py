@@ -38,6 +38,51 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "memory and decode each layer just before it runs (more room for the KV cache)")
 
 
+def _add_group_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--coordinator", default=None,
+                   help="HOST:PORT of process 0, for one engine whose mesh spans several processes (hosts): run the "
+                        "same command on each with its own --process-id; process 0 schedules, the others follow")
+    p.add_argument("--num-processes", type=int, default=None, help="with --coordinator: processes in the group")
+    p.add_argument("--process-id", type=int, default=None, help="with --coordinator: this process (0 = the leader)")
+
+
+def _join_group(args) -> None:
+    """With --coordinator: joins the group's jax.distributed cluster, before JAX starts."""
+    coordinator = getattr(args, "coordinator", None)
+    given = [getattr(args, "num_processes", None) is not None, getattr(args, "process_id", None) is not None]
+    if coordinator is None:
+        if any(given):
+            raise JfireError("--num-processes and --process-id go with --coordinator HOST:PORT (process 0's address)")
+        return
+    if not all(given):
+        raise JfireError("--coordinator needs --num-processes N and --process-id I (0 for the leader)")
+    if args.mesh in (None, "", "single"):
+        raise JfireError("a group spanning processes needs --mesh (e.g. pp=2,tp=4 over 2 processes of 4 devices)")
+    from jfire import lockstep
+
+    # Gloo writes notes about its connections to the C stdout: send those to stderr, so that
+    # stdout carries jfire's output only (JSON lines a script reads).
+    sys.stdout.flush()
+    kept = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = os.fdopen(kept, "w", buffering=1)
+    lockstep.join(coordinator, args.num_processes, args.process_id)
+
+
+def _lead_or_follow(args, engine) -> int | None:
+    """In a group spanning processes, process 0 leads: it gets the channel to its followers
+    and goes on (None). Any other process follows it until it stops; returns the exit status."""
+    if getattr(args, "coordinator", None) is None:
+        return None
+    from jfire import lockstep
+
+    channel = lockstep.StepChannel("colocated", list(range(args.num_processes)), args.process_id)
+    if args.process_id == 0:
+        engine.step_channel = channel
+        return None
+    return lockstep.follow(engine, channel)
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, default=None, help="most sequences decoding at once (default 64)")
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="device memory for the paged KV cache (default 1)")
@@ -98,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.add_argument("--output", help="with --prompts-file: write JSONL results here (default: stdout)")
     _add_engine_args(g)
+    _add_group_args(g)
 
     b = sub.add_parser("bench", help="throughput, TTFT/TPOT and start-up benchmark (prints a table, writes JSON)")
     _add_model_args(b)
@@ -128,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-context", type=int, default=None,
                    help="cap the context below the model's own (default: the model's, at most 4096)")
     v.add_argument("--served-model-name", default=None, help="the model id clients send (default: from --model)")
+    _add_group_args(v)
 
     n = sub.add_parser("launch", help="start a disaggregated deployment (frontend, prefill and decode groups)")
     n.add_argument("deployment", help="a deployment .toml file or a name in meshes/ (e.g. local-1p1d)")
@@ -234,8 +281,12 @@ def cmd_generate(args) -> int:
     load_s = time.perf_counter() - t0
     if args.prompts_file:
         return _generate_batch(args, model, sampling)
+    engine = Engine(model, engine_config(args, single=True))
+    status = _lead_or_follow(args, engine)
+    if status is not None:
+        return status
     prompt_ids = _prompt_ids(args, model.tokenizer)
-    with Engine(model, engine_config(args, single=True)) as engine:
+    with engine:
         compile_s = engine.compile_for(len(prompt_ids), sampling.max_tokens) if args.json else 0.0
         handle = engine.submit(prompt_ids, sampling)
         if args.json or model.tokenizer is None:
@@ -279,6 +330,9 @@ def _generate_batch(args, model, sampling) -> int:
     from jfire.engine import Engine
 
     engine = Engine(model, engine_config(args, single=False))
+    status = _lead_or_follow(args, engine)
+    if status is not None:
+        return status
     requests = batch.read_requests(Path(args.prompts_file), sampling, model.tokenizer)
     batch.validate_requests(engine, requests)  # a bad line costs nothing: nothing compiled, nothing written
     out = open(args.output, "w") if args.output else sys.stdout
@@ -374,7 +428,12 @@ def cmd_serve(args) -> int:
         raise JfireError(f"--shutdown-grace must be >= 0 seconds, got {args.shutdown_grace}")
     if not args.max_body_mb > 0:
         raise JfireError(f"--max-body-mb must be > 0, got {args.max_body_mb}")
+    if args.coordinator is not None and args.process_id != 0:
+        from jfire.engine import Engine
+
+        return _lead_or_follow(args, Engine(model, config))
     return server.run(model, config, host=args.host, port=args.port, api_key=api_key,
+                      lead=lambda engine: _lead_or_follow(args, engine),
                       max_body_bytes=int(args.max_body_mb * (1 << 20)), shutdown_grace_s=args.shutdown_grace,
                       model_name=args.served_model_name or server.served_name(args.model))
 
@@ -443,7 +502,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         _use_cpu_devices(getattr(args, "cpu_devices", None))
-        return COMMANDS[args.command](args)
+        if args.command in ("generate", "serve"):
+            _join_group(args)
+        status = COMMANDS[args.command](args)
+        if status and getattr(args, "coordinator", None):
+            # The group is down: leave now, not through jax.distributed's shutdown barrier,
+            # which waits for (and aborts over) the processes that are gone.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+        return status
     except JfireError as e:
         print(f"jfire: error: {e}", file=sys.stderr)
         return 2

@@ -31,6 +31,7 @@ from jfire.programs import ATTENTION_IMPLS, Buckets, CompiledPrograms
 from jfire.sampling import (PenaltyState, RowSampling, SamplingParams, init_penalty_state, mask_words,
                             set_penalty_slot)
 from jfire.scheduler import Chunk, Phase, Scheduler, Sequence
+from jfire.sharding import to_host
 from jfire.tokenizer import find_stop, holdback
 
 
@@ -253,14 +254,20 @@ class Engine:
         # building and output handling against the device's programs (`stats()`).
         self._step_time: collections.Counter = collections.Counter()
         self.error: BaseException | None = None
+        # A group spanning processes (jfire.lockstep): its leader sends every device call to
+        # the followers through this channel before running it.
+        self.step_channel = None
 
     # -- life cycle ----------------------------------------------------------------------------
 
-    def start(self, compile_progress: Callable[[int, int], None] | None = None) -> "Engine":
+    def start(self, compile_progress: Callable[[int, int], None] | None = None, *, run_loop: bool = True) -> "Engine":
         """Compiles the programs ahead of time, then starts the engine thread: every bucket
         first, or with `serve_while_compiling` only the essential ones, the rest in the
-        background while the engine serves (jfire.programs.CompiledPrograms)."""
+        background while the engine serves (jfire.programs.CompiledPrograms). A group's
+        follower compiles alike but runs no loop of its own (`run_loop=False`)."""
         t0 = time.perf_counter()
+        if self.step_channel is not None:
+            self.step_channel.post_config(self)
         if self.config.compilation_cache_dir:
             enable_compilation_cache(self.config.compilation_cache_dir)
         background = self.config.aot and self.config.serve_while_compiling
@@ -269,9 +276,9 @@ class Engine:
             self.programs.compile_all(workers=self.config.compile_workers, progress=compile_progress, shapes=shapes)
         # The penalty-slot update is the one program outside the buckets: compile it now (by
         # running it on the scratch slot), never when a request first asks for penalties.
+        # Every process of a group runs start() itself, so this call is not sent to followers.
         vocab = self.cfg.vocab_size
-        self.penalties = set_penalty_slot(self.penalties, self._scratch_slot, np.zeros(vocab, np.int32),
-                                          np.zeros(vocab, bool))
+        self._apply("penalty", self._scratch_slot, (np.zeros(vocab, np.int32), np.zeros(vocab, bool)))
         self.startup_s = time.perf_counter() - t0
         if background:
             self._compiler = threading.Thread(target=self._compile_rest, name="jfire-compile-rest", daemon=True)
@@ -279,8 +286,9 @@ class Engine:
         else:
             self.compiled_s = self.startup_s
         self._publish_stats()
-        self._thread = threading.Thread(target=self._run, name="jfire-engine", daemon=True)
-        self._thread.start()
+        if run_loop:
+            self._thread = threading.Thread(target=self._run, name="jfire-engine", daemon=True)
+            self._thread.start()
         self.ready.set()
         return self
 
@@ -327,6 +335,8 @@ class Engine:
         self._commands.put(("wake", None))
         if self._thread is not None:
             self._thread.join(timeout=30)
+        if self.step_channel is not None and self.error is None:
+            self.step_channel.stop()
         if self._compiler is not None:
             # It stops between compilations: never leave XLA compiling while the process exits.
             self._compiler.join(timeout=120)
@@ -423,8 +433,9 @@ class Engine:
                 self._deliver()
         except BaseException as e:  # a bug or a device failure: fail every request loudly
             self.error = e
+            what = "engine failure" if self.step_channel is None else "engine failure (in a group spanning processes)"
             for live in self._all_requests():
-                self._finish(live, "error", error=f"engine failure: {e}")
+                self._finish(live, "error", error=f"{what}: {e}")
             self._deliver()
             if self.on_fatal is not None:
                 self.on_fatal(e)
@@ -553,8 +564,7 @@ class Engine:
             seq, vocab = live.seq, self.cfg.vocab_size
             generated = np.bincount(np.asarray(seq.tokens[len(seq.prompt_ids):], np.int64), minlength=vocab)
             in_prompt = np.bincount(np.asarray(seq.prompt_ids, np.int64), minlength=vocab) > 0
-            self.penalties = set_penalty_slot(self.penalties, live.slot, generated[:vocab].astype(np.int32),
-                                              in_prompt[:vocab])
+            self._device_call("penalty", live.slot, (generated[:vocab].astype(np.int32), in_prompt[:vocab]))
         return live.slot
 
     def _release_slot(self, live: _Live) -> None:
@@ -579,21 +589,44 @@ class Engine:
         positions = np.full(rows, -1, np.int32)
         for r, seq in enumerate(seqs):
             tokens[r], positions[r] = seq.tokens[-1], len(seq.tokens) - 1
-        program = self.programs.decode(rows, width)
         sampling = self._sampling_rows(seqs, rows, [True] * len(seqs))
         inputs = (tokens, positions, self._row_table(seqs, rows, width), sampling)
-        return self._on_device(t0, seqs, lambda: program(self.model.params, self.pages, *inputs, self.penalties))[0]
+        return self._on_device(t0, seqs, "decode", (rows, width), inputs)[0]
 
-    def _on_device(self, t0: float, seqs: list[Sequence], call) -> tuple[list[tuple], object]:
+    def _device_call(self, kind: str, key, inputs):
+        """Every device program the engine thread runs goes through here: a group spanning
+        processes (jfire.lockstep) sends the call to its followers first, so that every
+        process runs the same program on the same inputs."""
+        if self.step_channel is not None:
+            self.step_channel.send(kind, key, inputs)
+        return self._apply(kind, key, inputs)
+
+    def _apply(self, kind: str, key, inputs):
+        """Runs one program on this process's state: "decode" (key (rows, width)), "prefill"
+        (key (rows, tokens, width)), or "penalty" (key: the slot to start). Returns the
+        SampleOut of a decode or prefill."""
+        if kind == "penalty":
+            self.penalties = set_penalty_slot(self.penalties, key, *inputs)
+            return None
+        if kind == "decode":
+            program = self.programs.decode(*key)
+            out, _, self.penalties, self.pages = program(self.model.params, self.pages, *inputs, self.penalties)
+        else:
+            program = self.programs.prefill(*key)
+            *args, targets = inputs
+            out, _, self.penalties, self.pages = program(self.model.params, self.pages, *args, self.penalties, targets)
+        return out
+
+    def _on_device(self, t0: float, seqs: list[Sequence], kind: str, key, inputs) -> tuple[list[tuple], object]:
         """Runs a program call and waits for its ids, timing the host's preparation since t0
         and the device's part (dispatch to result) for `stats()`. Returns, per row of seqs,
         (token, logprobs entry or None), and the program's SampleOut."""
         t1 = time.perf_counter()
-        out, _, self.penalties, self.pages = call()
-        ids = np.asarray(out.ids)
+        out = self._device_call(kind, key, inputs)
+        ids = to_host(out.ids)
         wanted = [seq.sampling.logprobs for seq in seqs]
         if any(k is not None for k in wanted):
-            logprob, top_ids, top_lps = np.asarray(out.logprob), np.asarray(out.top_ids), np.asarray(out.top_logprobs)
+            logprob, top_ids, top_lps = to_host(out.logprob), to_host(out.top_ids), to_host(out.top_logprobs)
         self._step_time["prepare"] += t1 - t0
         self._step_time["device"] += time.perf_counter() - t1
         results = []
@@ -627,12 +660,10 @@ class Engine:
             positions[r, : c.length] = np.arange(c.start, c.start + c.length)
             last[r] = c.length - 1
         seqs = [c.seq for c in chunks]
-        program = self.programs.prefill(rows, t, width)
         sampling = self._sampling_rows(seqs, rows, [c.completes_prompt for c in chunks])
         targets = self._prompt_targets(chunks, rows, t)
-        inputs = (tokens, positions, self._row_table(seqs, rows, width), last, sampling)
-        results, out = self._on_device(
-            t0, seqs, lambda: program(self.model.params, self.pages, *inputs, self.penalties, targets))
+        inputs = (tokens, positions, self._row_table(seqs, rows, width), last, sampling, targets)
+        results, out = self._on_device(t0, seqs, "prefill", (rows, t, width), inputs)
         if (targets >= 0).any():
             self._keep_prompt_logprobs(chunks, targets, out.prompt)
         return results
@@ -649,7 +680,7 @@ class Engine:
         return targets
 
     def _keep_prompt_logprobs(self, chunks: list[Chunk], targets: np.ndarray, prompt) -> None:
-        logprob, top_ids, top_lps = (np.asarray(x) for x in prompt)
+        logprob, top_ids, top_lps = (to_host(x) for x in prompt)
         for r, c in enumerate(chunks):
             live = self._live[c.seq.request_id]
             k = c.seq.sampling.logprobs or 0

@@ -150,3 +150,14 @@ def page_bytes_per_device(cfg: Family, page_size: int, dtype, cache_shardings: d
         shard = cache_shardings[c.name].shard_shape(c.shape(n, page_size))
         total += int(np.prod(shard)) * np.dtype(dtype).itemsize
     return -(-total // n)
+
+
+def to_host(x) -> np.ndarray:
+    """A program's output as a numpy array. In a group spanning processes an output lives on
+    devices of several processes; the small per-row outputs (ids, logprobs) are replicated,
+    so this process's own copy is the whole value."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    if not x.is_fully_replicated:
+        raise ValueError(f"an output of sharding {x.sharding} is split over processes; it cannot be read here")
+    return np.asarray(x.addressable_data(0))

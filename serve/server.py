@@ -62,10 +62,13 @@ def drain(state: ServerState, grace_s: float) -> None:
 
 
 def run(model, config: EngineConfig, *, host: str, port: int, api_key: str | None, model_name: str,
-        max_body_bytes: int = 16 << 20, shutdown_grace_s: float = 30.0) -> int:
+        max_body_bytes: int = 16 << 20, shutdown_grace_s: float = 30.0, lead=None) -> int:
     """Serves until SIGTERM/SIGINT (exit status 0) or until the engine fails for good (1: its
-    requests have ended with an error, /health says so, and a supervisor should restart it)."""
+    requests have ended with an error, /health says so, and a supervisor should restart it).
+    `lead(engine)`, in a group spanning processes, connects the engine to its followers."""
     engine = Engine(model, config)
+    if lead is not None:
+        lead(engine)
     state = ServerState(engine=engine, model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes)
     app = create_app(state)
 

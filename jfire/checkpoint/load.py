@@ -173,6 +173,12 @@ def _mesh_for(mesh_spec, config: Family, devices=None):
         return None
     from jfire import mesh as meshes
 
+    if devices is None and jax.process_count() > 1 and mesh_spec.size != jax.device_count():
+        # A group spanning processes: every process must hold devices of the mesh.
+        n, local = jax.process_count(), jax.local_device_count()
+        raise JfireError(f"mesh {mesh_spec.name!r} has {mesh_spec.size} devices but the group's {n} processes hold "
+                         f"{jax.device_count()} ({local} each); a group's mesh spans every device of every process: "
+                         f"give each process {mesh_spec.size / n:g} devices, or use a mesh of {jax.device_count()}")
     devices = list(devices if devices is not None else jax.devices())
     meshes.check_fits(mesh_spec, config, len(devices))
     return meshes.build(mesh_spec, devices)

@@ -1,0 +1,154 @@
+"""One engine over several processes, in lock-step: JAX's multi-controller model.
+
+A group too large for one host runs as N processes. Each holds its own devices of one global
+mesh (`jax.distributed`; collectives cross processes: gloo on CPU, NCCL on GPUs) and every
+process must call the same compiled program, with the same inputs, in the same order. The
+leader (the group's first process) runs the scheduler like any engine; every device call it
+makes (`Engine._device_call`: which program, its shape, its host inputs) goes first to each
+follower through the jax.distributed key-value store, numbered. Followers only replay calls,
+in order: one that receives a number out of sequence, or a call to a program it does not
+have, fails loudly rather than run something the leader did not.
+
+The leader also posts its configuration (model, mesh, page pool, buckets) before the first
+call; a follower started with other settings refuses to run instead of diverging later.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import sys
+import zlib
+
+import jax
+
+from jfire.errors import JfireError
+
+STEPS_DIR = "jfire/lockstep/"
+POLL_MS = 1000  # how long a follower's read waits before it looks again (the leader may be idle)
+
+
+def join(coordinator: str, num_processes: int, process_id: int, *, init_timeout_s: int = 300,
+         heartbeat_timeout_s: int = 10) -> None:
+    """Joins the group's jax.distributed cluster (process 0 hosts the coordinator service);
+    blocks until every process has joined. A process whose peer stops answering for
+    heartbeat_timeout_s is shut down by JAX: a group lives and dies whole."""
+    if num_processes < 2:
+        raise JfireError(f"--num-processes must be >= 2 for a group spanning processes, got {num_processes}")
+    if not 0 <= process_id < num_processes:
+        raise JfireError(f"--process-id must be in 0..{num_processes - 1}, got {process_id}")
+    try:
+        jax.distributed.initialize(coordinator, num_processes, process_id, initialization_timeout=init_timeout_s,
+                                   heartbeat_timeout_seconds=heartbeat_timeout_s)
+    except Exception as e:  # noqa: BLE001 - jax raises plain RuntimeErrors/XlaRuntimeErrors here
+        raise JfireError(f"could not join the group at {coordinator} as process {process_id} of "
+                         f"{num_processes}: {e}") from None
+    jax.devices()  # every process must bring up its backend before any can use it
+
+
+def client():
+    from jax._src import distributed
+
+    if distributed.global_state.client is None:
+        raise JfireError("this process has not joined a group (jax.distributed is not initialised)")
+    return distributed.global_state.client
+
+
+def fingerprint(engine) -> dict:
+    """What every process of a group must agree on for its programs and page tables to match."""
+    model, config = engine.model, engine.config
+    return {"model": model.name, "dtype": model.dtype, "mesh": str(dict(model.mesh.shape)) if model.mesh else None,
+            "devices": [d.id for d in model.mesh.devices.flat] if model.mesh else None,
+            "pages": engine.pool.num_pages, "page_size": config.page_size, "max_model_len": engine.max_model_len,
+            "buckets": repr(engine.buckets), "attention": config.attention}
+
+
+class StepChannel:
+    """The leader's end (`send`) or a follower's (`receive`) of a group's stream of device calls."""
+
+    def __init__(self, group: str, processes: list[int], me: int, store=None):
+        self.store = store if store is not None else client()
+        self.group = group
+        self.leader, self.followers = processes[0], [p for p in processes if p != processes[0]]
+        self.me = me
+        self.seq = 0
+
+    def _key(self, follower: int, seq: int) -> str:
+        return f"{STEPS_DIR}{self.group}/{follower}/{seq}"
+
+    def _config_key(self) -> str:
+        return f"{STEPS_DIR}{self.group}/config"
+
+    # -- the leader ----------------------------------------------------------------------------
+
+    def post_config(self, engine) -> None:
+        self.store.key_value_set(self._config_key(), json.dumps(fingerprint(engine)), allow_overwrite=True)
+
+    def send(self, kind: str, key, inputs) -> None:
+        """Numbers the call and leaves it for every follower; it runs right after on the leader."""
+        self.seq += 1
+        payload = zlib.compress(pickle.dumps((self.seq, kind, key, inputs), protocol=pickle.HIGHEST_PROTOCOL), 1)
+        for follower in self.followers:
+            self.store.key_value_set_bytes(self._key(follower, self.seq), payload)
+
+    def stop(self) -> None:
+        """Tells followers the leader is done (they exit with status 0)."""
+        try:
+            self.send("stop", None, None)
+        except Exception:  # noqa: BLE001 - the group is already going down
+            pass
+
+    # -- a follower ----------------------------------------------------------------------------
+
+    def check_config(self, engine, timeout_s: float = 600) -> None:
+        try:
+            leader = json.loads(self.store.blocking_key_value_get(self._config_key(), int(timeout_s * 1000)))
+        except Exception as e:  # noqa: BLE001
+            raise JfireError(f"the group's leader posted no configuration within {timeout_s:.0f} s: {e}") from None
+        mine = fingerprint(engine)
+        differ = {k: (leader.get(k), v) for k, v in mine.items() if leader.get(k) != v}
+        if differ:
+            detail = "; ".join(f"{k}: leader {a!r}, this process {b!r}" for k, (a, b) in differ.items())
+            raise JfireError(f"process {self.me} was started with settings that differ from the group leader's "
+                             f"({detail}); start every process of a group with the same model, mesh and engine flags")
+
+    def receive(self):
+        """The next call: (kind, key, inputs). Waits as long as the leader is idle."""
+        self.seq += 1
+        key = self._key(self.me, self.seq)
+        while True:
+            try:
+                payload = self.store.blocking_key_value_get_bytes(key, POLL_MS)
+                break
+            except Exception as e:  # noqa: BLE001 - a plain runtime error: deadline or lost coordinator
+                if "DEADLINE_EXCEEDED" not in str(e):
+                    raise JfireError(f"process {self.me} lost its group's leader: {e}") from None
+        self.store.key_value_delete(key)
+        seq, kind, call_key, inputs = pickle.loads(zlib.decompress(payload))
+        if seq != self.seq:
+            raise JfireError(f"process {self.me} diverged from its group: it expected call {self.seq} and received "
+                             f"call {seq}")
+        return kind, call_key, inputs
+
+
+def follow(engine, channel: StepChannel) -> int:
+    """A follower's whole life: compile what the leader compiles, check the leader's
+    settings, then replay every call until the leader stops (returns 0)."""
+    engine.start(run_loop=False)
+    engine.programs.lazy = True  # a program the leader has and this process not yet: compile it now
+    channel.check_config(engine)
+    print(f"jfire: process {channel.me} follows process {channel.leader} ({engine.programs.num_compiled} "
+          f"programs compiled)", file=sys.stderr, flush=True)
+    try:
+        while True:
+            kind, key, inputs = channel.receive()
+            if kind == "stop":
+                return 0
+            if kind not in ("decode", "prefill", "penalty"):
+                raise JfireError(f"process {channel.me} received an unknown call {kind!r}: the group's processes "
+                                 "run different jfire versions")
+            out = engine._apply(kind, key, inputs)
+            if out is not None:  # errors surface at the call that caused them
+                out.ids.block_until_ready()
+    finally:
+        engine.shutdown()

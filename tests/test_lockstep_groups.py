@@ -1,0 +1,179 @@
+"""One engine over a mesh that spans processes (jfire.lockstep): real `jfire` processes joined
+by jax.distributed (gloo collectives on CPU), against one process holding the same mesh.
+
+Every group here is 2 processes; the leader schedules, the follower replays its calls. The
+greedy tokens must equal those of one process with all the devices, which in turn are checked
+against one device by tests/mesh."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import jax
+import jax.numpy as jnp
+import openai
+import pytest
+
+from jfire.checkpoint import store
+from jfire.disagg.launch import free_port
+from jfire.models.llama import LlamaConfig
+from jfire.models.params import init_params
+
+# 16 heads and 8 experts: meshes of tp=8 and ep=8 fit; 8 layers: pp=2 splits them.
+DENSE = LlamaConfig(architecture="LlamaForCausalLM", vocab_size=512, hidden_size=128, intermediate_size=256,
+                    num_layers=8, num_heads=16, num_kv_heads=8, head_dim=8, max_position_embeddings=256,
+                    rope_theta=10000.0, qkv_bias=True)
+MOE = LlamaConfig(architecture="MixtralForCausalLM", vocab_size=512, hidden_size=64, intermediate_size=96,
+                  num_layers=4, num_heads=8, num_kv_heads=4, head_dim=8, max_position_embeddings=256,
+                  num_experts=8, experts_per_token=2, moe_intermediate_size=96, router="softmax_topk")
+# Small buckets: few programs to compile.
+ENGINE_ARGS = ["--max-batch", "4", "--prefill-budget", "32", "--max-context", "128", "--kv-cache-gb", "0.01"]
+PROMPTS = [{"prompt_ids": [1, 5, 9, 200, 31], "max_tokens": 8},
+           {"prompt_ids": [7, 7, 7], "max_tokens": 6},
+           {"prompt_ids": [3, 100, 400, 2, 9, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28,
+                           29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40], "max_tokens": 10}]
+DEFAULT_PROMPTS = [{"prompt": "The capital of France is", "max_tokens": 8},
+                   {"prompt": "def fibonacci(n):", "max_tokens": 12}]
+JFIRE = [sys.executable, "-m", "jfire.cli"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Jfire checkpoints of the tiny dense and MoE models (random weights, wide enough margins)."""
+    out = {}
+    for name, cfg, scale in (("dense", DENSE, 0.1), ("moe", MOE, 0.2)):
+        path = tmp_path_factory.mktemp(name)
+        store.save(path, cfg, init_params(cfg.param_specs(), jax.random.key(0), jnp.float32, scale=scale), "float32")
+        out[name] = str(path)
+    out["default"] = "default"
+    return out
+
+
+def group_command(args: list[str], process_id: int, port: int, devices: int) -> list[str]:
+    return [*JFIRE, *args, "--cpu-devices", str(devices), "--coordinator", f"127.0.0.1:{port}",
+            "--num-processes", "2", "--process-id", str(process_id)]
+
+
+def start_group(args: list[str], devices_each: int, logs: Path) -> list[subprocess.Popen]:
+    port = free_port()
+    return [subprocess.Popen(group_command(args, i, port, devices_each), stdout=subprocess.PIPE,
+                             stderr=open(logs / f"process{i}.log", "w"), text=True) for i in range(2)]
+
+
+def generate_args(model: str, mesh: str, prompts: list[dict], tmp: Path) -> list[str]:
+    src = tmp / "prompts.jsonl"
+    src.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    return ["generate", "--model", model, "--mesh", mesh, "--prompts-file", str(src), "--ignore-eos", *ENGINE_ARGS]
+
+
+def results(stdout: str) -> list[list[int]]:
+    rows = sorted((json.loads(line) for line in stdout.splitlines() if line.strip()), key=lambda r: r["index"])
+    return [r["token_ids"] for r in rows]
+
+
+@pytest.mark.parametrize("model,mesh,devices_each", [
+    ("dense", "pp=2,tp=4", 4),   # a pipeline stage per process
+    ("dense", "tp=8", 4),        # tensor parallelism across the two processes
+    ("moe", "pp=2,ep=2,tp=2", 4),  # the expert exchange within each process, stages across
+    ("default", "pp=2,tp=3", 3),  # 9 heads: tp=3 per stage
+])
+def test_group_of_two_processes_equals_one_process(models, tmp_path, model, mesh, devices_each):
+    prompts = DEFAULT_PROMPTS if model == "default" else PROMPTS
+    args = generate_args(models[model], mesh, prompts, tmp_path)
+    single = subprocess.run([*JFIRE, *args, "--cpu-devices", str(2 * devices_each)], capture_output=True, text=True,
+                            timeout=600)
+    assert single.returncode == 0, single.stderr[-2000:]
+    group = start_group(args, devices_each, tmp_path)
+    outs = [p.communicate(timeout=600)[0] for p in group]
+    for i, p in enumerate(group):
+        assert p.returncode == 0, (tmp_path / f"process{i}.log").read_text()[-3000:]
+    assert outs[1] == ""  # the follower prints nothing: the leader answers for the group
+    expected = results(single.stdout)
+    assert len(expected) == len(prompts) and all(len(t) == p["max_tokens"] for t, p in zip(expected, prompts))
+    assert results(outs[0]) == expected
+    follower_log = (tmp_path / "process1.log").read_text()
+    assert "follows process 0" in follower_log
+
+
+def test_follower_started_with_other_settings_refuses(models, tmp_path):
+    """A follower whose page pool would differ from the leader's says so and stops; the
+    leader, left alone in its group, fails and exits too (it never serves alone)."""
+    args = generate_args(models["dense"], "pp=2,tp=4", PROMPTS, tmp_path)
+    port = free_port()
+    leader = subprocess.Popen(group_command(args, 0, port, 4), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+    odd = [*args[:-1], "0.02"]  # --kv-cache-gb 0.02 instead of 0.01
+    follower = subprocess.run(group_command(odd, 1, port, 4), capture_output=True, text=True, timeout=300)
+    assert follower.returncode == 2
+    assert "differ from the group leader's" in follower.stderr and "pages: leader" in follower.stderr
+    leader.communicate(timeout=120)
+    assert leader.returncode != 0
+
+
+def wait_ready(url: str, procs: list[subprocess.Popen], timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert all(p.poll() is None for p in procs), "a group process exited while starting"
+        try:
+            if httpx.get(f"{url}/health", timeout=2).json().get("status") == "ok":
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"the group did not become ready within {timeout} s")
+
+
+def test_killing_the_follower_ends_the_stream_and_the_group(models, tmp_path):
+    """A follower dying mid-stream: the client gets a clear error within 10 s and the leader
+    exits; the group started again serves the same tokens as before."""
+    port = free_port()
+    args = ["serve", "--model", models["dense"], "--mesh", "pp=2,tp=4", "--port", str(port), *ENGINE_ARGS]
+    url = f"http://127.0.0.1:{port}"
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    prompt, served = PROMPTS[0]["prompt_ids"], Path(models["dense"]).name
+
+    def complete(max_tokens: int) -> list[int]:
+        out = client.completions.create(model=served, prompt=prompt, max_tokens=max_tokens,
+                                        temperature=0, logprobs=1, extra_body={"ignore_eos": True})
+        return out.choices[0].logprobs.tokens
+
+    group = start_group(args, 4, tmp_path)
+    try:
+        wait_ready(url, group)
+        before = complete(8)
+        # logprobs: a chunk per token (this model has no tokenizer, so no text to stream).
+        stream = client.completions.create(model=served, prompt=prompt, max_tokens=120, temperature=0, logprobs=1,
+                                           stream=True, extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        next(chunks)  # the stream is running
+        group[1].send_signal(signal.SIGSTOP)  # the leader stalls at its next collective: mid-stream for sure
+        group[1].send_signal(signal.SIGKILL)
+        killed, received = time.monotonic(), 1
+        with pytest.raises(openai.APIError) as failure:
+            for _ in chunks:
+                received += 1
+        assert time.monotonic() - killed < 10
+        assert received < 120
+        assert "group spanning processes" in str(failure.value)
+        group[0].wait(timeout=10)
+        assert group[0].returncode not in (0, None)
+    finally:
+        for p in group:
+            if p.poll() is None:
+                p.kill()
+    group = start_group(args, 4, tmp_path)
+    try:
+        wait_ready(url, group)
+        assert complete(8) == before
+    finally:
+        for p in group:
+            p.send_signal(signal.SIGTERM)
+        for p in group:
+            p.wait(timeout=60)
+    assert [p.returncode for p in group] == [0, 0]
