@@ -177,3 +177,19 @@ def test_killing_the_follower_ends_the_stream_and_the_group(models, tmp_path):
         for p in group:
             p.wait(timeout=60)
     assert [p.returncode for p in group] == [0, 0]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--coordinator", "127.0.0.1:1"], "--coordinator needs --num-processes N and --process-id I"),
+    (["--num-processes", "2", "--process-id", "0"], "go with --coordinator HOST:PORT"),
+    (["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "0"], "needs --mesh"),
+    (["--mesh", "tp=2", "--coordinator", "127.0.0.1:1", "--num-processes", "1", "--process-id", "0"],
+     "--num-processes must be >= 2"),
+    (["--mesh", "tp=2", "--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "2"],
+     "--process-id must be in 0..1"),
+])
+def test_group_flags_are_checked_before_joining(capsys, args, message):
+    from jfire.cli import main
+
+    assert main(["generate", "--prompt-ids", "1,2", *args]) == 2
+    assert message in capsys.readouterr().err
