@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import json
 import pickle
+import signal
 import sys
+import threading
 import zlib
 
 import jax
@@ -134,6 +136,11 @@ class StepChannel:
 def follow(engine, channel: StepChannel) -> int:
     """A follower's whole life: compile what the leader compiles, check the leader's
     settings, then replay every call until the leader stops (returns 0)."""
+    if threading.current_thread() is threading.main_thread():
+        # A supervisor stopping the group signals every process: the follower goes on until the
+        # leader, draining its requests, sends its last call (or JAX stops it with the leader).
+        signal.signal(signal.SIGTERM, lambda *_: print(f"jfire: process {channel.me} follows on until its leader "
+                                                         "stops", file=sys.stderr, flush=True))
     engine.start(run_loop=False)
     engine.programs.lazy = True  # a program the leader has and this process not yet: compile it now
     channel.check_config(engine)

@@ -1,9 +1,9 @@
 """One engine over a mesh that spans processes (jfire.lockstep): real `jfire` processes joined
-by jax.distributed (gloo collectives on CPU), against one process holding the same mesh.
+by jax.distributed (gloo collectives on CPU), against one process on one device.
 
-Every group here is 2 processes; the leader schedules, the follower replays its calls. The
-greedy tokens must equal those of one process with all the devices, which in turn are checked
-against one device by tests/mesh."""
+Every group here is 2 processes; the leader schedules, the follower replays its calls. Its
+greedy tokens must equal one device's, as those of one process holding the same mesh do
+(tests/mesh, tests/test_cli_mesh.py)."""
 
 from __future__ import annotations
 
@@ -77,26 +77,40 @@ def results(stdout: str) -> list[list[int]]:
     return [r["token_ids"] for r in rows]
 
 
+@pytest.fixture(scope="module")
+def one_device(models, tmp_path_factory):
+    """model -> its greedy tokens for the module's prompts in one process on one device (every
+    mesh used here gives one device's tokens in one process: tests/mesh, tests/test_cli_mesh.py)."""
+    made = {}
+
+    def tokens(model: str) -> list[list[int]]:
+        if model not in made:
+            prompts = DEFAULT_PROMPTS if model == "default" else PROMPTS
+            args = generate_args(models[model], "single", prompts, tmp_path_factory.mktemp(model))
+            run = subprocess.run([*JFIRE, *args], capture_output=True, text=True, timeout=600)
+            assert run.returncode == 0, run.stderr[-2000:]
+            made[model] = results(run.stdout)
+            assert len(made[model]) == len(prompts)
+            assert all(len(t) == p["max_tokens"] for t, p in zip(made[model], prompts))
+        return made[model]
+
+    return tokens
+
+
 @pytest.mark.parametrize("model,mesh,devices_each", [
     ("dense", "pp=2,tp=4", 4),   # a pipeline stage per process
     ("dense", "tp=8", 4),        # tensor parallelism across the two processes
     ("moe", "pp=2,ep=2,tp=2", 4),  # the expert exchange within each process, stages across
     ("default", "pp=2,tp=3", 3),  # 9 heads: tp=3 per stage
 ])
-def test_group_of_two_processes_equals_one_process(models, tmp_path, model, mesh, devices_each):
+def test_group_of_two_processes_equals_one_device(models, one_device, tmp_path, model, mesh, devices_each):
     prompts = DEFAULT_PROMPTS if model == "default" else PROMPTS
-    args = generate_args(models[model], mesh, prompts, tmp_path)
-    single = subprocess.run([*JFIRE, *args, "--cpu-devices", str(2 * devices_each)], capture_output=True, text=True,
-                            timeout=600)
-    assert single.returncode == 0, single.stderr[-2000:]
-    group = start_group(args, devices_each, tmp_path)
+    group = start_group(generate_args(models[model], mesh, prompts, tmp_path), devices_each, tmp_path)
     outs = [p.communicate(timeout=600)[0] for p in group]
     for i, p in enumerate(group):
         assert p.returncode == 0, (tmp_path / f"process{i}.log").read_text()[-3000:]
     assert outs[1] == ""  # the follower prints nothing: the leader answers for the group
-    expected = results(single.stdout)
-    assert len(expected) == len(prompts) and all(len(t) == p["max_tokens"] for t, p in zip(expected, prompts))
-    assert results(outs[0]) == expected
+    assert results(outs[0]) == one_device(model)
     follower_log = (tmp_path / "process1.log").read_text()
     assert "follows process 0" in follower_log
 
@@ -104,7 +118,7 @@ def test_group_of_two_processes_equals_one_process(models, tmp_path, model, mesh
 def test_follower_started_with_other_settings_refuses(models, tmp_path):
     """A follower whose page pool would differ from the leader's says so and stops; the
     leader, left alone in its group, fails and exits too (it never serves alone)."""
-    args = generate_args(models["dense"], "pp=2,tp=4", PROMPTS, tmp_path)
+    args = ["generate", "--model", models["dense"], "--mesh", "pp=2,tp=4", "--prompt-ids", "1,2,3", *ENGINE_ARGS]
     port = free_port()
     leader = subprocess.Popen(group_command(args, 0, port, 4), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True)
