@@ -2,12 +2,18 @@
 
     .venv/bin/python scripts/launch_ssh.py HOSTFILE DEPLOYMENT [--model M] [--port P]
         [--workdir DIR] [--coordinator-port N] [--dry-run] [-- extra jfire launch options]
+    .venv/bin/python scripts/launch_ssh.py HOSTFILE --group [--model M] [--port P] [--workdir DIR]
+        [--coordinator-port N] [--dry-run] -- --mesh MESH [extra jfire serve options]
 
 HOSTFILE lists one host per line (# comments). Processes go to hosts in contiguous blocks in
 process order (process 0, the frontend and coordinator, on the first host), the same mapping
 Slurm's block distribution gives. Every host needs this checkout at --workdir (default: the
 same path as here) with its .venv set up, and the same deployment file. --dry-run prints the
 commands instead of running them. Ctrl-C stops every remote process (ssh -tt forwards it).
+
+--group runs one engine whose mesh spans the hosts instead (`jfire serve --coordinator`): one
+process per host, the first host's the leader (it serves HTTP), each host's devices its part
+of the mesh.
 """
 
 from __future__ import annotations
@@ -49,27 +55,56 @@ def commands(hosts: list[str], deployment: Deployment, deployment_arg: str, *, w
     return out
 
 
+def group_commands(hosts: list[str], *, workdir: str, model: str, port: int | None, coordinator_port: int,
+                   extra: list[str]) -> list[tuple[str, str]]:
+    """(host, remote shell command) for each process of one engine spanning the hosts."""
+    out = []
+    for i, host in enumerate(hosts):
+        argv = [".venv/bin/jfire", "serve", "--model", model, "--coordinator", f"{hosts[0]}:{coordinator_port}",
+                "--num-processes", str(len(hosts)), "--process-id", str(i), "--host", "0.0.0.0"]
+        if port is not None:
+            argv += ["--port", str(port)]
+        out.append((host, f"cd {shlex.quote(workdir)} && exec {shlex.join(argv + extra)}"))
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("hostfile")
-    p.add_argument("deployment")
+    p.add_argument("deployment", nargs="?", help="a deployment file or name in meshes/ (not with --group)")
+    p.add_argument("--group", action="store_true",
+                   help="one engine over the hosts' devices (jfire serve on each host, process 0 serving)")
     p.add_argument("--model", default="default")
     p.add_argument("--port", type=int, default=None, help="the frontend's port (default: the deployment's)")
     p.add_argument("--workdir", default=str(Path(__file__).resolve().parent.parent))
     p.add_argument("--coordinator-port", type=int, default=None,
                    help=f"default: the deployment's, or {DEFAULT_COORDINATOR_PORT} if it says 0")
     p.add_argument("--dry-run", action="store_true", help="print the ssh commands instead of running them")
-    p.add_argument("extra", nargs="*", help="more `jfire launch` options, after --")
-    args = p.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Everything after -- goes to jfire as it is (split here: argparse cannot tell it from an
+    # omitted DEPLOYMENT).
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = p.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    args.extra = extra
     try:
-        deployment = Deployment.load(args.deployment)
+        if args.group == (args.deployment is not None):
+            raise JfireError("give a DEPLOYMENT, or --group (with the mesh after --), not both")
+        if args.group and "--mesh" not in args.extra:
+            raise JfireError("--group needs the engine's mesh over all hosts' devices: -- --mesh pp=2,tp=8")
         hosts = read_hosts(args.hostfile)
+        if args.group and len(hosts) < 2:
+            raise JfireError(f"--group spans hosts: {args.hostfile} lists {len(hosts)}; list at least 2")
+        deployment = None if args.group else Deployment.load(args.deployment)
     except (JfireError, OSError) as e:
         print(f"launch_ssh: error: {e}", file=sys.stderr)
         return 2
-    port = args.coordinator_port or deployment.coordinator_port or DEFAULT_COORDINATOR_PORT
-    plan = commands(hosts, deployment, args.deployment, workdir=args.workdir, model=args.model, port=args.port,
-                    coordinator_port=port, extra=args.extra)
+    if deployment is None:
+        plan = group_commands(hosts, workdir=args.workdir, model=args.model, port=args.port,
+                              coordinator_port=args.coordinator_port or DEFAULT_COORDINATOR_PORT, extra=args.extra)
+    else:
+        port = args.coordinator_port or deployment.coordinator_port or DEFAULT_COORDINATOR_PORT
+        plan = commands(hosts, deployment, args.deployment, workdir=args.workdir, model=args.model, port=args.port,
+                        coordinator_port=port, extra=args.extra)
     if args.dry_run:
         for host, command in plan:
             print(shlex.join(["ssh", "-tt", host, command]))

@@ -8,6 +8,7 @@ greedy tokens must equal one device's, as those of one process holding the same 
 from __future__ import annotations
 
 import json
+import shlex
 import signal
 import subprocess
 import sys
@@ -41,6 +42,7 @@ PROMPTS = [{"prompt_ids": [1, 5, 9, 200, 31], "max_tokens": 8},
 DEFAULT_PROMPTS = [{"prompt": "The capital of France is", "max_tokens": 8},
                    {"prompt": "def fibonacci(n):", "max_tokens": 12}]
 JFIRE = [sys.executable, "-m", "jfire.cli"]
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +145,24 @@ def wait_ready(url: str, procs: list[subprocess.Popen], timeout: float = 300) ->
     raise AssertionError(f"the group did not become ready within {timeout} s")
 
 
+def launcher_group(tmp_path: Path, serve_args: list[str], port: int) -> list[subprocess.Popen]:
+    """The processes `scripts/launch_ssh.py --group` would start over SSH, run here directly."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1\n127.0.0.1\n")
+    model = serve_args[serve_args.index("--model") + 1]
+    rest = [a for i, a in enumerate(serve_args) if a != "--model" and (i == 0 or serve_args[i - 1] != "--model")]
+    plan = subprocess.run([sys.executable, "scripts/launch_ssh.py", str(hosts), "--group", "--dry-run", "--model", model,
+                           "--coordinator-port", str(free_port()), "--", *rest, "--cpu-devices", "4"],
+                          capture_output=True, text=True, cwd=REPO, check=True).stdout.splitlines()
+    procs = []
+    for i, line in enumerate(plan):
+        ssh, _, host, command = shlex.split(line)
+        assert (ssh, host) == ("ssh", "127.0.0.1") and f"--process-id {i}" in command
+        procs.append(subprocess.Popen(["bash", "-c", command], stdout=subprocess.DEVNULL,
+                                      stderr=open(tmp_path / f"launched{i}.log", "w")))
+    return procs
+
+
 def test_killing_the_follower_ends_the_stream_and_the_group(models, tmp_path):
     """A follower dying mid-stream: the client gets a clear error within 10 s and the leader
     exits; the group started again serves the same tokens as before."""
@@ -181,7 +201,8 @@ def test_killing_the_follower_ends_the_stream_and_the_group(models, tmp_path):
         for p in group:
             if p.poll() is None:
                 p.kill()
-    group = start_group(args, 4, tmp_path)
+    # Started again as the SSH launcher would start it on two hosts (here both 127.0.0.1).
+    group = launcher_group(tmp_path, args[1:], port)
     try:
         wait_ready(url, group)
         assert complete(8) == before

@@ -149,3 +149,29 @@ def test_a_group_that_cannot_start_fails_the_launch_with_its_reason(tmp_path):
     assert r.returncode == 1, r.stderr[-3000:]
     assert "mesh 'tp=2' does not fit: tp=2 does not divide the 9 attention heads" in r.stderr
     assert "a process exited; see its error above. All processes stopped." in r.stderr
+
+
+def test_ssh_launcher_dry_run_of_a_group_spanning_hosts(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("gpu-node-1\ngpu-node-2\n")
+    r = subprocess.run([sys.executable, "scripts/launch_ssh.py", str(hosts), "--group", "--dry-run", "--workdir",
+                        "/srv/jfire", "--model", "/models/llama", "--", "--mesh", "pp=2,tp=8"], capture_output=True,
+                       text=True, cwd=REPO, check=True)
+    assert r.stdout.splitlines() == [
+        f"ssh -tt gpu-node-{i + 1} 'cd /srv/jfire && exec .venv/bin/jfire serve --model /models/llama --coordinator "
+        f"gpu-node-1:8476 --num-processes 2 --process-id {i} --host 0.0.0.0 --mesh pp=2,tp=8'" for i in range(2)]
+    refused = subprocess.run([sys.executable, "scripts/launch_ssh.py", str(hosts), "--group", "--dry-run"],
+                             capture_output=True, text=True, cwd=REPO)
+    assert refused.returncode == 2 and "--group needs the engine's mesh" in refused.stderr
+
+
+def test_slurm_launcher_dry_run_of_a_group_spanning_nodes():
+    env = {**os.environ, "SLURM_JOB_NODELIST": "gpu-node-1,gpu-node-2", "SLURM_JOB_NUM_NODES": "2",
+           "JFIRE_DRY_RUN": "1", "PATH": "/usr/bin:/bin"}
+    r = subprocess.run(["bash", "scripts/launch_slurm.sbatch", "--group", "--mesh", "pp=2,tp=8", "--model",
+                        "/models/llama"], capture_output=True, text=True, cwd=REPO, env=env, check=True)
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("srun --ntasks=2 --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c ")
+    task = ".venv/bin/jfire serve --coordinator gpu-node-1:8476 --num-processes 2 --process-id {} --host 0.0.0.0 " \
+           "--mesh pp=2,tp=8 --model /models/llama"
+    assert lines[1:] == [f"task {i}: " + task.format(i) for i in range(2)]
