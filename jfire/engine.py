@@ -189,6 +189,7 @@ class Engine:
     `jfire.disagg` subclasses it for the prefill and decode roles of a split deployment."""
 
     PROGRAM_KINDS = ("prefill", "decode")
+    CALL_KINDS = ("prefill", "decode", "penalty")  # what _apply runs (and a group's followers replay)
 
     def __init__(self, model: LoadedModel, config: EngineConfig = EngineConfig()):
         self.model = model

@@ -133,9 +133,9 @@ class StepChannel:
         return kind, call_key, inputs
 
 
-def follow(engine, channel: StepChannel) -> int:
+def follow(engine, channel: StepChannel, on_ready=None) -> int:
     """A follower's whole life: compile what the leader compiles, check the leader's
-    settings, then replay every call until the leader stops (returns 0)."""
+    settings (then `on_ready()`), then replay every call until the leader stops (returns 0)."""
     if threading.current_thread() is threading.main_thread():
         # A supervisor stopping the group signals every process: the follower goes on until the
         # leader, draining its requests, sends its last call (or JAX stops it with the leader).
@@ -144,6 +144,8 @@ def follow(engine, channel: StepChannel) -> int:
     engine.start(run_loop=False)
     engine.programs.lazy = True  # a program the leader has and this process not yet: compile it now
     channel.check_config(engine)
+    if on_ready is not None:
+        on_ready()
     print(f"jfire: process {channel.me} follows process {channel.leader} ({engine.programs.num_compiled} "
           f"programs compiled)", file=sys.stderr, flush=True)
     try:
@@ -151,11 +153,11 @@ def follow(engine, channel: StepChannel) -> int:
             kind, key, inputs = channel.receive()
             if kind == "stop":
                 return 0
-            if kind not in ("decode", "prefill", "penalty"):
+            if kind not in engine.CALL_KINDS:
                 raise JfireError(f"process {channel.me} received an unknown call {kind!r}: the group's processes "
                                  "run different jfire versions")
             out = engine._apply(kind, key, inputs)
-            if out is not None:  # errors surface at the call that caused them
+            if hasattr(out, "ids"):  # errors surface at the call that caused them
                 out.ids.block_until_ready()
     finally:
         engine.shutdown()

@@ -40,6 +40,7 @@ SLOWEST_FIRST = [
     "tests/reliability/test_serve_faults.py",
     "tests/test_engine_moe.py",
     "tests/test_lockstep_groups.py",
+    "tests/disagg/test_disagg_groups.py",
     "tests/disagg/test_disagg_1p1d.py",
     "tests/models/test_hf_parity.py",
     "tests/serve/test_openai_api.py",

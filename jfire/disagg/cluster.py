@@ -87,3 +87,31 @@ def renew_key(prefill_group: str, uuid) -> str:
 def abandon_key(prefill_group: str, uuid) -> str:
     """Where a decode group leaves word that it gave up pulling a transfer (see kv_transfer)."""
     return f"jfire/abandoned/{prefill_group}/{uuid}"
+
+
+def incarnation(client, group: str, processes: int) -> str:
+    """The name a group spanning processes runs under this time: each of its processes counts
+    itself in once per start, so N processes starting (or restarting together) agree on one
+    number, and nothing an earlier life of the group left in the store is read again."""
+    joined = client.key_value_increment(f"jfire/incarnations/{group}", 1)
+    return f"{group}/{(joined - 1) // processes}"
+
+
+def transfer_key(group_incarnation: str, process_id: int) -> str:
+    """Where a follower of a group leaves the address of its own transfer server."""
+    return f"jfire/transfers/{group_incarnation}/{process_id}"
+
+
+def forget_collectives(client, device_ids: set[int]) -> int:
+    """Deletes what an earlier life of a group left of its gloo rendezvous (CPU collectives
+    meet under keys naming their devices, which a restarted group reuses); returns how many.
+    Runs before any process of the group starts a collective."""
+    stale = []
+    for key, _ in client.key_value_dir_get_bytes("cpu:gloo/"):
+        clique = key.split("/")[1] if key.count("/") >= 2 else ""
+        ids = {int(x) for x in clique.split(",") if x.isdigit()}
+        if ids and ids <= device_ids:
+            stale.append(key)
+    for key in stale:
+        client.key_value_delete(key)
+    return len(stale)

@@ -135,11 +135,15 @@ def _group(raw: dict, index: int, where: str) -> Group:
     spec = meshes.resolve(raw.get("mesh", "single"))
     processes = _int(raw, "processes", 1, where)
     devices = _int(raw, "devices_per_process", max(1, spec.size), where)
-    if processes != 1:
-        raise JfireError(f"{where}: processes = {processes}, but a group spans one process for now "
-                         "(give the process more devices with devices_per_process instead)")
-    if spec.size > processes * devices:
+    if processes < 1:
+        raise JfireError(f"{where}: processes must be >= 1, got {processes}")
+    if processes == 1 and spec.size > devices:
         raise JfireError(f"{where}: its mesh {spec.name!r} needs {spec.size} devices but the group has "
                          f"{processes} x {devices}; raise devices_per_process to {spec.size}")
+    if processes > 1 and spec.size != processes * devices:
+        # One mesh over every device of every process of the group (jfire.lockstep).
+        raise JfireError(f"{where}: its mesh {spec.name!r} has {spec.size} devices but the group's processes hold "
+                         f"{processes} x {devices} = {processes * devices}; a group spanning processes runs its mesh "
+                         f"over all of them: set devices_per_process = {spec.size / processes:g} or change the mesh")
     return Group(name=str(raw.get("name", f"{raw['role']}-{index}")), role=raw["role"], mesh=spec,
                  processes=processes, devices_per_process=devices, port=_int(raw, "port", 0, where))

@@ -18,7 +18,9 @@ import dataclasses
 import json
 import time
 
-from jfire.disagg import cluster
+import jax
+
+from jfire.disagg import blocks, cluster
 from jfire.disagg.kv_transfer import KVLayout, Pull, TransferPrograms, drain, new_uuid, placeholder, pull_threads
 from jfire.engine import Engine, RequestHandle, RequestOutput, _Live
 from jfire.errors import JfireError
@@ -44,6 +46,7 @@ class _Published:
 
 class PrefillEngine(Engine):
     PROGRAM_KINDS = ("prefill",)
+    CALL_KINDS = Engine.CALL_KINDS + ("publish", "release")
 
     def __init__(self, model, config, *, server, store, group: str, transfer_timeout_s: float):
         super().__init__(model, config)
@@ -51,25 +54,31 @@ class PrefillEngine(Engine):
         self.gather = TransferPrograms(self.layout, self.pages, self.buckets.widths, "gather")
         self.server, self.store, self.group = server, store, group
         self.transfer_timeout_s = transfer_timeout_s
+        self.transfer_addresses: dict[str, str] = {}  # a group spanning processes: process -> its transfer server
         self._shards: dict[str, int] = {}  # request id -> the wire split its decode group asked for
+        self._receivers: dict[str, dict] = {}  # request id -> its decode group's layout (jfire.disagg.blocks)
+        self._sent: dict[int, list] = {}  # blocks this process published, per transfer, until released
+        self.sent_bytes = 0  # KV bytes this process published
         self._published: dict[int, _Published] = {}
         self._placeholders: dict[int, tuple[list, float]] = {}  # uuid -> (zeros published, when to drop them)
         self._last_ack_poll = self._last_control_poll = 0.0
         self.transfer_counts = collections.Counter()
 
-    def start(self, compile_progress=None):
+    def start(self, compile_progress=None, *, run_loop: bool = True):
         self.gather.compile_all()
-        return super().start(compile_progress)
+        return super().start(compile_progress, run_loop=run_loop)
 
     def validate(self, prompt_ids, sampling: SamplingParams) -> None:
         # Only the prompt runs here; the decode group checks the whole request.
         super().validate(prompt_ids, dataclasses.replace(sampling, max_tokens=1, stop=()))
 
     def submit(self, prompt_ids, sampling, *, request_id=None, on_output=None, affinity=None,
-               shards: int = 1) -> RequestHandle:
+               shards: int = 1, receiver: dict | None = None) -> RequestHandle:
         if request_id is None:
             raise JfireError("a prefill request needs its request id")
         self._shards[request_id] = shards
+        if receiver is not None:
+            self._receivers[request_id] = receiver
         return super().submit(prompt_ids, sampling, request_id=request_id, on_output=on_output)
 
     def _append(self, live: _Live, token: int, logprobs: list | None = None) -> None:
@@ -80,16 +89,23 @@ class PrefillEngine(Engine):
         pages = seq.pages[: self.scheduler.pages_needed(len(seq.prompt_ids))]
         self.pool.retain(pages)
         shards = self.layout.usable_shards(self._shards.pop(seq.request_id, 1))
-        gathered, sent_checksum = self.gather.gather(self.pages, pages)
-        arrays = self.layout.to_wire(gathered, shards)
+        receiver = self._receivers.pop(seq.request_id, None)
         uuid = new_uuid()
-        self.server.await_pull(uuid, arrays)
-        self._published[uuid] = _Published(pages, arrays, self.layout.wire_structs(len(pages), shards),
-                                           time.monotonic() + self.transfer_timeout_s)
+        transfer = {"uuid": uuid, "num_pages": len(pages), "group": self.group,
+                    "bytes": len(pages) * self.layout.page_nbytes}
+        deadline = time.monotonic() + self.transfer_timeout_s
+        if receiver is not None:  # groups spanning processes: every process sends its own blocks
+            transfer.update(protocol="blocks", sender=blocks.describe(self.layout), addresses=self.transfer_addresses,
+                            checksum=self._device_call("publish", uuid, (pages, receiver)))
+            self._published[uuid] = _Published(pages, None, None, deadline)
+        else:
+            gathered, sent_checksum = self.gather.gather(self.pages, pages)
+            arrays = self.layout.to_wire(gathered, shards)
+            self.server.await_pull(uuid, arrays)
+            self._published[uuid] = _Published(pages, arrays, self.layout.wire_structs(len(pages), shards), deadline)
+            transfer.update(address=self.server.address(), shards=shards, checksum=sent_checksum)
         self.transfer_counts["published"] += 1
         self._tokens_generated += 1
-        transfer = {"address": self.server.address(), "uuid": uuid, "num_pages": len(pages), "shards": shards,
-                    "group": self.group, "bytes": len(pages) * self.layout.page_nbytes, "checksum": sent_checksum}
         out = RequestOutput(seq.request_id, [token], "", prompt_tokens=len(seq.prompt_ids), completion_tokens=1,
                             prefix_hit_tokens=seq.prefix_hit_tokens, transfer=transfer,
                             logprobs=[logprobs] if logprobs is not None else None,
@@ -98,7 +114,33 @@ class PrefillEngine(Engine):
 
     def _finish(self, live, reason, *, last=None, error=None):
         self._shards.pop(live.seq.request_id, None)
+        self._receivers.pop(live.seq.request_id, None)
         super()._finish(live, reason, last=last, error=error)
+
+    def _apply(self, kind, key, inputs):
+        """Also, on every process of the group: "publish" (gather a request's pages and send
+        this process's blocks of them, keyed by the transfer's uuid; returns the checksum) and
+        "release" (drop them; inputs True: also take them off the transfer server)."""
+        if kind == "publish":
+            pages, receiver = inputs
+            gathered, sent_checksum = self.gather.gather(self.pages, pages)
+            plan, me = blocks.BlockPlan(self.layout, blocks.describe(self.layout), receiver), jax.process_index()
+            sent = []
+            for _, q in sorted(pair for pair in plan.pairs() if pair[0] == me):
+                pieces = blocks.pieces_to_send(plan, gathered, q)
+                self.server.await_pull(blocks.pair_uuid(key, me, q), pieces)
+                sent.append((blocks.pair_uuid(key, me, q), pieces))
+                self.sent_bytes += sum(x.nbytes for x in pieces)
+            self._sent[key] = sent
+            blocks.report_bytes(self.store, self.group, sent=self.sent_bytes)
+            return sent_checksum
+        if kind == "release":
+            for uuid, pieces in self._sent.pop(key, []):
+                if inputs:
+                    drain(self.server, uuid, [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                                              for x in pieces], self.transfer_timeout_s)
+            return None
+        return super()._apply(kind, key, inputs)
 
     def _idle_wait(self):
         return 0.02 if (self._published and not self._live) else super()._idle_wait()
@@ -115,21 +157,21 @@ class PrefillEngine(Engine):
             self._last_ack_poll = now
             for uuid, value in cluster.take_all(self.store, cluster.ack_key(self.group, "")):
                 if uuid in self._published:
-                    published = self._published[uuid]
-                    self._release(uuid)
-                    if value == cluster.DROPPED:  # nobody will pull it: take it off the transfer server too
-                        drain(self.server, uuid, published.structs, self.transfer_timeout_s)
-                        self.transfer_counts["dropped"] += 1
-                    else:
-                        self.transfer_counts["acknowledged"] += 1
+                    # Nobody will pull a dropped one: take it off the transfer server too.
+                    self._release(uuid, drain_it=value == cluster.DROPPED)
+                    self.transfer_counts["dropped" if value == cluster.DROPPED else "acknowledged"] += 1
         for uuid, published in list(self._published.items()):
             if now > published.deadline:
-                self._release(uuid)
-                drain(self.server, uuid, published.structs, self.transfer_timeout_s)
+                self._release(uuid, drain_it=True)
                 self.transfer_counts["expired"] += 1
 
-    def _release(self, uuid: int) -> None:
-        self.pool.free(self._published.pop(uuid).pages)
+    def _release(self, uuid: int, drain_it: bool = False) -> None:
+        published = self._published.pop(uuid)
+        self.pool.free(published.pages)
+        if published.structs is None:  # sent in blocks, by every process of the group
+            self._device_call("release", uuid, drain_it)
+        elif drain_it:
+            drain(self.server, uuid, published.structs, self.transfer_timeout_s)
 
     def _renew(self, now: float) -> None:
         """A decode group still waiting for pages for a request wants its cache kept."""
@@ -155,6 +197,10 @@ class PrefillEngine(Engine):
         for uuid, (_, drop_at) in list(self._placeholders.items()):
             if now > drop_at:
                 del self._placeholders[uuid]
+
+    def stats(self) -> dict:
+        # Per process of a group spanning processes: the KV bytes each has sent in blocks.
+        return {**super().stats(), "kv_bytes_sent_by_process": blocks.read_bytes(self.store, self.group)}
 
     def _publish_stats(self) -> None:
         super()._publish_stats()
@@ -184,21 +230,44 @@ class _Incoming:
 
 class DecodeEngine(Engine):
     PROGRAM_KINDS = ("decode",)
+    CALL_KINDS = Engine.CALL_KINDS + ("pull", "insert", "forget")
 
-    def __init__(self, model, config, *, server, store, transfer_timeout_s: float):
+    def __init__(self, model, config, *, server, store, transfer_timeout_s: float, group: str = "decode"):
         super().__init__(model, config)
         self.layout = _layout(self)
         self.insert = TransferPrograms(self.layout, self.pages, self.buckets.widths, "insert")
-        self.server, self.store = server, store
+        self.server, self.store, self.group = server, store, group
+        self._block_pulls: dict[int, blocks.BlockPulls] = {}  # this process's pulls, per transfer uuid
+        self.pulled_bytes = 0  # KV bytes this process pulled (blocks of a group spanning processes)
         self.transfer_timeout_s = transfer_timeout_s
         self._admitting: collections.deque[_Incoming] = collections.deque()  # waiting for pages
         self._pulling: dict[str, _Incoming] = {}
         self.kv_transfer_bytes = 0
         self.transfer_counts = collections.Counter()
 
-    def start(self, compile_progress=None):
+    def start(self, compile_progress=None, *, run_loop: bool = True):
         self.insert.compile_all()
-        return super().start(compile_progress)
+        return super().start(compile_progress, run_loop=run_loop)
+
+    def _apply(self, kind, key, inputs):
+        """Also, on every process of the group, for a transfer sent in blocks: "pull" (start
+        this process's pulls), "insert" (wait for them and write the pages; returns the
+        checksum of what arrived) and "forget" (drop them)."""
+        if kind == "pull":
+            self._block_pulls[key] = blocks.BlockPulls(self.server, self.layout, inputs, self.transfer_timeout_s)
+            return None
+        if kind == "insert":
+            pulls = self._block_pulls.pop(key)
+            pulls.wait()
+            arrays, nbytes = pulls.arrays()
+            self.pages, arrived = self.insert.insert(self.pages, arrays, inputs)
+            self.pulled_bytes += nbytes
+            blocks.report_bytes(self.store, self.group, pulled=self.pulled_bytes)
+            return arrived
+        if kind == "forget":
+            self._block_pulls.pop(key, None)
+            return None
+        return super()._apply(kind, key, inputs)
 
     def submit_prefilled(self, prompt_ids: list[int], first_token: int, sampling: SamplingParams, transfer: dict,
                          *, request_id: str, on_output, first_logprobs: list | None = None) -> RequestHandle:
@@ -251,6 +320,8 @@ class DecodeEngine(Engine):
             elif incoming.pull.expired:
                 del self._pulling[request_id]
                 t = incoming.transfer
+                if t.get("protocol") == "blocks":
+                    self._device_call("forget", t["uuid"], None)
                 # The pull is still blocked: the sender ends it (see kv_transfer.Pull).
                 self.store.key_value_set(cluster.abandon_key(t["group"], t["uuid"]),
                                          json.dumps({"num_pages": t["num_pages"], "shards": t["shards"]}))
@@ -274,8 +345,12 @@ class DecodeEngine(Engine):
             self._admitting.popleft()
             incoming.pages = pages
             t = incoming.transfer
-            structs = self.layout.wire_structs(t["num_pages"], t["shards"])
-            incoming.pull = Pull(self.server, t["address"], t["uuid"], structs, self.transfer_timeout_s)
+            if t.get("protocol") == "blocks":
+                self._device_call("pull", t["uuid"], t)
+                incoming.pull = self._block_pulls[t["uuid"]]
+            else:
+                structs = self.layout.wire_structs(t["num_pages"], t["shards"])
+                incoming.pull = Pull(self.server, t["address"], t["uuid"], structs, self.transfer_timeout_s)
             self._pulling[seq.request_id] = incoming
 
     def _keep_waiting_caches(self) -> None:
@@ -292,8 +367,13 @@ class DecodeEngine(Engine):
     def _arrive(self, incoming: _Incoming) -> None:
         t, seq = incoming.transfer, incoming.live.seq
         if incoming.pull.error is not None:
+            if t.get("protocol") == "blocks":
+                self._device_call("forget", t["uuid"], None)
             self._fail(incoming, f"pulling the KV cache from prefill group {t.get('group')!r} failed: "
                                  f"{incoming.pull.error}")
+            return
+        if t.get("protocol") == "blocks":
+            self._arrive_in_blocks(incoming)
             return
         # Acknowledge at once: the prefill group frees its pages as soon as it reads this.
         self.store.key_value_set(cluster.ack_key(t["group"], t["uuid"]), cluster.PULLED)
@@ -314,6 +394,29 @@ class DecodeEngine(Engine):
         self._live[seq.request_id] = incoming.live
         self._append(incoming.live, incoming.first_token, incoming.first_logprobs)
 
+    def _arrive_in_blocks(self, incoming: _Incoming) -> None:
+        """Every process of the group writes its blocks (followers wait for their own pulls);
+        the checksum, a sum over all of them, is read once they all have, then acknowledged."""
+        t, seq = incoming.transfer, incoming.live.seq
+        if incoming.cancelled:
+            self._device_call("forget", t["uuid"], None)
+            self.store.key_value_set(cluster.ack_key(t["group"], t["uuid"]), cluster.DROPPED)
+            self._fail(incoming, None)
+            return
+        arrived = self._device_call("insert", t["uuid"], incoming.pages[: t["num_pages"]])
+        self.store.key_value_set(cluster.ack_key(t["group"], t["uuid"]), cluster.PULLED)
+        if arrived != t["checksum"]:
+            self._fail(incoming, f"the KV cache from prefill group {t.get('group')!r} arrived corrupted (checksum "
+                                 f"{arrived:#010x}, sent {t['checksum']:#010x}): a process of either group may have "
+                                 "stopped mid-transfer; the request was dropped")
+            return
+        self.kv_transfer_bytes += t["bytes"]
+        self.transfer_counts["pulled"] += 1
+        seq.pages, seq.computed = incoming.pages, len(seq.prompt_ids)
+        self.scheduler.add_running(seq)
+        self._live[seq.request_id] = incoming.live
+        self._append(incoming.live, incoming.first_token, incoming.first_logprobs)
+
     def _fail(self, incoming: _Incoming, error: str | None) -> None:
         """Ends a request that never joined the batch: cancelled (error None) or failed."""
         if incoming.pull is None:  # never pulled: the prefill group frees its cache now, not at its timeout
@@ -325,6 +428,10 @@ class DecodeEngine(Engine):
         if error is not None:
             self.transfer_counts["failed"] += 1
         self._finish(incoming.live, "cancelled" if error is None else "error", error=error)
+
+    def stats(self) -> dict:
+        # Per process of a group spanning processes: the KV bytes each has pulled in blocks.
+        return {**super().stats(), "kv_bytes_pulled_by_process": blocks.read_bytes(self.store, self.group)}
 
     def _publish_stats(self) -> None:
         super()._publish_stats()

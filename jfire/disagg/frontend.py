@@ -253,6 +253,10 @@ class RemoteEngine:
         """The prefill group's answer, or an error message."""
         body = {"request_id": request_id, "prompt_ids": prompt_ids, "sampling": sampling.to_json(),
                 "shards": decode.info.get("kv_shards", 1)}
+        if max(group.info.get("processes", 1), decode.info.get("processes", 1)) > 1:
+            # A group spanning processes: each process sends or pulls its own blocks of the
+            # cache (jfire.disagg.blocks), cut to the decode group's layout.
+            body["receiver"] = decode.info["kv_layout"]
         try:
             r = self._http.post(group.info["control"] + "/prefill", json=body)
         except httpx.HTTPError as e:

@@ -139,7 +139,7 @@ def _page_sums(wire, n: int):
 
 def checksum(page_sums, num_pages: int) -> int:
     """The transfer's checksum: its first num_pages page sums (the rest pad the width), mod 2**32."""
-    return int(np.asarray(page_sums)[:num_pages].astype(np.uint64).sum() % (1 << 32))
+    return int(sharding.to_host(page_sums)[:num_pages].astype(np.uint64).sum() % (1 << 32))
 
 
 def gather_pages(pages, page_ids, *, arrays: tuple[CacheSpec, ...], replication: int):

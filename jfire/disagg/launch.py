@@ -134,15 +134,25 @@ def launch_local(deployment: Deployment, deployment_arg: str, options: Options) 
                 # deployment starts (a bad mesh, a missing model) fails the launch.
                 if process.group is None or not ready:
                     stopping = failed = True
-                elif restarts[process.process_id] < options.max_restarts:
-                    restarts[process.process_id] += 1
-                    print(f"jfire: launch: restarting {process.label} (restart {restarts[process.process_id]} of "
-                          f"{options.max_restarts})", file=sys.stderr, flush=True)
-                    children[i] = (process, start(process))
+                    continue
+                # A group spanning processes lives and dies whole: its other processes stop
+                # too, and the group restarts together.
+                members = [j for j, (p, _) in enumerate(children) if p.group == process.group]
+                for j in members:
+                    if children[j][1].poll() is None:
+                        children[j][1].kill()
+                        children[j][1].wait()
+                first = children[members[0]][0].process_id
+                if restarts[first] < options.max_restarts:
+                    restarts[first] += 1
+                    print(f"jfire: launch: restarting {process.group.name if len(members) > 1 else process.label} "
+                          f"(restart {restarts[first]} of {options.max_restarts})", file=sys.stderr, flush=True)
+                    for j in members:
+                        children[j] = (children[j][0], start(children[j][0]))
                 else:
                     print(f"jfire: launch: {process.label} is left down (restarted {options.max_restarts} times "
                           "already); the frontend routes around it", file=sys.stderr, flush=True)
-                    left_down.add(process.process_id)
+                    left_down.update(children[j][0].process_id for j in members)
     finally:
         if ready and not failed:
             _drain_frontend(children, frontend_url, options.shutdown_grace)

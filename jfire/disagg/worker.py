@@ -25,7 +25,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from jfire.disagg import cluster
+from jfire import lockstep
+from jfire.disagg import blocks, cluster
 from jfire.disagg.deployment import Deployment, Process
 from jfire.disagg.engines import DecodeEngine, PrefillEngine
 from jfire.engine import EngineConfig, RequestOutput
@@ -82,7 +83,8 @@ def create_control_app(engine, process: Process) -> FastAPI:
         outputs, on_output = attach(request_id)
         try:
             engine.submit(body["prompt_ids"], SamplingParams.from_json(body["sampling"]), request_id=request_id,
-                          on_output=on_output, shards=int(body.get("shards", 1)))
+                          on_output=on_output, shards=int(body.get("shards", 1)),
+                          receiver=body.get("receiver"))
         except (JfireError, TypeError, ValueError) as e:
             return error(400, str(e))
         while True:
@@ -142,27 +144,51 @@ def run(deployment: Deployment, process: Process, *, model: str, dtype: str, coo
 
     group = process.group
     store = cluster.join(coordinator, len(deployment.processes), process.process_id)
+    members = [p.process_id for p in deployment.processes if p.group == group]  # the leader first
+    # A group spanning processes runs one mesh over all their devices (jfire.lockstep).
+    devices = [d for d in jax.devices() if d.process_index in members] if len(members) > 1 else jax.local_devices()
+    if len(members) > 1:
+        name = cluster.incarnation(store, group.name, len(members))
+        if process.rank == 0:  # a restarted group: its collectives must not meet its old life's keys
+            cluster.forget_collectives(store, {d.id for d in devices})
+            store.key_value_set(f"jfire/clean/{name}", "1")
+        else:
+            store.blocking_key_value_get(f"jfire/clean/{name}", 600_000)
     try:
-        loaded = load_model(model, dtype, mesh_spec=group.mesh, devices=jax.local_devices())
+        loaded = load_model(model, dtype, mesh_spec=group.mesh, devices=devices)
     except JfireError as e:  # the frontend reports it on /health instead of waiting for ever
         cluster.publish_group(store, group.name, {"error": str(e)})
         raise
     server = transfer.start_transfer_server(jax.local_devices()[0].client, f"{bind_host}:0", [f"{bind_host}:0"])
+    transfer_address = server.address().replace(bind_host, advertise_host, 1)
     if group.role == "prefill":
         engine = PrefillEngine(loaded, config, server=server, store=store, group=group.name,
                                transfer_timeout_s=deployment.transfer_timeout_s)
     else:
         engine = DecodeEngine(loaded, config, server=server, store=store,
-                              transfer_timeout_s=deployment.transfer_timeout_s)
+                              transfer_timeout_s=deployment.transfer_timeout_s, group=group.name)
+    if len(members) > 1:
+        channel = lockstep.StepChannel(name, members, process.process_id, store)
+        if process.rank > 0:
+            def ready():  # the leader registers the group once every process's transfer server is known
+                store.key_value_set(cluster.transfer_key(channel.group, process.process_id), transfer_address)
+
+            lockstep.follow(engine, channel, on_ready=ready)
+            return
+        engine.step_channel = channel
+        engine.transfer_addresses = {str(process.process_id): transfer_address}
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((bind_host, group.port))
     control = f"http://{advertise_host}:{sock.getsockname()[1]}"
-    transfer_address = server.address().replace(bind_host, advertise_host, 1)
 
     def compile_then_register():
         try:
             engine.start()
+            for member in members[1:]:
+                address = store.blocking_key_value_get(cluster.transfer_key(engine.step_channel.group, member),
+                                                       600_000)
+                engine.transfer_addresses[str(member)] = address
         except BaseException as e:  # reported on /health and to the frontend through the store
             engine.error = e
             cluster.publish_group(store, group.name, {"error": str(e)})
@@ -172,6 +198,7 @@ def run(deployment: Deployment, process: Process, *, model: str, dtype: str, coo
             "role": group.role, "control": control, "transfer": transfer_address, "pid": os.getpid(),
             "mesh": group.mesh.name, "devices": len(loaded.mesh.devices.flat) if loaded.mesh is not None else 1,
             "kv_shards": engine.layout.preferred_shards(), "pages_total": engine.pool.num_pages,
+            "processes": len(members), "kv_layout": blocks.describe(engine.layout),
             "startup_s": engine.startup_s})
         print(f"jfire: {process.label}: ready ({group.role}, mesh {group.mesh.name}, "
               f"{engine.stats()['compiled_programs']} programs in {engine.startup_s:.1f} s); control {control}, "

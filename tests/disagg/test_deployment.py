@@ -37,7 +37,10 @@ def test_local_1p1d_process_table():
     ('[[groups]]\nrole = "prefil"\n', "role must be one of prefill, decode, got 'prefil'"),
     ('[[groups]]\nrole = "prefill"\nmesh = "tp=2"\ndevices_per_process = 1\n'
      '[[groups]]\nrole = "decode"\n', "needs 2 devices but the group has 1 x 1; raise devices_per_process to 2"),
-    ('[[groups]]\nrole = "prefill"\nprocesses = 2\n[[groups]]\nrole = "decode"\n', "a group spans one process"),
+    ('[[groups]]\nrole = "prefill"\nmesh = "tp=4"\nprocesses = 2\n[[groups]]\nrole = "decode"\n',
+     "has 4 devices but the group's processes hold 2 x 4 = 8; a group spanning processes runs its mesh over all of "
+     "them: set devices_per_process = 2"),
+    ('[[groups]]\nrole = "prefill"\nprocesses = 0\n[[groups]]\nrole = "decode"\n', "processes must be >= 1"),
     ('[[groups]]\nrole = "prefill"\ncolour = 1\n[[groups]]\nrole = "decode"\n', "unknown keys ['colour']"),
     ('[[groups]]\nname = "a"\nrole = "prefill"\n[[groups]]\nname = "a"\nrole = "decode"\n', "must be unique"),
     ("name = 'x'\n", "needs [[groups]] tables"),
@@ -175,3 +178,29 @@ def test_slurm_launcher_dry_run_of_a_group_spanning_nodes():
     task = ".venv/bin/jfire serve --coordinator gpu-node-1:8476 --num-processes 2 --process-id {} --host 0.0.0.0 " \
            "--mesh pp=2,tp=8 --model /models/llama"
     assert lines[1:] == [f"task {i}: " + task.format(i) for i in range(2)]
+
+
+def test_launchers_dry_run_of_groups_spanning_two_hosts(tmp_path):
+    """local-groups-2x2 on 2 hosts: 5 processes in blocks, the frontend and the prefill group's
+    2 processes on the first host, the decode group's 2 on the second."""
+    from jfire.disagg.deployment import Deployment
+
+    deployment = Deployment.load("local-groups-2x2")
+    assert [(p.label, p.devices) for p in deployment.processes] == [
+        ("frontend", 1), ("prefill-0/0", 3), ("prefill-0/1", 3), ("decode-0/0", 1), ("decode-0/1", 1)]
+    hosts = tmp_path / "hosts"
+    hosts.write_text("gpu-node-1\ngpu-node-2\n")
+    r = subprocess.run([sys.executable, "scripts/launch_ssh.py", str(hosts), "local-groups-2x2", "--dry-run",
+                        "--workdir", "/srv/jfire"], capture_output=True, text=True, cwd=REPO, check=True)
+    assert r.stdout.splitlines() == [
+        f"ssh -tt gpu-node-{host} 'cd /srv/jfire && {env}exec .venv/bin/jfire launch local-groups-2x2 --process-id {i} "
+        f"--coordinator gpu-node-1:8476 --host 0.0.0.0 --model default'"
+        for i, (host, env) in enumerate([(1, "JAX_PLATFORMS=cpu "), (1, ""), (1, ""), (2, ""), (2, "")])]
+    env = {**os.environ, "SLURM_JOB_NODELIST": "gpu-node-1,gpu-node-2", "SLURM_JOB_NUM_NODES": "2",
+           "JFIRE_DRY_RUN": "1", "JFIRE_PYTHON": sys.executable, "PATH": "/usr/bin:/bin"}
+    r = subprocess.run(["bash", "scripts/launch_slurm.sbatch", "local-groups-2x2"], capture_output=True, text=True,
+                       cwd=REPO, env=env, check=True)
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("srun --ntasks=5 --nodes=2 --distribution=block ")
+    assert lines[1:] == [f"task {i}: .venv/bin/jfire launch local-groups-2x2 --process-id {i} --coordinator "
+                         "gpu-node-1:8476 --host 0.0.0.0" for i in range(5)]
