@@ -420,6 +420,8 @@ class Engine:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
+                if self.step_channel is not None:
+                    self.step_channel.beat()
                 self._drain_commands(self._idle_wait())
                 if self._stop.is_set():
                     break

@@ -20,6 +20,7 @@ import pickle
 import signal
 import sys
 import threading
+import time
 import zlib
 
 import jax
@@ -28,6 +29,8 @@ from jfire.errors import JfireError
 
 STEPS_DIR = "jfire/lockstep/"
 POLL_MS = 1000  # how long a follower's read waits before it looks again (the leader may be idle)
+BEAT_S = 1.0  # an idle leader's sign of life, this often
+LEADER_TIMEOUT_S = 15.0  # a follower that hears nothing from its leader for this long stops
 
 
 def join(coordinator: str, num_processes: int, process_id: int, *, init_timeout_s: int = 300,
@@ -74,6 +77,7 @@ class StepChannel:
         self.leader, self.followers = processes[0], [p for p in processes if p != processes[0]]
         self.me = me
         self.seq = 0
+        self._last_beat = 0.0
 
     def _key(self, follower: int, seq: int) -> str:
         return f"{STEPS_DIR}{self.group}/{follower}/{seq}"
@@ -93,6 +97,16 @@ class StepChannel:
         for follower in self.followers:
             self.store.key_value_set_bytes(self._key(follower, self.seq), payload)
 
+    def beat(self) -> None:
+        """The leader's sign of life while it sends nothing (called every loop of its engine)."""
+        now = time.monotonic()
+        if now - self._last_beat >= BEAT_S:
+            self._last_beat = now
+            self.store.key_value_increment(self._beat_key(), 1)
+
+    def _beat_key(self) -> str:
+        return f"{STEPS_DIR}{self.group}/beat"
+
     def stop(self) -> None:
         """Tells followers the leader is done (they exit with status 0)."""
         try:
@@ -101,6 +115,12 @@ class StepChannel:
             pass
 
     # -- a follower ----------------------------------------------------------------------------
+
+    def _read_beat(self) -> str | None:
+        try:
+            return self.store.key_value_try_get(self._beat_key())
+        except Exception:  # noqa: BLE001 - NotFound: the leader has not beaten yet
+            return None
 
     def check_config(self, engine, timeout_s: float = 600) -> None:
         try:
@@ -118,6 +138,7 @@ class StepChannel:
         """The next call: (kind, key, inputs). Waits as long as the leader is idle."""
         self.seq += 1
         key = self._key(self.me, self.seq)
+        beat, heard = None, time.monotonic()
         while True:
             try:
                 payload = self.store.blocking_key_value_get_bytes(key, POLL_MS)
@@ -125,6 +146,14 @@ class StepChannel:
             except Exception as e:  # noqa: BLE001 - a plain runtime error: deadline or lost coordinator
                 if "DEADLINE_EXCEEDED" not in str(e):
                     raise JfireError(f"process {self.me} lost its group's leader: {e}") from None
+            # An idle leader beats; one that neither sends nor beats has died (where JAX does
+            # not stop the group itself: a deployment's processes outlive each other).
+            now_beat = self._read_beat()
+            if now_beat != beat:
+                beat, heard = now_beat, time.monotonic()
+            elif beat is not None and time.monotonic() - heard > LEADER_TIMEOUT_S:  # it had beaten before
+                raise JfireError(f"process {self.me} lost its group's leader (process {self.leader}): no call and "
+                                 f"no sign of life for {LEADER_TIMEOUT_S:g} s")
         self.store.key_value_delete(key)
         seq, kind, call_key, inputs = pickle.loads(zlib.decompress(payload))
         if seq != self.seq:

@@ -177,6 +177,13 @@ def run(deployment: Deployment, process: Process, *, model: str, dtype: str, coo
             return
         engine.step_channel = channel
         engine.transfer_addresses = {str(process.process_id): transfer_address}
+
+        def group_failed(error: BaseException) -> None:  # a group lives and dies whole
+            print(f"jfire: {process.label}: error: the group failed ({type(error).__name__}: {error}); its requests "
+                  "have ended with an error; exiting with status 1", file=sys.stderr, flush=True)
+            threading.Timer(1.0, lambda: os._exit(1)).start()  # let the errors go out first
+
+        engine.on_fatal = group_failed
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((bind_host, group.port))
