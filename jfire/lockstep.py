@@ -23,8 +23,7 @@ import threading
 import time
 import zlib
 
-import jax
-
+from jfire.disagg import cluster
 from jfire.errors import JfireError
 
 STEPS_DIR = "jfire/lockstep/"
@@ -33,30 +32,15 @@ BEAT_S = 1.0  # an idle leader's sign of life, this often
 LEADER_TIMEOUT_S = 15.0  # a follower that hears nothing from its leader for this long stops
 
 
-def join(coordinator: str, num_processes: int, process_id: int, *, init_timeout_s: int = 300,
-         heartbeat_timeout_s: int = 10) -> None:
+def join(coordinator: str, num_processes: int, process_id: int) -> None:
     """Joins the group's jax.distributed cluster (process 0 hosts the coordinator service);
-    blocks until every process has joined. A process whose peer stops answering for
-    heartbeat_timeout_s is shut down by JAX: a group lives and dies whole."""
+    blocks until every process has joined. A process whose peer stops answering is shut down
+    by JAX: a group lives and dies whole."""
     if num_processes < 2:
         raise JfireError(f"--num-processes must be >= 2 for a group spanning processes, got {num_processes}")
     if not 0 <= process_id < num_processes:
         raise JfireError(f"--process-id must be in 0..{num_processes - 1}, got {process_id}")
-    try:
-        jax.distributed.initialize(coordinator, num_processes, process_id, initialization_timeout=init_timeout_s,
-                                   heartbeat_timeout_seconds=heartbeat_timeout_s)
-    except Exception as e:  # noqa: BLE001 - jax raises plain RuntimeErrors/XlaRuntimeErrors here
-        raise JfireError(f"could not join the group at {coordinator} as process {process_id} of "
-                         f"{num_processes}: {e}") from None
-    jax.devices()  # every process must bring up its backend before any can use it
-
-
-def client():
-    from jax._src import distributed
-
-    if distributed.global_state.client is None:
-        raise JfireError("this process has not joined a group (jax.distributed is not initialised)")
-    return distributed.global_state.client
+    cluster.join(coordinator, num_processes, process_id, recoverable=False, what="the group")
 
 
 def fingerprint(engine) -> dict:
@@ -72,7 +56,7 @@ class StepChannel:
     """The leader's end (`send`) or a follower's (`receive`) of a group's stream of device calls."""
 
     def __init__(self, group: str, processes: list[int], me: int, store=None):
-        self.store = store if store is not None else client()
+        self.store = store if store is not None else cluster.store()
         self.group = group
         self.leader, self.followers = processes[0], [p for p in processes if p != processes[0]]
         self.me = me

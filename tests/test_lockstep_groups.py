@@ -149,14 +149,12 @@ def wait_ready(url: str, procs: list[subprocess.Popen], timeout: float = 300) ->
     raise AssertionError(f"the group did not become ready within {timeout} s")
 
 
-def launcher_group(tmp_path: Path, serve_args: list[str], port: int) -> list[subprocess.Popen]:
+def launcher_group(tmp_path: Path, model: str, serve_options: list[str]) -> list[subprocess.Popen]:
     """The processes `scripts/launch_ssh.py --group` would start over SSH, run here directly."""
     hosts = tmp_path / "hosts"
     hosts.write_text("127.0.0.1\n127.0.0.1\n")
-    model = serve_args[serve_args.index("--model") + 1]
-    rest = [a for i, a in enumerate(serve_args) if a != "--model" and (i == 0 or serve_args[i - 1] != "--model")]
     plan = subprocess.run([sys.executable, "scripts/launch_ssh.py", str(hosts), "--group", "--dry-run", "--model", model,
-                           "--coordinator-port", str(free_port()), "--", *rest, "--cpu-devices", "4"],
+                           "--coordinator-port", str(free_port()), "--", *serve_options, "--cpu-devices", "4"],
                           capture_output=True, text=True, cwd=REPO, check=True).stdout.splitlines()
     procs = []
     for i, line in enumerate(plan):
@@ -171,7 +169,8 @@ def test_killing_the_follower_ends_the_stream_and_the_group(models, one_device, 
     """A follower dying mid-stream: the client gets a clear error within 10 s and the leader
     exits; the group started again serves the same tokens as before."""
     port = free_port()
-    args = ["serve", "--model", models["dense"], "--mesh", "pp=2,tp=4", "--port", str(port), *ENGINE_ARGS]
+    options = ["--mesh", "pp=2,tp=4", "--port", str(port), *ENGINE_ARGS]
+    args = ["serve", "--model", models["dense"], *options]
     url = f"http://127.0.0.1:{port}"
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
     prompt, served = PROMPTS[0]["prompt_ids"], Path(models["dense"]).name
@@ -207,7 +206,7 @@ def test_killing_the_follower_ends_the_stream_and_the_group(models, one_device, 
             if p.poll() is None:
                 p.kill()
     # Started again as the SSH launcher would start it on two hosts (here both 127.0.0.1).
-    group = launcher_group(tmp_path, args[1:], port)
+    group = launcher_group(tmp_path, models["dense"], options)
     try:
         wait_ready(url, group)
         assert complete(8) == before

@@ -194,10 +194,9 @@ class BlockPulls:
 BYTES_DIR = "jfire/kv-bytes/"
 
 
-def report_bytes(store, group: str, **counts: int) -> None:
-    """This process's KV bytes (sent or pulled), where its group's leader reads them."""
-    store.key_value_set(f"{BYTES_DIR}{group}/{jax.process_index()}", str(next(iter(counts.values()))),
-                        allow_overwrite=True)
+def report_bytes(store, group: str, nbytes: int) -> None:
+    """This process's KV bytes so far (sent or pulled), where its group's leader reads them."""
+    store.key_value_set(f"{BYTES_DIR}{group}/{jax.process_index()}", str(nbytes), allow_overwrite=True)
 
 
 def read_bytes(store, group: str) -> dict[str, int]:

@@ -127,12 +127,12 @@ class PrefillEngine(Engine):
             plan, me = blocks.BlockPlan(self.layout, blocks.describe(self.layout), receiver), jax.process_index()
             sent = []
             for _, q in sorted(pair for pair in plan.pairs() if pair[0] == me):
-                pieces = blocks.pieces_to_send(plan, gathered, q)
-                self.server.await_pull(blocks.pair_uuid(key, me, q), pieces)
-                sent.append((blocks.pair_uuid(key, me, q), pieces))
+                uuid, pieces = blocks.pair_uuid(key, me, q), blocks.pieces_to_send(plan, gathered, q)
+                self.server.await_pull(uuid, pieces)
+                sent.append((uuid, pieces))
                 self.sent_bytes += sum(x.nbytes for x in pieces)
             self._sent[key] = sent
-            blocks.report_bytes(self.store, self.group, sent=self.sent_bytes)
+            blocks.report_bytes(self.store, self.group, self.sent_bytes)
             return sent_checksum
         if kind == "release":
             for uuid, pieces in self._sent.pop(key, []):
@@ -262,7 +262,7 @@ class DecodeEngine(Engine):
             arrays, nbytes = pulls.arrays()
             self.pages, arrived = self.insert.insert(self.pages, arrays, inputs)
             self.pulled_bytes += nbytes
-            blocks.report_bytes(self.store, self.group, pulled=self.pulled_bytes)
+            blocks.report_bytes(self.store, self.group, self.pulled_bytes)
             return arrived
         if kind == "forget":
             self._block_pulls.pop(key, None)
