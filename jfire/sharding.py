@@ -54,6 +54,9 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "embed_groups": None,
     "ffn_packed": "tp",
     "ffn_groups": "tp",
+    # FP8 experts' block scales ([experts, out / 128, in / 128]) split as the weights they scale.
+    "embed_blocks": None,
+    "ffn_blocks": "tp",
 }
 
 

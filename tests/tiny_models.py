@@ -165,6 +165,40 @@ def save_tiny_hf_model(family: str, path: Path, *, max_shard_size: str | None = 
     return Path(path)
 
 
+def fused_expert_state(model, state: dict) -> dict:
+    """Per-expert tensors (as saved) back into transformers' fused expert parameters."""
+    out = {k: v for k, v in state.items() if ".mlp.experts." not in k}
+    for name, _ in model.named_parameters():
+        if name.endswith("experts.gate_up_proj"):
+            base, n = name[: -len("gate_up_proj")], model.config.n_routed_experts
+            out[name] = torch.stack([torch.cat([state[f"{base}{e}.gate_proj.weight"], state[f"{base}{e}.up_proj.weight"]])
+                                     for e in range(n)])
+            out[base + "down_proj"] = torch.stack([state[f"{base}{e}.down_proj.weight"] for e in range(n)])
+    return out
+
+
+def quantized_release(family: str, seed: int, tmp: Path, quantize) -> tuple[dict, torch.nn.Module]:
+    """A tiny HF model's tensors re-encoded as a quantized release, and the reference: the HF
+    model on the values the encoding stands for. `quantize(name, value)` returns None to keep
+    a tensor as it is, else (the tensors stored in its place, the float32 values they mean)."""
+    from safetensors.torch import load_file
+
+    model = build_tiny_hf_model(family, seed=seed)
+    model.save_pretrained(tmp)
+    tensors = {k: v.numpy() for k, v in load_file(Path(tmp) / "model.safetensors").items()}
+    stored, meant = {}, {}
+    for name, value in tensors.items():
+        encoded = quantize(name, value)
+        if encoded is None:
+            stored[name] = value
+        else:
+            stored_here, meant[name] = encoded
+            stored.update(stored_here)
+    state = {k: torch.from_numpy(meant.get(k, v)) for k, v in tensors.items()}
+    model.load_state_dict(fused_expert_state(model, state), strict=True)
+    return stored, model
+
+
 def hf_text_model(path, dtype=torch.float32):
     """The HF causal LM to compare a saved directory against: eager attention, eager experts.
 

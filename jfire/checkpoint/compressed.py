@@ -132,7 +132,7 @@ def abstract_tree(specs, section: dict, sharding) -> dict:
 @jax.jit
 def device_checksum(x: jax.Array) -> jax.Array:
     """codec.checksum computed on the device from bf16 values (or, for a param held in its own
-    4-byte dtype, from its 16-bit words as `_words` orders them): a u32 scalar."""
+    4-byte dtype, from its 16-bit words as `_words` orders them; FP8 is exact in bf16): a u32 scalar."""
     if x.dtype.itemsize == 4:
         bits = jax.lax.bitcast_convert_type(x, jnp.uint16).reshape(-1).astype(jnp.uint32)
     else:
@@ -205,7 +205,11 @@ def decode_tree(path: Path, specs, section: dict, stored: dict, dtype, decoder: 
 
 
 def _words(value: np.ndarray) -> np.ndarray:
-    """A 4-byte array's 16-bit words in memory order (as the device's bitcast splits them)."""
+    """The 16-bit words `device_checksum` sums for a param held in its own dtype: a 4-byte
+    array's in memory order (as the device's bitcast splits them); FP8 codes as the bf16 values
+    they equal exactly."""
+    if value.dtype.itemsize == 1:
+        return codec.as_bits(np.ascontiguousarray(value))
     return np.ascontiguousarray(value).view(np.uint16)
 
 

@@ -105,6 +105,10 @@ def _read_one(source, spec, name: str, np_dtype, progress) -> np.ndarray:
     tensor = source.get(name, spec)
     if tuple(tensor.shape) != spec.source_shape:
         raise JfireError(f"tensor '{name}' has shape {tuple(tensor.shape)} but the config implies {spec.source_shape}")
+    if spec.dtype == "float8_e4m3fn" and tensor.dtype != spec_dtype(spec, None):
+        # Casting other values to FP8 would round them: the config promised FP8 tensors.
+        raise JfireError(f"tensor '{name}' is {tensor.dtype}, but the config's quantization_config says the routed "
+                         "experts are stored float8_e4m3fn; fix the config or the checkpoint")
     if progress:
         progress(name)
     return spec.from_source(np.asarray(tensor)).astype(spec_dtype(spec, np_dtype))

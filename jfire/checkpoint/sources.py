@@ -75,8 +75,9 @@ class HFDirSource:
                 self._open[file] = safe_open(file, framework="numpy")
             raw_dtype = _NON_NUMPY_DTYPES.get(self._header(file)[name]["dtype"])
             tensor = self._raw(file, name, raw_dtype) if raw_dtype else self._open[file].get_tensor(name)
-            if f"{name}_scale_inv" in self._file_of:
-                # DeepSeek-V3's FP8 weights, block-scaled: read as the real values they stand for.
+            if f"{name}_scale_inv" in self._file_of and spec.dtype != "float8_e4m3fn":
+                # DeepSeek-V3's FP8 weights, block-scaled: read as the real values they stand for
+                # (unless the param keeps them FP8, beside its own scales).
                 from jfire.checkpoint.fp8 import dequantize_fp8_block
 
                 return dequantize_fp8_block(tensor, self.get(f"{name}_scale_inv", spec))

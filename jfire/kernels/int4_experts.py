@@ -168,7 +168,7 @@ def _ragged_dot_pallas(xs, packed, scale, sizes, *, interpret, block_rows, block
     x = jnp.pad(xs, ((0, block_rows), (0, 0)))
     zeros = jnp.zeros((a + block_rows, out), jnp.float32)
     # Inside a shard_map (expert parallelism) every operand must vary over the same manual axes.
-    starts, ends, x, packed, scale, zeros = _vary_alike(starts, ends, x, packed, scale, zeros)
+    starts, ends, x, packed, scale, zeros = vary_alike(starts, ends, x, packed, scale, zeros)
     # f32 inputs get a true f32 dot (Triton's default would be TF32); bf16 ones the tensor-core dot.
     precision = jax.lax.Precision.HIGHEST if xs.dtype == jnp.float32 else None
     kernel = functools.partial(_ragged_kernel, block_rows=block_rows, block_in=block_in, precision=precision)
@@ -213,7 +213,7 @@ def _ragged_dot_tiled(xs, packed, scale, sizes, *, block_rows, block_out):
     x = jnp.pad(xs, ((0, block_rows), (0, 0)))  # a row block may start at any row up to a - 1
     acc = jnp.zeros((a + block_rows, out), jnp.float32)
     # Inside a shard_map that checks varying axes the loop carry must vary as its updates do.
-    starts, ends, x, packed, scale, acc = _vary_alike(starts, ends, x, packed, scale, acc)
+    starts, ends, x, packed, scale, acc = vary_alike(starts, ends, x, packed, scale, acc)
     precision = jax.lax.Precision.HIGHEST if xs.dtype == jnp.float32 else None
     row_ids = jax.lax.broadcasted_iota(jnp.int32, (block_rows, 1), 0)
 
@@ -247,7 +247,7 @@ def _varying(x) -> frozenset:
     return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
 
 
-def _vary_alike(*operands):
+def vary_alike(*operands):
     """The operands, each marked as varying over every manual mesh axis any of them varies
     over: inside a shard_map that checks varying axes (the expert-parallel dispatch) the
     kernel takes operands that agree, and its output is per shard like them."""

@@ -12,6 +12,9 @@ computes it.
   - Kimi K2.5 nests this under `text_config`, its tensors under `language_model.`, beside a
     vision tower (skipped), and keeps the routed experts int4 (compressed-tensors
     pack-quantized); they stay packed on the device (jfire.kernels.int4_experts).
+  - DeepSeek-V3 and Kimi K2 as released store their linears FP8 with 128 x 128 block scales
+    (`quant_method: fp8`): the routed experts, nearly all of the weights, stay FP8 on the
+    device (jfire.models.fp8_experts); the other linears are dequantized on load.
 
 The dense layers are run outside the pipeline (`piped=False`): they are a handful at the
 front (Kimi: 1 of 61), so pipeline stages split the uniform MoE stack alone; the dense
@@ -27,6 +30,7 @@ from typing import Any, ClassVar, Mapping
 
 from jfire.errors import JfireError
 from jfire.models.blocks import Yarn, lm_head, pre_norm_decoder
+from jfire.models.fp8_experts import BLOCK as FP8_BLOCK
 from jfire.models.family import CacheSpec, Family, MeshShape, Segment
 from jfire.models.params import ParamSpec
 
@@ -70,6 +74,7 @@ class DeepseekV3Config(Family):
     eos_token_ids: tuple[int, ...] = ()
     hf_prefix: str = ""  # "language_model." in Kimi K2.5's released layout
     int4_group_size: int | None = None  # routed experts kept int4 (pack-quantized), group size along inputs
+    fp8_experts: bool = False  # routed experts kept FP8 e4m3 with 128 x 128 block scales
     extra_layers: int = 0  # multi-token-prediction layers in the checkpoint, which jfire does not run
 
     def __post_init__(self):
@@ -77,6 +82,8 @@ class DeepseekV3Config(Family):
             raise JfireError(f"n_group ({self.n_group}) must divide n_routed_experts ({self.num_experts})")
         if not 1 <= self.topk_group <= self.n_group:
             raise JfireError(f"topk_group ({self.topk_group}) must be between 1 and n_group ({self.n_group})")
+        if self.int4_group_size and self.fp8_experts:
+            raise JfireError("routed experts are either int4 (pack-quantized) or FP8, not both")
 
     # -- construction -------------------------------------------------------------------------
 
@@ -137,6 +144,7 @@ class DeepseekV3Config(Family):
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
             hf_prefix=prefix,
             int4_group_size=_int4_group_size(quant),
+            fp8_experts=_is_block_fp8(quant),
             extra_layers=int(hf.get("num_nextn_predict_layers") or 0),
         )
 
@@ -247,18 +255,28 @@ class DeepseekV3Config(Family):
 
     def _expert_specs(self, spec, X: int, E: int, F: int) -> list[ParamSpec]:
         name = "mlp.experts.{e}.%s_proj.%s"
-        if not self.int4_group_size:
+        if not (self.int4_group_size or self.fp8_experts):
             return [
                 spec("we_gate", (X, E, F), ("experts", "embed", "ffn"), name % ("gate", "weight"), n_in=1, per_expert=True),
                 spec("we_up", (X, E, F), ("experts", "embed", "ffn"), name % ("up", "weight"), n_in=1, per_expert=True),
                 spec("we_down", (X, F, E), ("experts", "ffn", "embed"), name % ("down", "weight"), n_in=1, per_expert=True),
             ]
-        # Packed int4, kept in the source's [out, in / 8] layout with [out, in / group] scales.
-        G = self.int4_group_size
+        # Quantized, kept in the source's [out, in] layout beside its scales.
         raw = dict(per_expert=True, flat_source=False)
         out = []
         for proj, (o, i), axes in (("gate", (F, E), ("ffn", "embed")), ("up", (F, E), ("ffn", "embed")),
                                    ("down", (E, F), ("embed", "ffn"))):
+            if self.fp8_experts:
+                blocks = (-(-o // FP8_BLOCK), -(-i // FP8_BLOCK))
+                out += [
+                    spec(f"we_{proj}.fp8", (X, o, i), ("experts", *axes), name % (proj, "weight"),
+                         init="fp8", dtype="float8_e4m3fn", **raw),
+                    spec(f"we_{proj}.scale_inv", (X, *blocks), ("experts", axes[0] + "_blocks", axes[1] + "_blocks"),
+                         name % (proj, "weight_scale_inv"), init="fp8_scale", dtype="float32", **raw),
+                ]
+                continue
+            # Packed int4: [out, in / 8] words with [out, in / group] scales.
+            G = self.int4_group_size
             out += [
                 spec(f"we_{proj}.packed", (X, o, i // 8), ("experts", axes[0], axes[1] + "_packed"),
                      name % (proj, "weight_packed"), init="int4", dtype="int32", **raw),
@@ -282,6 +300,9 @@ class DeepseekV3Config(Family):
         if self.int4_group_size and (self.moe_intermediate_size // self.int4_group_size) % tp:
             problems.append(f"tp={tp} does not divide the expert width's {self.moe_intermediate_size // self.int4_group_size} "
                             f"int4 groups of {self.int4_group_size}")
+        if self.fp8_experts and tp > 1 and (self.moe_intermediate_size // tp) % FP8_BLOCK:
+            problems.append(f"tp={tp} does not split the expert width {self.moe_intermediate_size} into whole "
+                            f"FP8 scale blocks of {FP8_BLOCK} (each shard needs a multiple of {FP8_BLOCK})")
         if self.num_experts % ep:
             problems.append(f"ep={ep} does not divide the {self.num_experts} experts")
         return problems
@@ -303,7 +324,7 @@ class DeepseekV3Config(Family):
 def _int4_group_size(quant: Mapping[str, Any] | None) -> int | None:
     """The group size of compressed-tensors pack-quantized int4 weights, None when the
     checkpoint is not quantized that way. jfire reads the routed experts as the quantized
-    modules (Kimi K2.5's layout); FP8 checkpoints are dequantized on load instead."""
+    modules (Kimi K2.5's layout)."""
     if not quant or quant.get("quant_method") != "compressed-tensors":
         return None
     if quant.get("format") != "pack-quantized":
@@ -322,3 +343,15 @@ def _int4_group_size(quant: Mapping[str, Any] | None) -> int | None:
     if size % 8:
         raise JfireError(f"int4 group size {size} is not a multiple of the 8 values an int32 packs")
     return size
+
+
+def _is_block_fp8(quant: Mapping[str, Any] | None) -> bool:
+    """Whether the checkpoint stores its linears as DeepSeek releases them: float8 e4m3 with
+    128 x 128 block scales (`weight_scale_inv`). Those routed experts stay FP8 on the device."""
+    if not quant or quant.get("quant_method") != "fp8":
+        return False
+    fmt, block = quant.get("fmt", "e4m3"), list(quant.get("weight_block_size") or [])
+    if fmt != "e4m3" or block != [FP8_BLOCK, FP8_BLOCK]:
+        raise JfireError(f"FP8 quantization with fmt {fmt!r} and weight_block_size {block or None} is not supported; "
+                         f"jfire reads e4m3 weights in {FP8_BLOCK} x {FP8_BLOCK} blocks, as DeepSeek-V3 and Kimi K2 ship")
+    return True

@@ -122,14 +122,21 @@ def _swiglu_grouped(xs, sizes, w_gate, w_up, w_down):
 
 
 def _ragged_dot(xs, w, sizes):
-    """xs [a, in] by group through w [E, in, out], or through packed int4 weights
-    {"packed", "scale"} ([E, out, in / 8] and [E, out, in / group]), which stay packed:
-    on a GPU the Pallas kernel dequantizes tiles as it multiplies; elsewhere XLA
-    dequantizes the layer's experts first (`int4_experts.default_impl`; `use_impl` overrides)."""
-    if isinstance(w, dict):
+    """xs [a, in] by group through w [E, in, out], or through quantized expert weights that stay
+    quantized on the device, in their source's [E, out, in] layout: packed int4 {"packed",
+    "scale"} (jfire.kernels.int4_experts: on a GPU the Pallas kernel dequantizes tiles as it
+    multiplies; elsewhere XLA dequantizes the layer's experts first, `use_impl` overrides) or
+    block-scaled FP8 {"fp8", "scale_inv"} (jfire.models.fp8_experts: the layer's experts
+    dequantized, then XLA's grouped matmul; `use_impl("tiled")` loops instead, for `jfire plan`)."""
+    if isinstance(w, dict) and "packed" in w:
         from jfire.kernels.int4_experts import default_impl, ragged_dot_int4
 
         return ragged_dot_int4(xs, w["packed"], w["scale"], sizes, impl=default_impl())
+    if isinstance(w, dict):
+        from jfire.kernels.int4_experts import default_impl
+        from jfire.models.fp8_experts import ragged_dot_fp8
+
+        return ragged_dot_fp8(xs, w["fp8"], w["scale_inv"], sizes, impl=default_impl())
     return jax.lax.ragged_dot(xs, w, sizes, preferred_element_type=jnp.float32)
 
 
@@ -241,16 +248,17 @@ def experts_parallel(x, weights, experts, w_gate, w_up, w_down, *, mesh, scale_i
 
 
 def num_experts(w) -> int:
-    """Experts in a weight: a plain [E, ...] array or a packed int4 {"packed", "scale"} subtree."""
-    return (w["packed"] if isinstance(w, dict) else w).shape[0]
+    """Experts in a weight: a plain [E, ...] array or a quantized subtree ({"packed", "scale"},
+    {"fp8", "scale_inv"}), every leaf [E, ...]."""
+    return (next(iter(w.values())) if isinstance(w, dict) else w).shape[0]
 
 
 def _expert_spec(w, width: str, ep_axis: str, tp_axis: str):
     """How one expert weight enters the expert-parallel shard_map: experts over ep, the ffn
     width over tp. `width` says where the ffn axis is in the plain [E, in, out] layout:
-    "in_out" (gate/up: out is ffn) or "out_in" (down: in is ffn). Packed int4 keeps the
-    source's [E, out, in / 8] layout, so its ffn axis is the other one."""
+    "in_out" (gate/up: out is ffn) or "out_in" (down: in is ffn). Quantized experts keep
+    the source's [E, out, in] layout (their scales too), so their ffn axis is the other one."""
     if isinstance(w, dict):
         spec = P(ep_axis, tp_axis, None) if width == "in_out" else P(ep_axis, None, tp_axis)
-        return {"packed": spec, "scale": spec}
+        return {name: spec for name in w}
     return P(ep_axis, None, tp_axis) if width == "in_out" else P(ep_axis, tp_axis, None)

@@ -29,7 +29,7 @@ class ParamSpec:
     take: tuple[int, int] | None = None  # a slice [start, stop) of the source's last axis (fused tensors)
     source_full: int | None = None  # with `take`: the size of that last axis in the source
     gguf_rotary_heads: int | None = None  # llama.cpp permutes Q/K rows for rotary: heads to undo it
-    dtype: str | None = None  # stored in this dtype whatever the model's (packed int4 words, a float32 bias)
+    dtype: str | None = None  # stored in this dtype whatever the model's (packed int4 words, FP8 experts, a float32 bias)
 
     @property
     def per_layer(self) -> bool:
@@ -98,7 +98,7 @@ def abstract_params(specs, dtype) -> dict:
 
 def init_params(specs, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> dict:
     """Random weights for tests and benchmarks (normal(0, scale) matrices, unit norms; packed
-    int4 words of random nibbles with scales that give them about the same spread)."""
+    int4 words of random nibbles and FP8 codes, with scales that give them about the same spread)."""
     tree: dict = {}
     for i, s in enumerate(specs):
         k = jax.random.fold_in(key, i)
@@ -106,6 +106,11 @@ def init_params(specs, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -
             value = jax.lax.bitcast_convert_type(jax.random.bits(k, s.shape, jnp.uint32), jnp.int32)
         elif s.init == "int4_scale":
             value = jnp.full(s.shape, scale / 4.6, spec_dtype(s, dtype))  # nibbles - 8 have std ~4.6
+        elif s.init == "fp8":
+            # FP8 codes of about unit spread; their block scales bring them to `scale`.
+            value = jax.random.normal(k, s.shape, jnp.float32).astype(jnp.float8_e4m3fn)
+        elif s.init == "fp8_scale":
+            value = jnp.full(s.shape, scale, spec_dtype(s, dtype))
         elif s.init == "ones":
             value = jnp.ones(s.shape, spec_dtype(s, dtype))
         elif s.init == "zeros":

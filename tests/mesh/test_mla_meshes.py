@@ -1,5 +1,5 @@
 """A DeepSeek-V3-shaped model (latent attention, a dense first layer, grouped routing, shared
-experts; once with int4 routed experts) on 8 CPU devices against one device: the same logits
+experts; once with int4 and once with FP8 routed experts) on 8 CPU devices against one device: the same logits
 and greedy tokens, and the latent cache stored once per token across each pipeline stage's
 devices (pages split over ep x tp), never repeated on every device."""
 
@@ -23,7 +23,9 @@ CFG = DeepseekV3Config(
     num_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
     first_k_dense_replace=1)
 CFG_INT4 = dataclasses.replace(CFG, int4_group_size=32)
-CASES = [(CFG, "ep=4,tp=2"), (CFG, "pp=2,ep=4"), (CFG_INT4, "ep=4,tp=2")]
+# Experts twice as wide, so each tp shard holds a whole 128-wide FP8 scale block.
+CFG_FP8 = dataclasses.replace(CFG, fp8_experts=True, moe_intermediate_size=256)
+CASES = [(CFG, "ep=4,tp=2"), (CFG, "pp=2,ep=4"), (CFG_INT4, "ep=4,tp=2"), (CFG_FP8, "ep=4,tp=2")]
 PAGE, PAGES = 4, 64
 
 
@@ -41,6 +43,10 @@ def run_greedy(cfg, host, spec_text):
     return greedy.run_greedy(cfg, host, spec_text, table, num_pages=PAGES, page_size=PAGE)
 
 
+def _quantized(cfg):
+    return "int4-" if cfg.int4_group_size else "fp8-" if cfg.fp8_experts else ""
+
+
 @pytest.fixture(scope="module")
 def single_device():
     cache = {}
@@ -53,7 +59,7 @@ def single_device():
     return get
 
 
-@pytest.mark.parametrize("cfg,spec", CASES, ids=[f"{'int4-' if c.int4_group_size else ''}{s}" for c, s in CASES])
+@pytest.mark.parametrize("cfg,spec", CASES, ids=[f"{_quantized(c)}{s}" for c, s in CASES])
 def test_mla_mesh_equals_one_device(cfg, spec, single_device):
     greedy.assert_same_run(run_greedy(cfg, host_params(cfg), spec), single_device(cfg))
 

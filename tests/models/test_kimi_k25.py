@@ -13,13 +13,12 @@ import numpy as np
 import pytest
 import torch
 from safetensors.numpy import save_file
-from safetensors.torch import load_file
 
 from jfire.checkpoint.load import load_model
 from jfire.engine import Engine, EngineConfig
 from jfire.kernels.int4_experts import pack_int4, unpack_int4_np
 from jfire.sampling import SamplingParams
-from tests.tiny_models import build_tiny_hf_model, tiny_hf_config
+from tests.tiny_models import quantized_release, tiny_hf_config
 
 GREEDY_STEPS = 16
 GROUP = 32
@@ -34,21 +33,16 @@ QUANTIZATION = {
 @pytest.fixture(scope="module")
 def released(tmp_path_factory):
     """(the released-layout directory, the HF model with dequantized experts)."""
-    model = build_tiny_hf_model("kimi_k2", seed=3)
-    saved = tmp_path_factory.mktemp("k2")
-    model.save_pretrained(saved)
-    tensors = {k: v.numpy() for k, v in load_file(saved / "model.safetensors").items()}
-    out, dequantized = {}, {}
-    for name, value in tensors.items():
-        if ".mlp.experts." in name:
-            packed, scale = pack_int4(value, GROUP)
-            stem = name[: -len("weight")]
-            out["language_model." + stem + "weight_packed"] = packed
-            out["language_model." + stem + "weight_scale"] = np.asarray(scale)
-            out["language_model." + stem + "weight_shape"] = np.asarray(value.shape, np.int32)
-            dequantized[name] = unpack_int4_np(packed, scale)
-        else:
-            out["language_model." + name] = value
+    def pack(name, value):
+        if ".mlp.experts." not in name:
+            return None
+        packed, scale = pack_int4(value, GROUP)
+        stem = name[: -len("weight")]
+        return ({stem + "weight_packed": packed, stem + "weight_scale": np.asarray(scale),
+                 stem + "weight_shape": np.asarray(value.shape, np.int32)}, unpack_int4_np(packed, scale))
+
+    tensors, model = quantized_release("kimi_k2", 3, tmp_path_factory.mktemp("k2"), pack)
+    out = {"language_model." + name: value for name, value in tensors.items()}
     out["vision_tower.patch_embed.weight"] = np.zeros((4, 4), np.float32)
     out["mm_projector.proj.weight"] = np.zeros((4, 4), np.float32)
     path = tmp_path_factory.mktemp("kimi_k25")
@@ -57,23 +51,7 @@ def released(tmp_path_factory):
     (path / "config.json").write_text(json.dumps({
         "architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
         "text_config": text, "quantization_config": QUANTIZATION}))
-
-    # The reference: the same model, its experts replaced by what the packed words mean.
-    state = {k: torch.from_numpy(dequantized.get(k, v)) for k, v in tensors.items()}
-    model.load_state_dict(_fused_experts(model, state), strict=True)
     return path, model
-
-
-def _fused_experts(model, state: dict) -> dict:
-    """Per-expert tensors (as saved) back into transformers' fused expert parameters."""
-    out = {k: v for k, v in state.items() if ".mlp.experts." not in k}
-    for name, _ in model.named_parameters():
-        if name.endswith("experts.gate_up_proj"):
-            base, n = name[: -len("gate_up_proj")], model.config.n_routed_experts
-            out[name] = torch.stack([torch.cat([state[f"{base}{e}.gate_proj.weight"], state[f"{base}{e}.up_proj.weight"]])
-                                     for e in range(n)])
-            out[base + "down_proj"] = torch.stack([state[f"{base}{e}.down_proj.weight"] for e in range(n)])
-    return out
 
 
 def test_int4_experts_stay_packed_on_the_device(released, capfd):
