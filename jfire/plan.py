@@ -28,7 +28,10 @@ on tp=2 about twice the bf16 layer slice the GPU would copy); it has not been ch
 Packed int4 experts stay int32 words there, and run through the GPU kernel's tiling (INT4_IMPL),
 not XLA:CPU's path that unpacks a whole layer: for Kimi K2.5 on pp=2 x tp=4 the workspace is
 then mostly one MoE layer's packed experts and their (float32 here, bf16 on a GPU) scales,
-sliced out of the stacked layers per scan step (2.46 GiB of 2.86 GiB per device).
+sliced out of the stacked layers per scan step (2.46 GiB of 2.86 GiB per device). FP8 experts
+enter as their bytes (FP8_AS_BYTES) and are multiplied by expert in lax loops, one layer's local
+experts dequantized at a time as on a GPU: for DeepSeek-V3 on pp=2 x tp=8 that layer, 5.25 GiB
+in float32 (2.6 in bf16), is most of the 7.13 GiB per device.
 """
 
 from __future__ import annotations
@@ -63,6 +66,12 @@ WORKSPACE_DTYPE = jnp.float32  # see the module docstring: XLA:CPU's bf16 progra
 # K2.5 on tp=4, which a GPU never holds). The interpreted Pallas kernel itself would be the
 # closer stand-in, but JAX 0.10.2's interpreter fails inside the expert-parallel shard_map.
 INT4_IMPL = "tiled"
+# FP8 expert weights enter the measured programs as their bytes (uint8), turned back into FP8
+# inside the layer step (`fp8_experts.dequantize`): handed float8 arrays, XLA:CPU, which has no
+# FP8 arithmetic, widens every whole stacked FP8 weight to bf16 before the layer loop (2.6 GiB
+# per DeepSeek-V3 MoE layer per device on pp=2 x tp=8, 76 GiB in all), which a GPU with native
+# FP8 types has no need to do. The bytes and the per-step work are the same either way.
+FP8_AS_BYTES = jnp.uint8
 # The estimate's allowance for per-token activations (residual stream, norms, q/k/v, MLP
 # intermediates, router), in values of the embed width per token.
 ACTIVATION_VALUES_PER_TOKEN = 32
@@ -173,27 +182,29 @@ def weight_bytes(cfg: Family, param_shardings: dict, dtype) -> dict:
 
 
 def weights_held(spec: ParamSpec) -> int:
-    """How many model weights a param holds: a packed int4 param eight per int32 word; the
-    quantization scales of packed weights none (they are bytes, not parameters)."""
+    """How many model weights a param holds: a packed int4 param eight per int32 word, an FP8
+    one one per byte; the quantization scales of quantized weights none (they are bytes, not
+    parameters)."""
     if spec.init == "int4":
         return math.prod(spec.shape) * spec_dtype(spec, None).itemsize * 2  # two 4-bit weights a byte
-    if spec.init == "int4_scale":
+    if spec.init in ("int4_scale", "fp8_scale"):
         return 0
     return math.prod(spec.shape)
 
 
 def parameter_counts(cfg: Family, dtype) -> dict:
-    """The model's parameters (int4 weights counted one each, scales not at all) and its bytes,
-    every param in its own dtype; the int4 weights and their scales also on their own."""
-    out = {"parameters": 0, "parameter_bytes": 0, "int4_parameters": 0, "int4_bytes": 0, "scale_bytes": 0}
+    """The model's parameters (quantized weights counted one each, scales not at all) and its
+    bytes, every param in its own dtype; the int4 and FP8 weights and their scales also on their own."""
+    out = {"parameters": 0, "parameter_bytes": 0, "int4_parameters": 0, "int4_bytes": 0, "fp8_parameters": 0,
+           "fp8_bytes": 0, "scale_bytes": 0}
     for spec in cfg.param_specs():
         size = math.prod(spec.shape) * spec_dtype(spec, dtype).itemsize
         out["parameters"] += weights_held(spec)
         out["parameter_bytes"] += size
-        if spec.init == "int4":
-            out["int4_parameters"] += weights_held(spec)
-            out["int4_bytes"] += size
-        elif spec.init == "int4_scale":
+        if spec.init in ("int4", "fp8"):
+            out[f"{spec.init}_parameters"] += weights_held(spec)
+            out[f"{spec.init}_bytes"] += size
+        elif spec.init in ("int4_scale", "fp8_scale"):
             out["scale_bytes"] += size
     return out
 
@@ -219,15 +230,17 @@ def kv_bytes_per_token(cfg: Family, cache_shardings: dict, dtype) -> dict:
 
 
 def layer_bytes(cfg: Family, param_shardings: dict, dtype) -> int:
-    """One layer's weights on one device, each param in its own dtype (`dtype` for the rest):
-    the largest segment's per-layer shards (a device holds whole layers of its pipeline stage,
+    """One layer's weights on one device as its step holds them, each param in its own dtype
+    (`dtype` for the rest; FP8 experts in `dtype` too, as the step dequantizes them): the
+    largest segment's per-layer shards (a device holds whole layers of its pipeline stage,
     each split over tp/ep)."""
     per_segment: dict = {}
     for spec in cfg.param_specs():
         if spec.per_layer:
             shard = get_path(param_shardings, spec.name).shard_shape(spec.shape)
             segment = spec.name.split(".")[0]
-            size = math.prod(shard[1:]) * spec_dtype(spec, dtype).itemsize
+            held = dtype if spec.init == "fp8" else spec_dtype(spec, dtype)
+            size = math.prod(shard[1:]) * np.dtype(held).itemsize
             per_segment[segment] = per_segment.get(segment, 0) + size
     return max(per_segment.values(), default=0)
 
@@ -279,6 +292,8 @@ def measure_workspace(cfg: Family, param_shardings: dict, cache_shardings: dict,
     params: dict = {}
     for p in cfg.param_specs():
         dtype = spec_dtype(p, WORKSPACE_DTYPE)  # packed int4 words stay int32, a float32 bias float32
+        if dtype == jnp.float8_e4m3fn:
+            dtype = FP8_AS_BYTES
         set_path(params, p.name, jax.ShapeDtypeStruct(p.shape, dtype, sharding=get_path(param_shardings, p.name)))
     # Enough pages for the largest bucket's page tables (the temporaries do not grow with the
     # pool), in whole multiples of a split pages axis.
@@ -419,11 +434,15 @@ def plan(model: str | Path, spec: meshes.MeshSpec, *, dtype: str = "bfloat16", l
         "parameter_bytes": counts["parameter_bytes"],
         "int4_parameters": counts["int4_parameters"],
         "int4_bytes": counts["int4_bytes"],
+        "fp8_parameters": counts["fp8_parameters"],
+        "fp8_bytes": counts["fp8_bytes"],
         "scale_bytes": counts["scale_bytes"],
         "parameters_note": (f"weights, each in its own dtype ({dtype} unless declared otherwise)"
-                            + ("; int4 weights counted one each (8 per int32 word, 4 bits a weight); their "
-                               "quantization scales are bytes (scale_bytes), not parameters, and are in "
-                               "parameter_bytes and the weights per device" if counts["int4_parameters"] else "")),
+                            + ("; int4 weights counted one each (8 per int32 word, 4 bits a weight)"
+                               if counts["int4_parameters"] else "")
+                            + ("; FP8 experts' weights one byte each (float8_e4m3fn)" if counts["fp8_parameters"] else "")
+                            + ("; their quantization scales are bytes (scale_bytes), not parameters, and are in "
+                               "parameter_bytes and the weights per device" if counts["scale_bytes"] else "")),
         "mesh": {"name": spec.name, "dp": spec.dp, "pp": spec.pp, "tp": spec.tp, "ep": spec.ep,
                  "microbatches": spec.num_microbatches if spec.pp > 1 else None},
         "devices": len(per_device),
@@ -440,6 +459,9 @@ def plan(model: str | Path, spec: meshes.MeshSpec, *, dtype: str = "bfloat16", l
                            f"{np.dtype(WORKSPACE_DTYPE).name} weights and cache (4-byte values: meant as an upper bound for a GPU)"
                            + (f"; int4 experts packed in int32 words, multiplied as the GPU kernel tiles them "
                               f"(impl {INT4_IMPL!r})" if counts["int4_parameters"] else "")
+                           + ("; FP8 experts held as their bytes, each layer's dequantized in its step (float32 here, "
+                              "bf16 on a GPU) and multiplied by expert in lax loops, not XLA:CPU's dense ragged_dot"
+                              if counts["fp8_parameters"] else "")
                            if compile else
                            "a stated formula, nothing compiled: one layer's weights + one layer's gathered K/V "
                            f"for every row + logits + {ACTIVATION_VALUES_PER_TOKEN} x embed per token, in 4-byte "
@@ -504,6 +526,18 @@ def _kv_model(p: dict) -> str:
     return f" (the model's cache: {_kib(model)}, each layer once; the rest is stored again on other devices)"
 
 
+def _quantized_line(p: dict) -> str:
+    """The parameters line's tail: the weights held quantized, beside their scales."""
+    parts = []
+    if p.get("int4_parameters"):
+        parts.append(f"{p['int4_parameters']:,} int4 weights ({_gib(p['int4_bytes'])}, 8 per int32 word)")
+    if p.get("fp8_parameters"):
+        parts.append(f"{p['fp8_parameters']:,} FP8 weights ({_gib(p['fp8_bytes'])}, a byte each)")
+    if not parts:
+        return ""
+    return f", except {' and '.join(parts)} and their scales ({_gib(p['scale_bytes'])}: bytes, not parameters)"
+
+
 def format_plan(p: dict) -> str:
     mesh = p["mesh"]
     axes = " ".join(f"{a}={mesh[a]}" for a in ("dp", "pp", "tp", "ep"))
@@ -511,8 +545,7 @@ def format_plan(p: dict) -> str:
     lines = [
         f"model       {p['model']} ({p['family']}, {p['architecture']})",
         f"parameters  {p['parameters']:,} ({_count(p['parameters'])}), {_gib(p['parameter_bytes'])}: {p['dtype']}"
-        + (f", except {p['int4_parameters']:,} int4 weights ({_gib(p['int4_bytes'])}, 8 per int32 word) and "
-           f"their scales ({_gib(p['scale_bytes'])}: bytes, not parameters)" if p.get("int4_parameters") else ""),
+        + _quantized_line(p),
         f"mesh        {mesh['name']} ({axes}): {devices}, {p['device_memory_gib']:g} GiB each "
         f"(from {p['device_memory_source']})",
     ]

@@ -20,6 +20,7 @@ from jfire.errors import JfireError
 REPO = Path(__file__).resolve().parents[1]
 SCOUT = REPO / "tests" / "data" / "llama4-scout-17b-16e-instruct"
 KIMI = REPO / "tests" / "data" / "kimi-k2.5"
+DEEPSEEK_V3 = REPO / "tests" / "data" / "deepseek-v3"
 GIB = 1 << 30
 
 # A tiny Mixtral: 4 layers, 4 heads / 2 KV heads of 16, 4 experts top-2.
@@ -102,19 +103,36 @@ def kimi():
 
 def kimi_hand_count(pp: int = 2, tp: int = 4) -> tuple[int, int]:
     """(parameters, bytes per device on pp x tp) of Kimi K2.5's text model from the config.json
-    numbers alone. Everything is bf16 (2 bytes) but the routed experts, int4: 4 bits a weight
-    plus one bf16 scale per 32 inputs (scales are bytes, not parameters), and the router's
+    numbers alone: DeepSeek-V3's architecture (`mla_hand_count`) with the routed experts int4,
+    4 bits a weight plus one bf16 scale per 32 inputs."""
+    config = json.loads((KIMI / "config.json").read_text())
+    quant = config["quantization_config"]["config_groups"]["group_0"]
+    assert quant["weights"]["num_bits"] == 4 and quant["weights"]["group_size"] == 32
+    return mla_hand_count(config["text_config"], lambda routed: routed // 2 + routed // 32 * 2, pp, tp)
+
+
+def deepseek_v3_hand_count(pp: int = 2, tp: int = 8) -> tuple[int, int]:
+    """The same for DeepSeek-V3 as released: the routed experts FP8, a byte a weight, plus one
+    float32 scale per 128 x 128 block of each expert's [out, in] matrices."""
+    text = json.loads((DEEPSEEK_V3 / "config.json").read_text())
+    assert text["quantization_config"]["weight_block_size"] == [128, 128]
+    E, F, X = text["hidden_size"], text["moe_intermediate_size"], text["n_routed_experts"]
+    blocks = -(-F // 128) * -(-E // 128)  # per matrix: gate and up [F, E], down [E, F]
+    return mla_hand_count(text, lambda routed: routed + 3 * X * blocks * 4, pp, tp)
+
+
+def mla_hand_count(text: dict, routed_bytes, pp: int, tp: int) -> tuple[int, int]:
+    """(parameters, bytes per device on pp x tp) of a DeepSeek-V3-architecture text config.
+    Everything is bf16 (2 bytes) but the routed experts (`routed_bytes(weights)`: one layer's
+    bytes, scales included; scales are bytes, not parameters) and the router's
     score-correction bias, float32.
 
     How the mesh splits it: the embedding and LM head split their vocabulary over all pp x tp
     devices; the MoE layers split over the pp stages; within a layer tp splits the heads
     (q_b, kv_b, o), the MLP widths (dense, shared and routed experts, their scales too), the
     low-rank query (q_a and its norm, over the rank) and the inputs of kv_a and the router;
-    the router's bias and the other norms stay whole on every device; the dense first layer
-    runs on every stage, so each device holds its share."""
-    text = json.loads((KIMI / "config.json").read_text())["text_config"]
-    quant = json.loads((KIMI / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
-    assert quant["weights"]["num_bits"] == 4 and quant["weights"]["group_size"] == 32
+    the router's bias and the other norms stay whole on every device; the dense first layers
+    run on every stage, so each device holds its share."""
     V, E, L, H = text["vocab_size"], text["hidden_size"], text["num_hidden_layers"], text["num_attention_heads"]
     Q, C, R = text["q_lora_rank"], text["kv_lora_rank"], text["qk_rope_head_dim"]
     Dn, Dv = text["qk_nope_head_dim"], text["v_head_dim"]
@@ -130,7 +148,7 @@ def kimi_hand_count(pp: int = 2, tp: int = 4) -> tuple[int, int]:
     dense_mlp = 3 * E * F_dense  # gate, up, down
     router = E * X
     shared = 3 * E * shared_width
-    routed = 3 * X * E * F  # gate, up [X, F, E] and down [X, E, F], int4
+    routed = 3 * X * E * F  # gate, up [X, F, E] and down [X, E, F]
     embeddings = lm_head = V * E
     params = (embeddings + lm_head + E + L * (whole + low_rank + heads) + dense * dense_mlp
               + moe * (router + X + shared + routed))
@@ -138,7 +156,7 @@ def kimi_hand_count(pp: int = 2, tp: int = 4) -> tuple[int, int]:
     per_device = (2 * (embeddings + lm_head) // (pp * tp) + 2 * E  # + final norm
                   + dense * (2 * whole + 2 * (low_rank + heads + dense_mlp) // tp)
                   + moe // pp * (2 * whole + 4 * X + 2 * (low_rank + router + heads + shared) // tp
-                                 + routed // 2 // tp + routed // 32 * 2 // tp))
+                                 + routed_bytes(routed) // tp))
     return params, per_device
 
 
@@ -188,6 +206,43 @@ def test_kimi_kv_room_on_eight_h100s(kimi):
     text = plan.format_plan(kimi)
     for fragment in ("1,026,408,232,448 (1026.4 B)", "int4 weights", "not parameters", "8 x H100",
                      "the model's cache: 68.6 KiB"):
+        assert fragment in text
+
+
+@pytest.fixture(scope="module")
+def deepseek_v3():
+    return plan_json("--model", str(DEEPSEEK_V3), "--mesh", "h100x16-deepseek-v3-fp8")
+
+
+def test_deepseek_v3_fp8_weights_match_the_hand_count(deepseek_v3):
+    params, per_device = deepseek_v3_hand_count()
+    assert deepseek_v3["parameters"] == params
+    assert round(params / 1e9) == 671  # DeepSeek-V3: 671 B parameters (the MTP layer is not loaded)
+    routed = 58 * 3 * 256 * 7168 * 2048
+    assert deepseek_v3["fp8_parameters"] == deepseek_v3["fp8_bytes"] == routed  # a byte a weight
+    assert deepseek_v3["scale_bytes"] == 58 * 3 * 256 * 16 * 56 * 4
+    assert deepseek_v3["weight_bytes_per_device"] == per_device and round(per_device / GIB, 2) == 40.27
+    assert [d["weight_bytes"] for d in deepseek_v3["per_device"]] == [per_device] * 16
+
+
+def test_deepseek_v3_fp8_on_two_hosts_of_eight_h100s(deepseek_v3):
+    """The mesh spans 2 hosts (one pipeline stage each); the FP8 experts leave room for the cache."""
+    check_consistent(deepseek_v3)
+    assert deepseek_v3["devices"] == 16 and deepseek_v3["mesh"]["pp"] == 2 and deepseek_v3["mesh"]["tp"] == 8
+    assert meshes.resolve("h100x16-deepseek-v3-fp8").hosts == 2
+    _, weights = deepseek_v3_hand_count()
+    workspace = deepseek_v3["workspace_bytes_per_device"]
+    # Mostly one MoE layer's local experts dequantized in its step (float32, the measurement's
+    # dtype): at least that, and far from every layer's (XLA:CPU's whole-stack FP8 widening).
+    layer_experts = 3 * 256 * 7168 * 2048 // 8 * 4
+    assert layer_experts <= workspace <= layer_experts + 3 * GIB
+    free = round(79.6 * GIB) - weights - workspace - GIB
+    assert deepseek_v3["kv_bytes_free_total"] == 16 * free
+    # A stage's 29 MoE layers and the 3 dense layers (kept on both stages), pages split over its 8 devices.
+    assert [d["kv_bytes_per_token"] for d in deepseek_v3["per_device"]] == [(29 + 3) * 576 * 2 // 8] * 16
+    assert deepseek_v3["kv_bytes_free_total"] >= 400 * GIB and deepseek_v3["fits"]
+    text = plan.format_plan(deepseek_v3)
+    for fragment in ("671,026,419,200 (671.0 B)", "FP8 weights", "not parameters", "16 x H100"):
         assert fragment in text
 
 
