@@ -1,7 +1,8 @@
 """The jfire checkpoint directory: orbax-checkpoint weights, the model config, the tokenizer.
 
   DST/jfire.json          {"format": 1, "family": "llama" (the model family), "dtype": ..., "config": {...}}
-  DST/params/             orbax-checkpoint (StandardCheckpointer) of the params tree
+  DST/params/             orbax-checkpoint (StandardCheckpointer) of the params tree, per-layer
+                          params in chunks of at most one layer (`layer_chunks`)
   DST/tokenizer.json, tokenizer_config.json   when the source had a tokenizer
 
 Format 2 is the same directory with bf16 weights stored losslessly compressed
@@ -18,11 +19,12 @@ import jax
 
 from jfire.errors import JfireError
 from jfire.models.family import Family
-from jfire.models.params import abstract_params
+from jfire.models.params import abstract_params, get_path, set_path
 from jfire.models.registry import config_from_dict
 
 FORMAT_VERSION = 1
 COMPRESSED_FORMAT = 2
+CHUNK_BYTES = 64 << 20  # the most one stored chunk of a per-layer param holds (see layer_chunks)
 MANIFEST = "jfire.json"
 
 
@@ -39,13 +41,32 @@ def save(dst: Path, config: Family, params: dict, dtype_name: str, compression: 
     dst.mkdir(parents=True, exist_ok=True)
     _quiet_orbax()
     with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(dst / "params", params, force=True)
+        ckptr.save(dst / "params", params, save_args=layer_chunks(config, params), force=True)
         ckptr.wait_until_finished()
     manifest = {"format": COMPRESSED_FORMAT if compression else FORMAT_VERSION, "family": config.family,
                 "dtype": dtype_name, "config": config.to_dict()}
     if compression:
         manifest["compression"] = compression
     (dst / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def layer_chunks(config: Family, params: dict) -> dict:
+    """orbax SaveArgs for every leaf: a per-layer param (and each array of its compressed form
+    that keeps the layers axis) is stored in chunks of one layer, split further to at most
+    CHUNK_BYTES, so a process that restores only some layers (its pipeline stages, in a group
+    spanning hosts) reads only their chunks; saved whole, an array is one chunk that every
+    process reads entirely. Other params keep orbax's default chunking."""
+    import orbax.checkpoint as ocp
+
+    args = jax.tree.map(lambda _: ocp.SaveArgs(), params)
+    for spec in config.param_specs():
+        if spec.per_layer:
+            subtree = get_path(params, spec.name)
+            chunked = jax.tree.map(
+                lambda leaf: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES, shard_axes=(0,))
+                if leaf.ndim and leaf.shape[0] == spec.shape[0] else ocp.SaveArgs(), subtree)
+            set_path(args, spec.name, chunked)
+    return args
 
 
 def read_manifest(path: Path) -> dict:

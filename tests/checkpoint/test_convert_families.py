@@ -1,11 +1,14 @@
 """Conversion of the MoE families into jfire checkpoints (plain and compressed) gives back the
 weights read straight from the HF directory, bit for bit; the multimodal Llama 4 layout's
-vision tower is skipped with one line saying so."""
+vision tower is skipped with one line saying so; per-layer params are stored a layer per chunk."""
 
 from __future__ import annotations
 
+import json
+
 import jax
 import numpy as np
+import tensorstore as ts
 import pytest
 
 from jfire.checkpoint import store
@@ -28,3 +31,21 @@ def test_converted_checkpoint_equals_the_hf_weights(family, compress, tiny_hf_di
     assert jax.tree.structure(want) == jax.tree.structure(got)
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
         assert np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
+    assert_layer_chunks(dst, store.read_config(dst))
+
+
+def assert_layer_chunks(dst, config):
+    """Every stored array of a per-layer param that keeps the layers axis is chunked one layer
+    at a time (what lets a process restoring some layers read only theirs)."""
+    kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{dst / 'params'}/"}).result()
+    arrays = {}
+    for key in (k.decode() for k in kv.list().result()):
+        if key.endswith("/.zarray"):
+            meta = json.loads(kv.read(key).result().value)
+            arrays[key[: -len("/.zarray")]] = (meta["shape"], meta["chunks"])
+    for spec in config.param_specs():
+        stored = {name: v for name, v in arrays.items() if name == spec.name or name.startswith(spec.name + ".")}
+        assert stored, spec.name
+        if spec.per_layer:
+            layered = [chunks for shape, chunks in stored.values() if shape[0] == spec.shape[0]]
+            assert layered and all(chunks[0] == 1 for chunks in layered), (spec.name, stored)
