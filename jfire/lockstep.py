@@ -11,6 +11,11 @@ have, fails loudly rather than run something the leader did not.
 
 The leader also posts its configuration (model, mesh, page pool, buckets) before the first
 call; a follower started with other settings refuses to run instead of diverging later.
+
+Every process beats in the store (a counter, once a second). A follower stops when its leader
+neither calls nor beats for LEADER_TIMEOUT_S; a leader fails (its requests end with an error and
+the group goes down) when a follower has not beaten for FOLLOWER_TIMEOUT_S, so a follower dying
+while the group is idle is noticed then, not at the next request's first collective.
 """
 
 from __future__ import annotations
@@ -28,8 +33,9 @@ from jfire.errors import JfireError
 
 STEPS_DIR = "jfire/lockstep/"
 POLL_MS = 1000  # how long a follower's read waits before it looks again (the leader may be idle)
-BEAT_S = 1.0  # an idle leader's sign of life, this often
+BEAT_S = 1.0  # every process's sign of life, this often
 LEADER_TIMEOUT_S = 15.0  # a follower that hears nothing from its leader for this long stops
+FOLLOWER_TIMEOUT_S = 10.0  # a leader whose follower shows no sign of life for this long fails (JAX's own heartbeat timeout)
 
 
 def join(coordinator: str, num_processes: int, process_id: int) -> None:
@@ -62,6 +68,7 @@ class StepChannel:
         self.me = me
         self.seq = 0
         self._last_beat = 0.0
+        self._heard: dict[int, tuple[str, float]] = {}  # follower -> (its last beat, when it changed)
 
     def _key(self, follower: int, seq: int) -> str:
         return f"{STEPS_DIR}{self.group}/{follower}/{seq}"
@@ -82,14 +89,31 @@ class StepChannel:
             self.store.key_value_set_bytes(self._key(follower, self.seq), payload)
 
     def beat(self) -> None:
-        """The leader's sign of life while it sends nothing (called every loop of its engine)."""
+        """The leader's sign of life while it sends nothing, and its check of its followers'
+        (called every loop of its engine). Raises JfireError when a follower that had beaten
+        has been silent for FOLLOWER_TIMEOUT_S."""
         now = time.monotonic()
-        if now - self._last_beat >= BEAT_S:
-            self._last_beat = now
-            self.store.key_value_increment(self._beat_key(), 1)
+        if now - self._last_beat < BEAT_S:
+            return
+        self._last_beat = now
+        self.store.key_value_increment(self._beat_key(self.leader), 1)
+        for follower in self.followers:
+            beat = self._read_beat(follower)
+            last = self._heard.get(follower)
+            if beat is not None and (last is None or beat != last[0]):
+                self._heard[follower] = (beat, now)
+            elif last is not None and now - last[1] > FOLLOWER_TIMEOUT_S:
+                raise JfireError(f"process {follower} of the group stopped: no sign of life for "
+                                 f"{FOLLOWER_TIMEOUT_S:g} s")
 
-    def _beat_key(self) -> str:
-        return f"{STEPS_DIR}{self.group}/beat"
+    def _beat_key(self, process: int) -> str:
+        return f"{STEPS_DIR}{self.group}/beat/{process}"
+
+    def _read_beat(self, process: int) -> str | None:
+        try:
+            return self.store.key_value_try_get(self._beat_key(process))
+        except Exception:  # noqa: BLE001 - NotFound: it has not beaten yet
+            return None
 
     def stop(self) -> None:
         """Tells followers the leader is done (they exit with status 0)."""
@@ -100,11 +124,18 @@ class StepChannel:
 
     # -- a follower ----------------------------------------------------------------------------
 
-    def _read_beat(self) -> str | None:
-        try:
-            return self.store.key_value_try_get(self._beat_key())
-        except Exception:  # noqa: BLE001 - NotFound: the leader has not beaten yet
-            return None
+    def beat_forever(self) -> None:
+        """A follower's sign of life, from a daemon thread for as long as the process lives
+        (a long compile or a slow call does not silence it; death does)."""
+        def run():
+            while True:
+                try:
+                    self.store.key_value_increment(self._beat_key(self.me), 1)
+                except Exception:  # noqa: BLE001 - the cluster is going down; so is this process
+                    return
+                time.sleep(BEAT_S)
+
+        threading.Thread(target=run, name="jfire-beat", daemon=True).start()
 
     def check_config(self, engine, timeout_s: float = 600) -> None:
         try:
@@ -132,7 +163,7 @@ class StepChannel:
                     raise JfireError(f"process {self.me} lost its group's leader: {e}") from None
             # An idle leader beats; one that neither sends nor beats has died (where JAX does
             # not stop the group itself: a deployment's processes outlive each other).
-            now_beat = self._read_beat()
+            now_beat = self._read_beat(self.leader)
             if now_beat != beat:
                 beat, heard = now_beat, time.monotonic()
             elif beat is not None and time.monotonic() - heard > LEADER_TIMEOUT_S:  # it had beaten before
@@ -154,6 +185,7 @@ def follow(engine, channel: StepChannel, on_ready=None) -> int:
         # leader, draining its requests, sends its last call (or JAX stops it with the leader).
         signal.signal(signal.SIGTERM, lambda *_: print(f"jfire: process {channel.me} follows on until its leader "
                                                          "stops", file=sys.stderr, flush=True))
+    channel.beat_forever()
     engine.start(run_loop=False)
     engine.programs.lazy = True  # a program the leader has and this process not yet: compile it now
     channel.check_config(engine)

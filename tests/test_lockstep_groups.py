@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import openai
 import pytest
 
+from jfire import lockstep
 from jfire.checkpoint import store
 from jfire.disagg.launch import free_port
 from jfire.models.llama import LlamaConfig
@@ -167,7 +168,8 @@ def launcher_group(tmp_path: Path, model: str, serve_options: list[str]) -> list
 
 def test_killing_the_follower_ends_the_stream_and_the_group(models, one_device, tmp_path):
     """A follower dying mid-stream: the client gets a clear error within 10 s and the leader
-    exits; the group started again serves the same tokens as before."""
+    exits; the group started again serves the same tokens as before, and its leader exits by
+    itself when its follower dies while the group is idle."""
     port = free_port()
     options = ["--mesh", "pp=2,tp=4", "--port", str(port), *ENGINE_ARGS]
     args = ["serve", "--model", models["dense"], *options]
@@ -210,12 +212,21 @@ def test_killing_the_follower_ends_the_stream_and_the_group(models, one_device, 
     try:
         wait_ready(url, group)
         assert complete(8) == before
+        # The follower dying while the group is idle: no request is needed for the leader to
+        # exit. Whichever notices the silence first stops it: the leader's check of its
+        # follower's beats (tests/test_lockstep_beats.py) or JAX's own heartbeat (10 s both).
+        # (A group stopped with SIGTERM exits 0: tests/disagg/test_disagg_groups.py.)
+        group[1].kill()
+        killed = time.monotonic()
+        group[0].wait(timeout=lockstep.FOLLOWER_TIMEOUT_S + 30)
+        assert time.monotonic() - killed < lockstep.FOLLOWER_TIMEOUT_S + 10
+        assert group[0].returncode not in (0, None)
+        log = (tmp_path / "launched0.log").read_text()
+        assert "process 1 of the group stopped: no sign of life" in log or "stopped sending heartbeats" in log
     finally:
         for p in group:
-            p.send_signal(signal.SIGTERM)
-        for p in group:
-            p.wait(timeout=60)
-    assert [p.returncode for p in group] == [0, 0]
+            if p.poll() is None:
+                p.kill()
 
 
 @pytest.mark.parametrize("args,message", [
