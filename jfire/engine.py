@@ -261,6 +261,12 @@ class Engine:
 
     # -- life cycle ----------------------------------------------------------------------------
 
+    def use_compilation_cache(self) -> None:
+        """Points JAX at the configured persistent cache: called before anything compiles
+        (a subclass compiling its own programs first calls it too)."""
+        if self.config.compilation_cache_dir:
+            enable_compilation_cache(self.config.compilation_cache_dir)
+
     def start(self, compile_progress: Callable[[int, int], None] | None = None, *, run_loop: bool = True) -> "Engine":
         """Compiles the programs ahead of time, then starts the engine thread: every bucket
         first, or with `serve_while_compiling` only the essential ones, the rest in the
@@ -269,8 +275,7 @@ class Engine:
         t0 = time.perf_counter()
         if self.step_channel is not None:
             self.step_channel.post_config(self)
-        if self.config.compilation_cache_dir:
-            enable_compilation_cache(self.config.compilation_cache_dir)
+        self.use_compilation_cache()
         background = self.config.aot and self.config.serve_while_compiling
         if self.config.aot:
             shapes = self.programs.essential_shapes() if background else None

@@ -17,6 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jfire import compile_cache
 from jfire.kernels.paged_attention import paged_attention
 from jfire.models.family import Family
 from jfire.sampling import PenaltyState, RowSampling, mask_words, prompt_logprobs, sample
@@ -140,7 +141,8 @@ def decode(params, pages, tokens, positions, page_table, rows: RowSampling, pena
 
 
 class CompiledPrograms:
-    """Every bucket of prefill and decode, compiled ahead of time (`lower(...).compile()`).
+    """Every bucket of prefill and decode, compiled ahead of time (`lower(...).compile()`, or
+    loaded by `jfire.compile_cache` where JAX's persistent cache does not serve the process).
 
     Serving only ever calls these executables, so a shape outside the table is an error,
     never a silent compilation in the middle of traffic.
@@ -163,6 +165,7 @@ class CompiledPrograms:
         self.parallel = parallel
         # Per-row inputs are small: replicated over the mesh (or on the default device).
         self._input_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh else None
+        self._devices = list(mesh.devices.flat) if mesh is not None else [jax.local_devices()[0]]
         # lazy: compile a bucket on its first use instead (one-shot CLI runs use two shapes).
         self.lazy = lazy
         self.buckets = buckets
@@ -230,19 +233,19 @@ class CompiledPrograms:
         s = functools.partial(jax.ShapeDtypeStruct, sharding=self._input_sharding)
         if shape[0] == "decode":
             _, n, w = shape
-            exe = decode.lower(
+            exe = compile_cache.compiled(decode.lower(
                 self._params, self._pages, s((n,), i32), s((n,), i32), s((n, w), i32), self._rows(n),
                 self._penalties, cfg=self.cfg, attention=self.attention, layer_stack=self.layer_stack,
                 parallel=self.parallel,
-            ).compile()
+            ), self._devices)
             self._decode = {**self._decode, (n, w): exe}
         else:
             _, r, t, w = shape
-            exe = prefill.lower(
+            exe = compile_cache.compiled(prefill.lower(
                 self._params, self._pages, s((r, t), i32), s((r, t), i32), s((r, w), i32), s((r,), i32),
                 self._rows(r), self._penalties, s((r, t), i32), cfg=self.cfg, layer_stack=self.layer_stack,
                 parallel=self.parallel,
-            ).compile()
+            ), self._devices)
             self._prefill = {**self._prefill, (r, t, w): exe}
 
     def _rows(self, n: int) -> RowSampling:

@@ -65,6 +65,7 @@ class PrefillEngine(Engine):
         self.transfer_counts = collections.Counter()
 
     def start(self, compile_progress=None, *, run_loop: bool = True):
+        self.use_compilation_cache()  # the transfer programs load from it too
         self.gather.compile_all()
         return super().start(compile_progress, run_loop=run_loop)
 
@@ -246,6 +247,7 @@ class DecodeEngine(Engine):
         self.transfer_counts = collections.Counter()
 
     def start(self, compile_progress=None, *, run_loop: bool = True):
+        self.use_compilation_cache()  # the transfer programs load from it too
         self.insert.compile_all()
         return super().start(compile_progress, run_loop=run_loop)
 

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from jfire import sharding
+from jfire import compile_cache, sharding
 from jfire.models.family import CacheSpec, Family
 
 HEADS = "kv_heads"  # the cache axis tensor parallelism splits (and may repeat)
@@ -187,7 +187,7 @@ class TransferPrograms:
 
     def compile_all(self) -> None:
         for w in self.widths:
-            self._compiled[w] = self._lower(w).compile()
+            self._compiled[w] = compile_cache.compiled(self._lower(w), self.layout.devices())
         if self.kind == "insert":
             self.padding = [jax.device_put(np.zeros(self.layout.wire_shape(c), self.layout.dtype),
                                            self.layout.page_sharding(c)) for c in self.layout.arrays]
