@@ -3,13 +3,12 @@
 JAX's persistent compilation cache writes entries only from process 0 of a jax.distributed
 cluster (`jax._src.compiler._cache_write`, sparing shared filesystems the contention). In a
 jfire deployment process 0 is the frontend, which compiles nothing, and in a group spanning
-processes only the leader is process 0: every other group process would compile every program
-again on every start. For those processes jfire keeps its own entries in the same directory
+processes only the leader of a colocated group is process 0 (its followers can read the
+entries it writes; the processes of a deployment's groups cannot): those processes would
+compile every program again on every start. For those processes jfire keeps its own entries in the same directory
 (`<jax_compilation_cache_dir>/jfire-processes/`): the executable serialized with
-`jax.experimental.serialize_executable`, keyed by what decides it (the lowered program's text,
-the devices it runs on, the jax and jaxlib versions, the backend's platform version, XLA_FLAGS)
-and by the process id: a restarted process (same id) finds its entries, and no process ever
-loads another's.
+`jax.experimental.serialize_executable`, keyed by what decides it (`_key`) and by the process
+id: a restarted process (same id) finds its entries, and no process ever loads another's.
 Process 0, and a process outside any cluster, leave it to JAX.
 """
 
@@ -18,11 +17,14 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
+import sys
 import tempfile
 from pathlib import Path
 
 import jax
 import jaxlib
+
+import jfire
 
 SUBDIR = "jfire-processes"
 
@@ -49,12 +51,24 @@ def compiled(lowered: jax.stages.Lowered, devices) -> jax.stages.Compiled:
         payload = pickle.dumps(serialize(compiled))
     except Exception:  # noqa: BLE001 - an executable the backend cannot serialize is just not kept
         return compiled
-    # Written beside its final name and renamed: a reader never sees half an entry.
-    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
-    with os.fdopen(fd, "wb") as f:
-        f.write(payload)
-    os.replace(tmp, path)
+    _write(directory, path, payload)
     return compiled
+
+
+def _write(directory: Path, path: Path, payload: bytes) -> None:
+    """Written beside its final name and renamed, so a reader never sees half an entry. A cache
+    that cannot be written (read-only, full) only costs the next start its compile, as with
+    JAX's own cache: it never stops this one."""
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+        os.replace(tmp, path)
+    except OSError as e:
+        print(f"jfire: not keeping a compiled program in {directory}: {e}", file=sys.stderr, flush=True)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
 
 
 def _directory() -> Path | None:
@@ -69,9 +83,14 @@ def _directory() -> Path | None:
 
 
 def _key(lowered: jax.stages.Lowered, devices: list) -> str:
+    """What decides the executable and how it is called: the program's text (which names no
+    argument), its argument and result trees, the devices (ids and model), the versions, the
+    process and its cluster's size, XLA_FLAGS."""
     h = hashlib.sha256()
-    for part in (lowered.as_text(), jax.__version__, jaxlib.__version__, devices[0].client.platform_version,
-                 repr([d.id for d in devices]), str(jax.process_index()), os.environ.get("XLA_FLAGS", "")):
+    for part in (lowered.as_text(), str(lowered.in_tree), str(lowered.out_tree), jfire.__version__,
+                 jax.__version__, jaxlib.__version__, devices[0].client.platform_version, devices[0].device_kind,
+                 repr([d.id for d in devices]), str(jax.process_index()), str(jax.process_count()),
+                 os.environ.get("XLA_FLAGS", "")):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()

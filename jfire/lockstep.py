@@ -126,13 +126,14 @@ class StepChannel:
 
     def beat_forever(self) -> None:
         """A follower's sign of life, from a daemon thread for as long as the process lives
-        (a long compile or a slow call does not silence it; death does)."""
+        (a long compile or a slow call does not silence it, nor does one failed store call;
+        death does)."""
         def run():
             while True:
                 try:
                     self.store.key_value_increment(self._beat_key(self.me), 1)
-                except Exception:  # noqa: BLE001 - the cluster is going down; so is this process
-                    return
+                except Exception:  # noqa: BLE001 - a passing store error: the next beat tries again
+                    pass
                 time.sleep(BEAT_S)
 
         threading.Thread(target=run, name="jfire-beat", daemon=True).start()

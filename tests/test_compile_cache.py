@@ -40,8 +40,8 @@ must_load = sys.argv[3] == "load"
 class NoCompile:
     def __init__(self, lowered):
         self.lowered = lowered
-    def as_text(self):
-        return self.lowered.as_text()
+    def __getattr__(self, name):
+        return getattr(self.lowered, name)
     def compile(self):
         raise RuntimeError("compiled instead of loaded")
 
@@ -76,7 +76,11 @@ def life(cache: Path, mode: str) -> dict:
         run = subprocess.run([sys.executable, "-c", WORKER, address, str(cache), mode], cwd=REPO, env=env,
                              capture_output=True, text=True, timeout=120)
     finally:
-        host.wait(timeout=60)
+        if host.poll() is None:
+            try:
+                host.wait(timeout=30)  # it leaves once the worker says it is done
+            except subprocess.TimeoutExpired:
+                host.kill()
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 

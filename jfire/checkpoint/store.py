@@ -55,7 +55,8 @@ def layer_chunks(config: Family, params: dict) -> dict:
     that keeps the layers axis) is stored in chunks of one layer, split further to at most
     CHUNK_BYTES, so a process that restores only some layers (its pipeline stages, in a group
     spanning hosts) reads only their chunks; saved whole, an array is one chunk that every
-    process reads entirely. Other params keep orbax's default chunking."""
+    process reads entirely. Other params keep orbax's default chunking. (A compressed
+    checkpoint's payload has no layers axis: it stays whole, and is read whole.)"""
     import orbax.checkpoint as ocp
 
     args = jax.tree.map(lambda _: ocp.SaveArgs(), params)

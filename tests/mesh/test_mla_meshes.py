@@ -25,7 +25,8 @@ CFG = DeepseekV3Config(
 CFG_INT4 = dataclasses.replace(CFG, int4_group_size=32)
 # Experts twice as wide, so each tp shard holds a whole 128-wide FP8 scale block.
 CFG_FP8 = dataclasses.replace(CFG, fp8_experts=True, moe_intermediate_size=256)
-CASES = [(CFG, "ep=4,tp=2"), (CFG, "pp=2,ep=4"), (CFG_INT4, "ep=4,tp=2"), (CFG_FP8, "ep=4,tp=2")]
+CASES = [(CFG, "ep=4,tp=2"), (CFG, "pp=2,ep=4"), (CFG_INT4, "ep=4,tp=2"), (CFG_FP8, "ep=4,tp=2"),
+         (CFG_FP8, "pp=2,ep=2,tp=2")]  # FP8 experts inside the pipeline too
 PAGE, PAGES = 4, 64
 
 
