@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
+BLOCK = 128  # the released checkpoints' weight_block_size, both axes
 
-def dequantize_fp8_block(weight, scale_inv, block: int = 128) -> np.ndarray:
+
+def dequantize_fp8_block(weight, scale_inv, block: int = BLOCK) -> np.ndarray:
     """float32 [..., out, in] = weight (float8_e4m3fn, ml_dtypes) * scale_inv [..., ceil(out/block),
     ceil(in/block)] broadcast over block x block tiles; leading axes (stacked experts) pass through."""
     weight = np.asarray(weight)

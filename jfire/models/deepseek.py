@@ -28,9 +28,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar, Mapping
 
+from jfire.checkpoint.fp8 import BLOCK as FP8_BLOCK
 from jfire.errors import JfireError
 from jfire.models.blocks import Yarn, lm_head, pre_norm_decoder
-from jfire.models.fp8_experts import BLOCK as FP8_BLOCK
 from jfire.models.family import CacheSpec, Family, MeshShape, Segment
 from jfire.models.params import ParamSpec
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-BLOCK = 128  # the released checkpoints' weight_block_size, both axes
+from jfire.checkpoint.fp8 import BLOCK
 
 
 def dequantize(weight, scale_inv, dtype=jnp.bfloat16):
