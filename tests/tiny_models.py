@@ -199,6 +199,38 @@ def quantized_release(family: str, seed: int, tmp: Path, quantize) -> tuple[dict
     return stored, model
 
 
+def grouped_matmul_reference(xs, dense, sizes):
+    """What a grouped expert matmul must give: rows xs [a, in], sorted by expert, each expert's
+    sizes[e] rows times its dense [in, out] weights, one plain matmul per expert; rows past
+    sum(sizes) zero."""
+    import numpy as np
+
+    want, row = np.zeros((xs.shape[0], dense.shape[-1]), np.float32), 0
+    for e, n in enumerate(sizes):
+        want[row:row + n] = xs[row:row + n] @ dense[e]
+        row += n
+    return want
+
+
+def assert_conversion_keeps_params(src, dst, compress: bool):
+    """`jfire convert` of src into dst (bf16 when compressed, else float32) loads as the same
+    config and the same params, dtype and values, as src itself; returns the converted model."""
+    import jax
+    import numpy as np
+
+    from jfire.checkpoint.convert import convert
+    from jfire.checkpoint.load import load_model
+
+    dtype = "bfloat16" if compress else "float32"
+    dst = convert(src, dst, dtype, progress=False, compress=compress)
+    source, converted = load_model(str(src), dtype), load_model(str(dst), dtype)
+    assert converted.config == source.config
+    for a, b in zip(jax.tree.leaves(source.params), jax.tree.leaves(converted.params)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    return converted
+
+
 def hf_text_model(path, dtype=torch.float32):
     """The HF causal LM to compare a saved directory against: eager attention, eager experts.
 

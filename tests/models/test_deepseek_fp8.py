@@ -22,7 +22,8 @@ from jfire.engine import Engine, EngineConfig
 from jfire.errors import JfireError
 from jfire.models import fp8_experts
 from jfire.sampling import SamplingParams
-from tests.tiny_models import quantized_release, tiny_hf_config
+from tests.tiny_models import (assert_conversion_keeps_params, grouped_matmul_reference, quantized_release,
+                                tiny_hf_config)
 
 FP8 = ml_dtypes.float8_e4m3fn
 BLOCK = 128
@@ -132,27 +133,14 @@ def test_grouped_matmul_equals_dequantize_then_matmul(released):
     xs = np.random.RandomState(8).randn(int(sizes.sum()) + 2, w["fp8"].shape[2]).astype(np.float32)
     got = np.asarray(fp8_experts.ragged_dot_fp8(xs, w["fp8"], w["scale_inv"], sizes))
     dense = np.swapaxes(dequantize_fp8_block(np.asarray(w["fp8"]), np.asarray(w["scale_inv"])), -1, -2)
-    want, row = np.zeros_like(got), 0
-    for e, n in enumerate(sizes):
-        want[row:row + n] = xs[row:row + n] @ dense[e]
-        row += n
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got, grouped_matmul_reference(xs, dense, sizes), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("compress", [False, True], ids=["plain", "compressed"])
 def test_converted_checkpoint_keeps_the_experts_fp8(released, tmp_path, compress):
     """`jfire convert` writes the FP8 experts and their scales as they are (compressed
     checkpoints store them raw beside the bf16 codec's tensors); loading gives the source's params."""
-    from jfire.checkpoint.convert import convert
-
-    path, _ = released
-    dtype = "bfloat16" if compress else "float32"
-    dst = convert(path, tmp_path / "ckpt", dtype, progress=False, compress=compress)
-    source, converted = load_model(str(path), dtype), load_model(str(dst), dtype)
-    assert converted.config == source.config
-    for a, b in zip(jax.tree.leaves(source.params), jax.tree.leaves(converted.params)):
-        assert a.dtype == b.dtype
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    converted = assert_conversion_keeps_params(released[0], tmp_path / "ckpt", compress)
     assert converted.params["layers"]["we_up"]["fp8"].dtype == FP8
 
 

@@ -18,7 +18,8 @@ from jfire.checkpoint.load import load_model
 from jfire.engine import Engine, EngineConfig
 from jfire.kernels.int4_experts import pack_int4, unpack_int4_np
 from jfire.sampling import SamplingParams
-from tests.tiny_models import quantized_release, tiny_hf_config
+from tests.tiny_models import (assert_conversion_keeps_params, grouped_matmul_reference, quantized_release,
+                                tiny_hf_config)
 
 GREEDY_STEPS = 16
 GROUP = 32
@@ -94,25 +95,12 @@ def test_packed_experts_equal_their_dequantized_reference(released):
     xs = np.random.RandomState(5).randn(int(sizes.sum()) + 2, w["packed"].shape[2] * 8).astype(np.float32)
     got = np.asarray(ragged_dot_int4(xs, w["packed"], w["scale"], sizes))
     dense = np.asarray(dequantize(w["packed"], w["scale"], np.float32))
-    want, row = np.zeros_like(got), 0
-    for e, n in enumerate(sizes):
-        want[row:row + n] = xs[row:row + n] @ dense[e]
-        row += n
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got, grouped_matmul_reference(xs, dense, sizes), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("compress", [False, True], ids=["plain", "compressed"])
 def test_converted_checkpoint_keeps_the_experts_packed(released, tmp_path, compress):
     """`jfire convert` writes the int4 experts as packed words (compressed checkpoints store
     them raw beside the bf16 codec's tensors); loading gives the source's exact params."""
-    from jfire.checkpoint.convert import convert
-
-    path, _ = released
-    dtype = "bfloat16" if compress else "float32"
-    dst = convert(path, tmp_path / "ckpt", dtype, progress=False, compress=compress)
-    source, converted = load_model(str(path), dtype), load_model(str(dst), dtype)
-    assert converted.config == source.config
-    for a, b in zip(jax.tree.leaves(source.params), jax.tree.leaves(converted.params)):
-        assert a.dtype == b.dtype
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    converted = assert_conversion_keeps_params(released[0], tmp_path / "ckpt", compress)
     assert converted.params["layers"]["we_up"]["packed"].dtype == np.int32
