@@ -4,9 +4,11 @@ default model (converted once into checkpoints/, as users get it)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -95,14 +97,28 @@ def tiny_hf_dir(tmp_path_factory):
     return make
 
 
+def run_directory(tmp_path_factory) -> Path:
+    """A directory this run's processes share (the parallel workers' temporary directories
+    sit side by side in it) and no other run sees."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
 def colocated_reference(tmp_path_factory):
     """The shared test prompts (tests/disagg/clients.py) through colocated `jfire generate`:
-    the greedy reference the server, deployment and fault tests compare with."""
+    the greedy reference the server, deployment and fault tests compare with. Generated once
+    per run: the first worker to need it writes it down, the other reads it."""
+    from filelock import FileLock
+
     from tests.disagg.clients import PROMPTS
     from tests.disagg.deployment_process import colocated
 
-    return colocated(PROMPTS, tmp_path_factory.mktemp("colocated"))
+    path = run_directory(tmp_path_factory) / "colocated-reference.json"
+    with FileLock(f"{path}.lock"):
+        if not path.exists():
+            path.write_text(json.dumps(colocated(PROMPTS, tmp_path_factory.mktemp("colocated"))))
+    return json.loads(path.read_text())
 
 
 @pytest.fixture(scope="session")

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from jfire.checkpoint.load import load_model
-from jfire.engine import Engine, EngineConfig
+from jfire.engine import Engine
 from jfire.errors import JfireError
 from jfire.sampling import SamplingParams
+from tests.limits import serve_engine_config
 
 PROMPTS = [
     "The capital of France is",
@@ -50,7 +51,7 @@ def _record_compile(event, duration, **kw):
 @pytest.fixture(scope="module")
 def engine(default_model):
     """Serving once its essential programs exist; the first tests run while the others compile."""
-    config = EngineConfig(max_batch=16, prefill_budget=64, max_prefill_rows=4, max_model_len=256)
+    config = serve_engine_config()
     jax.monitoring.register_event_duration_secs_listener(_record_compile)
     try:
         with Engine(default_model, config) as engine:
@@ -61,13 +62,13 @@ def engine(default_model):
 
 def test_sixteen_prompts_batched_equal_each_alone(engine, default_model):
     tok = default_model.tokenizer
-    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     requests = [(tok.encode(p), greedy) for p in PROMPTS]
     together = engine.generate(requests)
     alone = [engine.generate([r])[0] for r in requests]
     for prompt, a, b in zip(PROMPTS, together, alone):
         assert a.token_ids == b.token_ids, prompt
-        assert len(a.token_ids) == 24
+        assert len(a.token_ids) == 12
 
 
 def test_seeded_sampling_is_the_same_batched_or_alone(engine, default_model):
@@ -123,7 +124,7 @@ def test_prefix_cache_reuses_full_blocks(engine, default_model):
     assert engine.stats()["prefix_hit_tokens"] - hits_before == (shared // page) * page
     assert shared // page >= 2
     # The reused blocks give exactly what recomputing them gives.
-    config = EngineConfig(max_batch=1, max_prefill_rows=1, max_model_len=256, prefix_caching=False, aot=False)
+    config = serve_engine_config(prefix_caching=False, aot=False)
     with Engine(default_model, config) as plain:
         assert plain.generate([(second, greedy)])[0].token_ids == b.token_ids
         assert plain.generate([(first, greedy)])[0].token_ids == a.token_ids
@@ -145,10 +146,11 @@ def test_cancel_frees_pages_at_once(engine, default_model):
 
 
 def test_requests_that_cannot_run_are_refused_up_front(engine):
+    context = engine.max_model_len
     with pytest.raises(JfireError, match="context"):
-        engine.submit(list(range(10, 300)), SamplingParams(max_tokens=4))
+        engine.submit(list(range(10, 10 + context + 40)), SamplingParams(max_tokens=4))
     with pytest.raises(JfireError, match="max_tokens"):
-        engine.submit([10, 11], SamplingParams(max_tokens=255))
+        engine.submit([10, 11], SamplingParams(max_tokens=context - 1))
     with pytest.raises(JfireError, match="vocabulary"):
         engine.submit([10, 10**6], SamplingParams(max_tokens=4))
     with pytest.raises(JfireError, match="empty"):

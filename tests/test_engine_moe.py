@@ -31,21 +31,28 @@ def model(request, tiny_hf_dir):
     return load_model(str(tiny_hf_dir(request.param)), "float32")
 
 
+def limits(num_pages: int, prefix_caching: bool = True) -> EngineConfig:
+    """Every engine here has the same limits but its pool, so the reference's programs are
+    among the batched engine's and the module compiles two small sets (4 rows: the twelve
+    requests join and leave a running batch)."""
+    return EngineConfig(page_size=4, num_pages=num_pages, max_batch=4, prefill_budget=32, max_prefill_rows=4,
+                        aot=False, max_model_len=128, prefix_caching=prefix_caching)
+
+
+ROOMY, TIGHT = 512, 14  # pages of 4 slots: every row at full length; two or three rows
+
+
 @pytest.fixture(scope="module")
 def alone(model):
-    """Each request run by itself in a roomy engine: the reference."""
-    roomy = EngineConfig(page_size=4, num_pages=512, max_batch=1, max_prefill_rows=1, aot=False, max_model_len=128,
-                         prefix_caching=False)
-    with Engine(model, roomy) as engine:
+    """Each request run by itself (one row, no prefix cache) in a roomy engine: the reference."""
+    with Engine(model, limits(ROOMY, prefix_caching=False)) as engine:
         return [engine.generate([r])[0].token_ids for r in requests_for(model)]
 
 
 def test_batched_with_prefix_cache_equals_alone(model, alone):
     requests = requests_for(model)
     # Every request twice: the second copy's prompt pages come from the prefix cache.
-    config = EngineConfig(page_size=4, num_pages=512, max_batch=16, prefill_budget=64, max_prefill_rows=4,
-                          aot=False, max_model_len=128)
-    with Engine(model, config) as engine:
+    with Engine(model, limits(ROOMY)) as engine:
         first = [c.token_ids for c in engine.generate(requests)]
         second = [c.token_ids for c in engine.generate(requests)]
         stats = engine.stats()
@@ -54,9 +61,7 @@ def test_batched_with_prefix_cache_equals_alone(model, alone):
 
 
 def test_preempted_requests_equal_running_alone(model, alone):
-    tight = EngineConfig(page_size=4, num_pages=14, max_batch=16, prefill_budget=32, max_prefill_rows=4,
-                         aot=False, max_model_len=128)
-    with Engine(model, tight) as engine:
+    with Engine(model, limits(TIGHT)) as engine:
         together = [c.token_ids for c in engine.generate(requests_for(model))]
         stats = engine.stats()
     assert stats["preemptions"] > 0 and stats["pages_used"] == 0

@@ -28,13 +28,12 @@ def requests_for(model, count=16):
 
 def test_preempted_requests_equal_running_alone(tiny_model):
     requests = requests_for(tiny_model)
-    roomy = EngineConfig(page_size=4, num_pages=512, max_batch=1, max_prefill_rows=1, aot=False, max_model_len=128)
-    with Engine(tiny_model, roomy) as engine:
+    # The same limits but the pool (the reference one row at a time, without prefix caching).
+    limits = dict(page_size=4, max_batch=16, prefill_budget=32, max_prefill_rows=4, max_model_len=128, aot=False)
+    with Engine(tiny_model, EngineConfig(num_pages=512, prefix_caching=False, **limits)) as engine:
         alone = [engine.generate([r])[0].token_ids for r in requests]
     # 14 pages of 4 slots: two or three sequences fit at once, sixteen are asked for.
-    tight = EngineConfig(page_size=4, num_pages=14, max_batch=16, prefill_budget=32, max_prefill_rows=4,
-                         max_model_len=128)
-    with Engine(tiny_model, tight) as engine:
+    with Engine(tiny_model, EngineConfig(num_pages=14, **limits)) as engine:
         together = [c.token_ids for c in engine.generate(requests)]
         stats = engine.stats()
     assert stats["preemptions"] > 0

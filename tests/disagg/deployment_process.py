@@ -15,10 +15,11 @@ from pathlib import Path
 import httpx
 
 from jfire.disagg.launch import free_port
+from tests.limits import DEPLOYMENT_LIMITS, SERVE_LIMITS
 
 REPO = Path(__file__).resolve().parents[2]
 # Small buckets: few programs to compile, and a small pool so page accounting is visible.
-ENGINE_ARGS = ["--max-batch", "4", "--prefill-budget", "64", "--max-context", "512", "--kv-cache-gb", "0.02"]
+ENGINE_ARGS = DEPLOYMENT_LIMITS
 
 
 def deployment_file(tmp_path: Path, name: str, *, timeout_s: float) -> Path:
@@ -93,7 +94,7 @@ def colocated(prompts: list[dict], tmp_path: Path, model: str = "default") -> li
     src, out = tmp_path / "prompts.jsonl", tmp_path / "colocated.jsonl"
     src.write_text("".join(json.dumps(p) + "\n" for p in prompts))
     subprocess.run([sys.executable, "-m", "jfire.cli", "generate", "--prompts-file", str(src), "--output", str(out),
-                    "--max-context", "512", "--model", model], check=True, cwd=REPO,
+                    *SERVE_LIMITS, "--model", model], check=True, cwd=REPO,
                    env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     return [r for r in sorted(rows, key=lambda r: r["index"])]

@@ -16,6 +16,7 @@ import pytest
 from jfire.disagg.launch import free_port
 from tests.disagg.clients import PROMPTS, assert_same_as_colocated
 from tests.disagg.deployment_process import deployment_file, expected_kv_bytes, launch, metric, wait_for
+from tests.limits import serve_engine_config
 
 TRANSFER_TIMEOUT_S = 4
 
@@ -83,9 +84,13 @@ def test_a_request_waiting_for_decode_pages_outlasts_the_transfer_timeout(deploy
     keeps its cache, and it completes exactly as colocated generation, with nothing expired."""
     before = deployment.stats("prefill")
     pages_total = deployment.stats("decode")["pages_total"]
-    # Leaves less than one page free: the short request below needs two.
-    long_body = {"model": "default", "prompt": [1, 2, 3, 4], "max_tokens": min(508, pages_total * 16 - 4 - 8),
-                 "temperature": 0, "ignore_eos": True, "stream": True}
+    # Its pages (prompt and every token it may generate, taken when it starts decoding) leave
+    # less than one free: the short request below needs two. A long prompt and 160 tokens to
+    # decode: several times the transfer timeout of decoding still to go when the short one comes.
+    decoded = 160
+    prompt = [1000 + i for i in range(pages_total * 16 - 8 - decoded)]
+    long_body = {"model": "default", "prompt": prompt, "max_tokens": decoded, "temperature": 0, "ignore_eos": True,
+                 "stream": True}
     with httpx.stream("POST", deployment.url + "/v1/completions", json=long_body, timeout=120) as long_stream:
         lines = long_stream.iter_lines()
         next(line for line in lines if line.startswith("data: "))  # decoding: its pages are taken
@@ -161,11 +166,10 @@ def colocated_app():
     from fastapi.testclient import TestClient
 
     from jfire.checkpoint.load import load_model
-    from jfire.engine import Engine, EngineConfig
+    from jfire.engine import Engine
     from serve.app import ServerState, create_app
 
-    engine = Engine(load_model("default", "float32"), EngineConfig(max_batch=4, prefill_budget=64, max_model_len=512,
-                                                                   aot=False)).start()
+    engine = Engine(load_model("default", "float32"), serve_engine_config(aot=False)).start()
     with TestClient(create_app(ServerState(engine, "default"))) as http:
         yield http
     engine.shutdown()

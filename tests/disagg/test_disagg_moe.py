@@ -19,6 +19,7 @@ import pytest
 
 from tests.disagg.clients import assert_same_as_colocated
 from tests.disagg.deployment_process import colocated, deployment_file, launch, metric
+from tests.limits import SERVE_LIMITS
 from tests.serve.server_process import start_server
 from tests.tiny_models import save_byte_tokenizer, save_tiny_hf_model
 
@@ -27,8 +28,7 @@ PROMPTS = [
     {"prompt": "Write a short poem about the sea and the wind. " * 2, "max_tokens": 16},
     {"prompt": "List three prime numbers: 2, 3,", "max_tokens": 10},
 ]
-SMALL = ("--max-batch", "4", "--prefill-budget", "64", "--max-context", "512", "--kv-cache-gb", "0.02",
-         "--served-model-name", "default")
+SMALL = (*SERVE_LIMITS, "--served-model-name", "default")
 
 
 @pytest.fixture(scope="module")

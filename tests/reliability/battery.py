@@ -13,9 +13,11 @@ import math
 
 import httpx
 
-# The server the battery is written for: `jfire serve` of the default model with
-# --max-context 512 and --max-body-mb 1.
-CONTEXT = 512
+from tests import limits
+
+# The server the battery is written for: `jfire serve` of the default model with the tests'
+# limits (tests/limits.py) and --max-body-mb 1.
+CONTEXT = limits.CONTEXT
 BODY_LIMIT = 1 << 20
 VOCAB = 49152  # the default model's vocabulary
 
@@ -114,7 +116,7 @@ def valid_messages(v) -> bool:
 
 MAX_VALID_N = 2  # the largest valid n among the values tried
 OPENAI_OBJECTS = ["1", '"x"', "null", '{"type": "json_object"}']
-ROOM = 400  # max_tokens the short base prompts leave room for, of the 512-token context
+ROOM = CONTEXT - 56  # max_tokens the short base prompts (chat's template included) leave room for
 MAX_TOKENS = optional(lambda v: integer(v) and 1 <= v <= ROOM)
 # field: (values besides the wrong types, which values are valid). Numbers with a range get
 # every boundary.

@@ -31,12 +31,13 @@ import pytest
 from jfire.disagg.launch import free_port
 from tests.disagg.clients import PROMPTS
 from tests.disagg.deployment_process import REPO
-from tests.reliability.battery import BASES, CONTEXT, MAX_VALID_N, Case, body_cases, error_problem, field_cases
+from tests.limits import MAX_BATCH, SERVE_LIMITS
+from tests.reliability.battery import BASES, MAX_VALID_N, Case, body_cases, error_problem, field_cases
 from tests.reliability.tally import TALLY
 from tests.serve.server_process import start_server
 
-MAX_BATCH, MAX_QUEUE, GRACE_S = 4, 8, 5
-ENGINE_ARGS = ["--max-batch", str(MAX_BATCH), "--prefill-budget", "64", "--max-context", str(CONTEXT)]
+MAX_QUEUE, GRACE_S = 8, 5
+ENGINE_ARGS = SERVE_LIMITS
 SERVER_ARGS = [*ENGINE_ARGS, "--max-queue", str(MAX_QUEUE), "--shutdown-grace", str(GRACE_S), "--max-body-mb", "1"]
 # At most this many requests in flight in the battery and the rounds, each of at most
 # battery.MAX_VALID_N choices (engine requests): never more than the waiting queue holds, so a

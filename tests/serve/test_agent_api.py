@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from tests.serve.server_process import start_server
+from tests.limits import SERVE_LIMITS
 
 # As tests/serve/test_shutdown.py's server: the compilation cache serves both.
-SERVER_ARGS = ["--max-batch", "4", "--prefill-budget", "64", "--max-context", "512"]
+SERVER_ARGS = SERVE_LIMITS
 
 PERSON = {
     "type": "object",
@@ -136,7 +137,7 @@ def test_constrained_rows_batched_with_free_rows_get_their_tokens_alone(client):
                        max_tokens=80, response_format={"type": "json_schema", "json_schema": {
                            "name": "person", "schema": PERSON}})
     free = [dict(messages=[{"role": "user", "content": f"Tell me a story about the number {i}."}], temperature=1.0,
-                 seed=i, max_tokens=60) for i in range(3)]
+                 seed=i, max_tokens=30) for i in range(3)]
 
     def run(kwargs):
         return client.chat.completions.create(model="default", **kwargs).choices[0].message.content

@@ -16,9 +16,10 @@ import openai
 import pytest
 
 from tests.serve.server_process import start_server
+from tests.limits import SERVE_LIMITS
 
 API_KEY = "test-key-123"
-SERVER_ARGS = ["--max-batch", "16", "--prefill-budget", "64", "--max-context", "512", "--api-key", API_KEY,
+SERVER_ARGS = [*SERVE_LIMITS, "--api-key", API_KEY,
                "--compile-cache", "off"]
 
 
@@ -127,13 +128,13 @@ def test_stop_strings_and_seeds(client):
 def test_sixteen_concurrent_streaming_clients(client):
     prompts = [f"Tell me a fact about the number {i}." for i in range(16)]
     alone = [client.chat.completions.create(model="default", messages=[{"role": "user", "content": p}],
-                                            max_tokens=16, temperature=0).choices[0].message.content
+                                            max_tokens=8, temperature=0).choices[0].message.content
              for p in prompts]
 
     def stream(prompt: str) -> str:
         own = openai.OpenAI(base_url=client.base_url, api_key=API_KEY, max_retries=0, timeout=300)
         parts = own.chat.completions.create(model="default", messages=[{"role": "user", "content": prompt}],
-                                            max_tokens=16, temperature=0, stream=True)
+                                            max_tokens=8, temperature=0, stream=True)
         return "".join(c.choices[0].delta.content or "" for c in parts)
 
     with concurrent.futures.ThreadPoolExecutor(16) as pool:

@@ -12,9 +12,10 @@ import threading
 import httpx
 
 from tests.serve.server_process import start_server
+from tests.limits import SERVE_LIMITS
 
 GRACE_S = 8
-SERVER_ARGS = ["--max-batch", "4", "--prefill-budget", "64", "--max-context", "512", "--shutdown-grace", str(GRACE_S)]
+SERVER_ARGS = [*SERVE_LIMITS, "--shutdown-grace", str(GRACE_S)]
 
 
 def stream(url: str, max_tokens: int, events: list, started: threading.Event) -> None:
