@@ -18,8 +18,6 @@ from jfire.disagg.launch import free_port
 from tests.limits import DEPLOYMENT_LIMITS, SERVE_LIMITS
 
 REPO = Path(__file__).resolve().parents[2]
-# Small buckets: few programs to compile, and a small pool so page accounting is visible.
-ENGINE_ARGS = DEPLOYMENT_LIMITS
 
 
 def deployment_file(tmp_path: Path, name: str, *, timeout_s: float) -> Path:
@@ -58,7 +56,7 @@ class Running:
 
 def launch(deployment: Path, log: Path, timeout: float = 900, extra: tuple[str, ...] = ()) -> Running:
     port = free_port()
-    cmd = [sys.executable, "-m", "jfire.cli", "launch", str(deployment), "--port", str(port), *ENGINE_ARGS, *extra]
+    cmd = [sys.executable, "-m", "jfire.cli", "launch", str(deployment), "--port", str(port), *DEPLOYMENT_LIMITS, *extra]
     process = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPO,
                                start_new_session=True)
     url = f"http://127.0.0.1:{port}"

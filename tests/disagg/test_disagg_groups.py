@@ -23,7 +23,8 @@ import pytest
 from jfire.checkpoint import store
 from jfire.models.llama import LlamaConfig
 from jfire.models.params import init_params
-from tests.disagg.deployment_process import ENGINE_ARGS, REPO, launch, wait_for
+from tests.disagg.deployment_process import REPO, launch, wait_for
+from tests.limits import DEPLOYMENT_LIMITS
 
 # 16 heads over tp=4, 8 layers over pp=2.
 MODEL = LlamaConfig(architecture="LlamaForCausalLM", vocab_size=512, hidden_size=128, intermediate_size=256,
@@ -66,7 +67,7 @@ def reference(model, tmp_path_factory):
     src = tmp_path_factory.mktemp("reference") / "prompts.jsonl"
     src.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
     run = subprocess.run([sys.executable, "-m", "jfire.cli", "generate", "--model", str(model), "--prompts-file",
-                          str(src), "--ignore-eos", *ENGINE_ARGS], capture_output=True, text=True, cwd=REPO,
+                          str(src), "--ignore-eos", *DEPLOYMENT_LIMITS], capture_output=True, text=True, cwd=REPO,
                          timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     rows = sorted((json.loads(line) for line in run.stdout.splitlines()), key=lambda r: r["index"])

@@ -37,8 +37,7 @@ from tests.reliability.tally import TALLY
 from tests.serve.server_process import start_server
 
 MAX_QUEUE, GRACE_S = 8, 5
-ENGINE_ARGS = SERVE_LIMITS
-SERVER_ARGS = [*ENGINE_ARGS, "--max-queue", str(MAX_QUEUE), "--shutdown-grace", str(GRACE_S), "--max-body-mb", "1"]
+SERVER_ARGS = [*SERVE_LIMITS, "--max-queue", str(MAX_QUEUE), "--shutdown-grace", str(GRACE_S), "--max-body-mb", "1"]
 # At most this many requests in flight in the battery and the rounds, each of at most
 # battery.MAX_VALID_N choices (engine requests): never more than the waiting queue holds, so a
 # valid request is never refused with a 429 there.
@@ -517,7 +516,7 @@ sys.exit(cli.main(["serve", *sys.argv[1:]]))
 def test_an_engine_failure_gives_503_and_a_nonzero_exit(default_checkpoint, tmp_path):
     port = free_port()
     log = tmp_path / "server.log"
-    process = subprocess.Popen([sys.executable, "-c", WRAPPER, "--port", str(port), *ENGINE_ARGS], cwd=REPO,
+    process = subprocess.Popen([sys.executable, "-c", WRAPPER, "--port", str(port), *SERVE_LIMITS], cwd=REPO,
                                stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:

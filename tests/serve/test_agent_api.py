@@ -17,11 +17,8 @@ import openai
 import pytest
 import torch
 
-from tests.serve.server_process import start_server
 from tests.limits import SERVE_LIMITS
-
-# As tests/serve/test_shutdown.py's server: the compilation cache serves both.
-SERVER_ARGS = SERVE_LIMITS
+from tests.serve.server_process import start_server
 
 PERSON = {
     "type": "object",
@@ -50,7 +47,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
 
 @pytest.fixture(scope="module")
 def server(default_checkpoint, tmp_path_factory):
-    srv = start_server(SERVER_ARGS, tmp_path_factory.mktemp("agent") / "server.log")
+    srv = start_server(SERVE_LIMITS, tmp_path_factory.mktemp("agent") / "server.log")
     yield srv
     srv.stop()
 

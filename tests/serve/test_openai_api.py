@@ -15,12 +15,11 @@ import httpx
 import openai
 import pytest
 
-from tests.serve.server_process import start_server
 from tests.limits import SERVE_LIMITS
+from tests.serve.server_process import start_server
 
 API_KEY = "test-key-123"
-SERVER_ARGS = [*SERVE_LIMITS, "--api-key", API_KEY,
-               "--compile-cache", "off"]
+SERVER_ARGS = [*SERVE_LIMITS, "--api-key", API_KEY, "--compile-cache", "off"]
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ import threading
 
 import httpx
 
-from tests.serve.server_process import start_server
 from tests.limits import SERVE_LIMITS
+from tests.serve.server_process import start_server
 
 GRACE_S = 8
 SERVER_ARGS = [*SERVE_LIMITS, "--shutdown-grace", str(GRACE_S)]
