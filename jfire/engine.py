@@ -300,17 +300,14 @@ class Engine:
 
     def compile_for(self, prompt_len: int, max_tokens: int) -> float:
         """With lazy programs (`aot=False`), compiles the shapes one request of this size alone
-        will use (its prompt's chunks, each decode width), so its timing excludes compilation;
+        will use (its prompt's chunks, one decode row), so its timing excludes compilation;
         returns the seconds spent."""
         t0 = time.perf_counter()
-        budget, page = self.config.prefill_budget, self.config.page_size
-        pages = self.scheduler.pages_needed(prompt_len)
+        budget = self.config.prefill_budget
         for start in range(0, prompt_len, budget):
-            r, t, w = self.programs.prefill_shape(min(budget, prompt_len - start), 1, pages)
-            self.programs.prefill(r, t, w)
-        last = min(prompt_len + max_tokens, self.max_model_len)
-        for width in sorted({self.programs.decode_shape(1, -(-n // page))[1] for n in range(prompt_len + 1, last + 1)}):
-            self.programs.decode(1, width)
+            self.programs.prefill(*self.programs.prefill_shape(min(budget, prompt_len - start), 1))
+        if max_tokens > 1:
+            self.programs.decode(self.programs.decode_shape(1))
         return time.perf_counter() - t0
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
@@ -514,8 +511,8 @@ class Engine:
         self._step_time["outputs"] += time.perf_counter() - now
         self._step_time["steps"] += 1
 
-    def _row_table(self, seqs: list[Sequence], rows: int, width: int) -> np.ndarray:
-        table = np.zeros((rows, width), np.int32)
+    def _row_table(self, seqs: list[Sequence], rows: int) -> np.ndarray:
+        table = np.zeros((rows, self.buckets.pages_per_row), np.int32)
         for r, seq in enumerate(seqs):
             table[r, : len(seq.pages)] = seq.pages
         return table
@@ -585,21 +582,21 @@ class Engine:
         every bucket is compiled; more while start-up compilation is still going)."""
         groups, pending = [], list(seqs)
         while pending:
-            rows, _ = self.programs.decode_shape(len(pending), max(len(s.pages) for s in pending))
+            rows = self.programs.decode_shape(len(pending))
             groups.append(pending[:rows])
             pending = pending[rows:]
         return groups
 
     def _run_decode(self, seqs: list[Sequence]) -> list[tuple]:
         t0 = time.perf_counter()
-        rows, width = self.programs.decode_shape(len(seqs), max(len(s.pages) for s in seqs))
+        rows = self.programs.decode_shape(len(seqs))
         tokens = np.zeros(rows, np.int32)
         positions = np.full(rows, -1, np.int32)
         for r, seq in enumerate(seqs):
             tokens[r], positions[r] = seq.tokens[-1], len(seq.tokens) - 1
         sampling = self._sampling_rows(seqs, rows, [True] * len(seqs))
-        inputs = (tokens, positions, self._row_table(seqs, rows, width), sampling)
-        return self._on_device(t0, seqs, "decode", (rows, width), inputs)[0]
+        inputs = (tokens, positions, self._row_table(seqs, rows), sampling)
+        return self._on_device(t0, seqs, "decode", (rows,), inputs)[0]
 
     def _device_call(self, kind: str, key, inputs):
         """Every device program the engine thread runs goes through here: a group spanning
@@ -610,8 +607,8 @@ class Engine:
         return self._apply(kind, key, inputs)
 
     def _apply(self, kind: str, key, inputs):
-        """Runs one program on this process's state: "decode" (key (rows, width)), "prefill"
-        (key (rows, tokens, width)), or "penalty" (key: the slot to start). Returns the
+        """Runs one program on this process's state: "decode" (key (rows,)), "prefill"
+        (key (rows, tokens)), or "penalty" (key: the slot to start). Returns the
         SampleOut of a decode or prefill."""
         if kind == "penalty":
             self.penalties = set_penalty_slot(self.penalties, key, *inputs)
@@ -650,16 +647,14 @@ class Engine:
         """Splits a step's chunks into batches that each fit a compiled (rows, tokens) shape."""
         groups, pending = [], sorted(chunks, key=lambda c: -c.length)
         while pending:
-            rows, _, _ = self.programs.prefill_shape(pending[0].length, len(pending),
-                                                     max(len(c.seq.pages) for c in pending))
+            rows, _ = self.programs.prefill_shape(pending[0].length, len(pending))
             groups.append(pending[:rows])
             pending = pending[rows:]
         return groups
 
     def _run_prefill(self, chunks: list[Chunk]) -> list[tuple]:
         t0 = time.perf_counter()
-        rows, t, width = self.programs.prefill_shape(max(c.length for c in chunks), len(chunks),
-                                                     max(len(c.seq.pages) for c in chunks))
+        rows, t = self.programs.prefill_shape(max(c.length for c in chunks), len(chunks))
         tokens = np.zeros((rows, t), np.int32)
         positions = np.full((rows, t), -1, np.int32)
         last = np.zeros(rows, np.int32)
@@ -670,8 +665,8 @@ class Engine:
         seqs = [c.seq for c in chunks]
         sampling = self._sampling_rows(seqs, rows, [c.completes_prompt for c in chunks])
         targets = self._prompt_targets(chunks, rows, t)
-        inputs = (tokens, positions, self._row_table(seqs, rows, width), last, sampling, targets)
-        results, out = self._on_device(t0, seqs, "prefill", (rows, t, width), inputs)
+        inputs = (tokens, positions, self._row_table(seqs, rows), last, sampling, targets)
+        results, out = self._on_device(t0, seqs, "prefill", (rows, t), inputs)
         if (targets >= 0).any():
             self._keep_prompt_logprobs(chunks, targets, out.prompt)
         return results

@@ -52,6 +52,7 @@ from jfire import sharding
 from jfire.checkpoint.load import DTYPES
 from jfire.errors import JfireError
 from jfire.kernels import int4_experts
+from jfire.kernels.paged_attention import block_pages
 from jfire.models.family import Family, Parallel
 from jfire.models.params import ParamSpec, get_path, set_path, spec_dtype
 
@@ -273,9 +274,9 @@ class Program:
 
 
 def largest_programs(buckets) -> list[Program]:
-    """The widest decode bucket and the prefill bucket with the most tokens (then rows) at
-    the widest page table: the ones with the most temporaries."""
-    width = max(buckets.widths)
+    """The widest decode bucket and the prefill bucket with the most tokens (then rows): the
+    ones with the most temporaries."""
+    width = buckets.pages_per_row
     rows, tokens = max(buckets.prefill_shapes, key=lambda s: (s[0] * s[1], s[0]))
     return [Program("decode", max(buckets.decode_batches), 1, width), Program("prefill", rows, tokens, width)]
 
@@ -305,7 +306,7 @@ def measure_workspace(cfg: Family, param_shardings: dict, cache_shardings: dict,
     parallel = Parallel(mesh) if mesh is not None and (spec.tp > 1 or spec.ep > 1) else None
     buckets = Buckets(tuple(p.rows for p in programs if p.kind == "decode"),
                       tuple((p.rows, p.tokens) for p in programs if p.kind == "prefill"),
-                      tuple(sorted({p.width for p in programs})))
+                      max(p.width for p in programs))
     # The sampler's penalty counts: one slot per row of the largest batch, and the scratch slot.
     slots = max(p.rows for p in programs) + 1
     counts_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None else None
@@ -319,9 +320,9 @@ def measure_workspace(cfg: Family, param_shardings: dict, cache_shardings: dict,
         # thread, so it is entered here.
         with int4_experts.use_impl(INT4_IMPL):
             if p.kind == "decode":
-                exe = compiled.decode(p.rows, p.width)
+                exe = compiled.decode(p.rows)
             else:
-                exe = compiled.prefill(p.rows, p.tokens, p.width)
+                exe = compiled.prefill(p.rows, p.tokens)
         stats = exe.memory_analysis()
         temp = int(stats.temp_size_in_bytes)
         outputs = max(0, int(stats.output_size_in_bytes) - int(stats.alias_size_in_bytes))
@@ -336,12 +337,13 @@ def estimate_workspace(cfg: Family, param_shardings: dict, cache_shardings: dict
                        page_size: int) -> int:
     """The analytic stand-in for `measure_workspace`, in WORKSPACE_DTYPE (4-byte) values:
       one layer's weights on a device (a scanned layer's slices are materialised)
-    + one layer's K and V for every row's whole page table (the reference attention gathers them)
+    + one layer's K and V of one block of pages per row (the reference attention gathers a
+      block at a time)
     + logits and their softmax over the full vocabulary for every row
     + ACTIVATION_VALUES_PER_TOKEN x embed width for every token."""
     w = np.dtype(WORKSPACE_DTYPE).itemsize
     layer = layer_bytes(cfg, param_shardings, WORKSPACE_DTYPE)
-    gathered = program.rows * program.width * page_size * kv_values_per_layer(cfg, cache_shardings) * w
+    gathered = program.rows * min(program.width, block_pages(page_size)) * page_size * kv_values_per_layer(cfg, cache_shardings) * w
     logits = 2 * program.rows * cfg.vocab_size * w
     embed = max((n for p in cfg.param_specs() for a, n in zip(p.axes, p.shape) if a == "embed"), default=0)
     activations = program.rows * program.tokens * embed * ACTIVATION_VALUES_PER_TOKEN * w

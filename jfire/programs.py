@@ -55,12 +55,15 @@ class PallasDecode:
 
 @dataclasses.dataclass(frozen=True)
 class Buckets:
-    """The padded shapes programs are compiled for. Widths are pages per row (the page-table
-    width), which bounds how much cache each row's attention reads."""
+    """The padded shapes programs are compiled for: decode rows, and prefill (rows, tokens).
+
+    The page table has no bucket: every program takes it `pages_per_row` wide (the whole
+    context), and attention reads only as far as the step's longest row (see
+    jfire.kernels.paged_attention), so the context length adds no programs."""
 
     decode_batches: tuple[int, ...]
     prefill_shapes: tuple[tuple[int, int], ...]  # (rows, tokens per row)
-    widths: tuple[int, ...]
+    pages_per_row: int
 
     @classmethod
     def for_limits(cls, *, max_batch: int, prefill_budget: int, max_prefill_rows: int, max_pages_per_row: int,
@@ -74,14 +77,10 @@ class Buckets:
             fill = max(1, min(max_prefill_rows, prefill_budget // t))
             for r in sorted({1, fill, *(r for r in (4,) if r <= fill)}):
                 shapes.append((r, t))
-        widths = sorted({*(w for w in _powers(256 // page_size or 1, max_pages_per_row, 4)), max_pages_per_row})
-        return cls(tuple(decode), tuple(shapes), tuple(widths))
+        return cls(tuple(decode), tuple(shapes), max_pages_per_row)
 
     def decode_batch(self, n: int) -> int:
         return _smallest_at_least(self.decode_batches, n, "decode batch")
-
-    def width(self, pages: int) -> int:
-        return _smallest_at_least(self.widths, pages, "pages per row")
 
     def prefill_token_buckets(self) -> list[int]:
         return sorted({t for _, t in self.prefill_shapes})
@@ -147,13 +146,12 @@ class CompiledPrograms:
     Serving only ever calls these executables, so a shape outside the table is an error,
     never a silent compilation in the middle of traffic.
 
-    Start-up compiles the essential programs first: one decode row and one prefill row of the
-    full token budget, both at the widest page table, which together run any step (a step with
-    more rows runs as several calls), and the narrowest decode and prefill programs a short
-    first request runs on. The engine serves as soon as they exist; the other buckets compile
-    in the background, smallest first, and each step uses the smallest compiled
-    program that holds it (`decode_shape`, `prefill_shape`), so shapes only get tighter as
-    compilation proceeds. Compiled tables are replaced, never mutated, so the engine thread
+    Start-up compiles the essential programs first: one decode row, and one prefill row of
+    the fewest tokens and one of the full token budget, which together run any step (a step
+    with more rows runs as several calls). The engine serves as soon as they exist; the other
+    buckets compile in the background, smallest first, and each step uses the smallest
+    compiled program that holds it (`decode_shape`, `prefill_shape`), so shapes only get
+    tighter as compilation proceeds. Compiled tables are replaced, never mutated, so the engine thread
     reads them while the compiling thread adds to them.
     """
 
@@ -173,8 +171,8 @@ class CompiledPrograms:
         self._params = jax.tree.map(_abstract, params)
         self._pages = jax.tree.map(_abstract, pages)
         self._penalties = jax.tree.map(_abstract, penalties)
-        self._decode: dict[tuple[int, int], object] = {}
-        self._prefill: dict[tuple[int, int, int], object] = {}
+        self._decode: dict[tuple[int], object] = {}  # (rows,)
+        self._prefill: dict[tuple[int, int], object] = {}  # (rows, tokens)
 
     @property
     def num_compiled(self) -> int:
@@ -187,23 +185,20 @@ class CompiledPrograms:
     def shapes(self) -> list[tuple]:
         """Every bucket, essential ones first, then by size (the cheaper and more common first)."""
         b = self.buckets
-        rest = ([("decode", n, w) for w in b.widths for n in b.decode_batches if "decode" in self.kinds]
-                + [("prefill", r, t, w) for w in b.widths for r, t in b.prefill_shapes if "prefill" in self.kinds])
+        rest = ([("decode", n) for n in b.decode_batches if "decode" in self.kinds]
+                + [("prefill", r, t) for r, t in b.prefill_shapes if "prefill" in self.kinds])
         essential = self.essential_shapes()
-        rest = sorted((x for x in rest if x not in essential), key=lambda x: (x[-1], x[0] == "prefill", x[1:]))
+        rest = sorted((x for x in rest if x not in essential), key=lambda x: (x[0] == "prefill", x[1:]))
         return essential + rest
 
     def essential_shapes(self) -> list[tuple]:
-        """The programs compiled before serving: the narrowest ones, which a short first request
-        runs on, and the widest, which between them run any step (see the class docstring)."""
+        """The programs compiled before serving (see the class docstring): one decode row, one
+        prefill row of the fewest tokens (a short first request) and one of the most."""
         b, kinds = self.buckets, self.kinds
-        tokens, widths = b.prefill_token_buckets(), (min(b.widths), max(b.widths))
-        out = []
-        for w, t in zip(widths, (min(tokens), max(tokens))):
-            if "decode" in kinds:
-                out.append(("decode", 1, w))
-            if "prefill" in kinds:
-                out.append(("prefill", min(r for r, tt in b.prefill_shapes if tt == t), t, w))
+        tokens = b.prefill_token_buckets()
+        out = [("decode", 1)] if "decode" in kinds else []
+        if "prefill" in kinds:
+            out += [("prefill", min(r for r, tt in b.prefill_shapes if tt == t), t) for t in (min(tokens), max(tokens))]
         return list(dict.fromkeys(out))
 
     def compile_all(self, workers: int = 1, progress=None, shapes=None) -> None:
@@ -232,21 +227,23 @@ class CompiledPrograms:
         i32 = jnp.int32
         s = functools.partial(jax.ShapeDtypeStruct, sharding=self._input_sharding)
         if shape[0] == "decode":
-            _, n, w = shape
+            _, n = shape
+            w = self.buckets.pages_per_row
             exe = compile_cache.compiled(decode.lower(
                 self._params, self._pages, s((n,), i32), s((n,), i32), s((n, w), i32), self._rows(n),
                 self._penalties, cfg=self.cfg, attention=self.attention, layer_stack=self.layer_stack,
                 parallel=self.parallel,
             ), self._devices)
-            self._decode = {**self._decode, (n, w): exe}
+            self._decode = {**self._decode, (n,): exe}
         else:
-            _, r, t, w = shape
+            _, r, t = shape
+            w = self.buckets.pages_per_row
             exe = compile_cache.compiled(prefill.lower(
                 self._params, self._pages, s((r, t), i32), s((r, t), i32), s((r, w), i32), s((r,), i32),
                 self._rows(r), self._penalties, s((r, t), i32), cfg=self.cfg, layer_stack=self.layer_stack,
                 parallel=self.parallel,
             ), self._devices)
-            self._prefill = {**self._prefill, (r, t, w): exe}
+            self._prefill = {**self._prefill, (r, t): exe}
 
     def _rows(self, n: int) -> RowSampling:
         s = functools.partial(jax.ShapeDtypeStruct, sharding=self._input_sharding)
@@ -257,41 +254,35 @@ class CompiledPrograms:
 
     # -- choosing a program for a step ------------------------------------------------------------
 
-    def decode_shape(self, rows: int, pages: int) -> tuple[int, int]:
-        """(batch, width) of the program for up to `rows` rows of at most `pages` pages: the
-        smallest compiled batch holding them all, else the largest compiled one (the caller
-        runs the rest in further calls); the narrowest compiled width that holds the pages."""
+    def decode_shape(self, rows: int) -> int:
+        """The batch of the program for up to `rows` rows: the smallest compiled batch holding
+        them all, else the largest compiled one (the caller runs the rest in further calls)."""
         if self.lazy:
-            return self.buckets.decode_batch(rows), self.buckets.width(pages)
-        shapes = [k for k in self._decode if k[1] >= pages]
-        batches = sorted({n for n, _ in shapes})
-        n = next((x for x in batches if x >= rows), batches[-1])
-        return n, min(w for m, w in shapes if m == n)
+            return self.buckets.decode_batch(rows)
+        batches = sorted(n for n, in self._decode)
+        return next((x for x in batches if x >= rows), batches[-1])
 
-    def prefill_shape(self, longest: int, count: int, pages: int) -> tuple[int, int, int]:
-        """(rows, tokens, width) for up to `count` chunks, the longest `longest` tokens, of at
-        most `pages` pages: the smallest compiled token bucket that holds the longest, the
-        fewest rows holding them all (else the most: the caller runs the rest in further
-        calls), the narrowest width."""
+    def prefill_shape(self, longest: int, count: int) -> tuple[int, int]:
+        """(rows, tokens) for up to `count` chunks, the longest `longest` tokens: the smallest
+        compiled token bucket that holds the longest, the fewest rows holding them all (else
+        the most: the caller runs the rest in further calls)."""
         if self.lazy:
             b = self.buckets
             t = next(x for x in b.prefill_token_buckets() if x >= longest)
-            return b.prefill_rows(t, min(count, b.max_rows_for(t))), t, b.width(pages)
-        shapes = [k for k in self._prefill if k[1] >= longest and k[2] >= pages]
-        t = min(tt for _, tt, _ in shapes)
-        rows = sorted({r for r, tt, _ in shapes if tt == t})
-        r = next((x for x in rows if x >= count), rows[-1])
-        return r, t, min(w for rr, tt, w in shapes if (rr, tt) == (r, t))
+            return b.prefill_rows(t, min(count, b.max_rows_for(t))), t
+        t = min(tt for _, tt in self._prefill if tt >= longest)
+        rows = sorted(r for r, tt in self._prefill if tt == t)
+        return next((x for x in rows if x >= count), rows[-1]), t
 
-    def decode(self, rows: int, width: int):
-        if self.lazy and (rows, width) not in self._decode:
-            self._compile(("decode", rows, width))
-        return self._decode[(rows, width)]
+    def decode(self, rows: int):
+        if self.lazy and (rows,) not in self._decode:
+            self._compile(("decode", rows))
+        return self._decode[(rows,)]
 
-    def prefill(self, rows: int, tokens: int, width: int):
-        if self.lazy and (rows, tokens, width) not in self._prefill:
-            self._compile(("prefill", rows, tokens, width))
-        return self._prefill[(rows, tokens, width)]
+    def prefill(self, rows: int, tokens: int):
+        if self.lazy and (rows, tokens) not in self._prefill:
+            self._compile(("prefill", rows, tokens))
+        return self._prefill[(rows, tokens)]
 
 
 def _abstract(x):

@@ -2,8 +2,7 @@
 
 One set, so that their programs are the same and each is compiled once per run (the persistent
 compilation cache of tests/conftest.py hands it to every later process): 3 decode and 5
-prefill programs at each of 2 page-table widths (the context holds the tool-call prompts, ~300
-tokens, with room to answer). Deployments differ only in a smaller page pool, which their
+prefill programs (the context holds the tool-call prompts, ~300 tokens, with room to answer). Deployments differ only in a smaller page pool, which their
 tests fill on purpose; their groups are processes 1 and 2 of a cluster, whose programs are
 kept apart from a lone process's anyway (jfire.compile_cache)."""
 

@@ -86,7 +86,7 @@ def test_an_engine_failure_ends_everything_and_stops_the_engine(model, monkeypat
         def device_failure(*args, **kwargs):
             raise RuntimeError("injected device failure")
 
-        monkeypatch.setattr(engine.programs, "decode", lambda rows, width: device_failure)
+        monkeypatch.setattr(engine.programs, "decode", lambda rows: device_failure)
         handles = [engine.submit(p, GREEDY) for p in PROMPTS]
         for h in handles:
             with pytest.raises(JfireError, match="engine failure: injected device failure"):

@@ -110,13 +110,10 @@ def test_no_page_is_leaked_or_double_owned(script, num_pages, prefix_caching):
 def test_buckets_pick_the_smallest_shape_that_holds_the_step(max_batch, budget, max_rows, max_pages, page_size):
     b = Buckets.for_limits(max_batch=max_batch, prefill_budget=budget, max_prefill_rows=max_rows,
                            max_pages_per_row=max_pages, page_size=page_size)
-    assert b.decode_batches[-1] == max_batch and max(b.widths) == max_pages
+    assert b.decode_batches[-1] == max_batch and b.pages_per_row == max_pages
     for n in range(1, max_batch + 1):
         chosen = b.decode_batch(n)
         assert chosen >= n and all(x < n for x in b.decode_batches if x < chosen)
-    for pages in range(1, max_pages + 1):
-        w = b.width(pages)
-        assert w >= pages and all(x < pages for x in b.widths if x < w)
     tokens = b.prefill_token_buckets()
     assert tokens[-1] >= budget
     for t in tokens:

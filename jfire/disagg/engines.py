@@ -21,7 +21,8 @@ import time
 import jax
 
 from jfire.disagg import blocks, cluster
-from jfire.disagg.kv_transfer import KVLayout, Pull, TransferPrograms, drain, new_uuid, placeholder, pull_threads
+from jfire.disagg.kv_transfer import (KVLayout, Pull, TransferPrograms, drain, new_uuid, placeholder, pull_threads,
+                                      transfer_widths)
 from jfire.engine import Engine, RequestHandle, RequestOutput, _Live
 from jfire.errors import JfireError
 from jfire.sampling import SamplingParams
@@ -34,6 +35,11 @@ CONTROL_POLL_S = 0.2  # how often a prefill group reads renewals and pulls a dec
 def _layout(engine: Engine) -> KVLayout:
     return KVLayout(engine.cfg, engine.model.kv_replication, engine.config.page_size,
                     engine.model.dtype_of_params, engine.model.mesh)
+
+
+def _transfer_programs(engine: Engine, kind: str) -> TransferPrograms:
+    widths = transfer_widths(engine.buckets.pages_per_row, engine.config.page_size)
+    return TransferPrograms(engine.layout, engine.pages, widths, kind)
 
 
 @dataclasses.dataclass
@@ -51,7 +57,7 @@ class PrefillEngine(Engine):
     def __init__(self, model, config, *, server, store, group: str, transfer_timeout_s: float):
         super().__init__(model, config)
         self.layout = _layout(self)
-        self.gather = TransferPrograms(self.layout, self.pages, self.buckets.widths, "gather")
+        self.gather = _transfer_programs(self, "gather")
         self.server, self.store, self.group = server, store, group
         self.transfer_timeout_s = transfer_timeout_s
         self.transfer_addresses: dict[str, str] = {}  # a group spanning processes: process -> its transfer server
@@ -236,7 +242,7 @@ class DecodeEngine(Engine):
     def __init__(self, model, config, *, server, store, transfer_timeout_s: float, group: str = "decode"):
         super().__init__(model, config)
         self.layout = _layout(self)
-        self.insert = TransferPrograms(self.layout, self.pages, self.buckets.widths, "insert")
+        self.insert = _transfer_programs(self, "insert")
         self.server, self.store, self.group = server, store, group
         self._block_pulls: dict[int, blocks.BlockPulls] = {}  # this process's pulls, per transfer uuid
         self.pulled_bytes = 0  # KV bytes this process pulled (blocks of a group spanning processes)

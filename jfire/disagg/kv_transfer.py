@@ -169,8 +169,18 @@ def insert_pages(pages, wire, page_ids, *, arrays: tuple[CacheSpec, ...], replic
     return out, _page_sums(wire, n)
 
 
+def transfer_widths(pages_per_row: int, page_size: int) -> tuple[int, ...]:
+    """The page counts transfer programs are compiled for: powers of 4 from 256 positions' worth
+    up to a whole context (a request's pages are padded to the next)."""
+    w, out = max(1, 256 // page_size), []
+    while w < pages_per_row:
+        out.append(w)
+        w *= 4
+    return (*out, pages_per_row)
+
+
 class TransferPrograms:
-    """gather (prefill side) or insert (decode side), compiled for each page-table width."""
+    """gather (prefill side) or insert (decode side), compiled for each of `widths` pages."""
 
     def __init__(self, layout: KVLayout, pages, widths: tuple[int, ...], kind: str):
         self.layout, self.kind, self.widths = layout, kind, widths

@@ -23,6 +23,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jfire.kernels.varying import vary_alike
+
 GROUP = 32  # inputs per scale
 NIBBLES = 8  # codes per int32 word
 OFFSET = 8  # stored nibble = code + 8, codes in [-8, 7]
@@ -238,25 +240,6 @@ def _ragged_dot_tiled(xs, packed, scale, sizes, *, block_rows, block_out):
         return jax.lax.fori_loop(0, (end - start + block_rows - 1) // block_rows, row_block, acc)
 
     return jax.lax.fori_loop(0, experts * tiles, tile, acc)[:a]
-
-
-def _varying(x) -> frozenset:
-    """The manual mesh axes x varies over inside a shard_map (empty outside one)."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)
-    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
-
-
-def vary_alike(*operands):
-    """The operands, each marked as varying over every manual mesh axis any of them varies
-    over: inside a shard_map that checks varying axes (the expert-parallel dispatch) the
-    kernel takes operands that agree, and its output is per shard like them."""
-    union = frozenset().union(*map(_varying, operands))
-    out = []
-    for x in operands:
-        missing = union - _varying(x)
-        out.append(jax.lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x)
-    return out
 
 
 def _out_struct(shape, dtype, like):

@@ -24,7 +24,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jfire.kernels.paged_attention import MASK_VALUE
+from jfire.kernels.paged_attention import MASK_VALUE, block_pages, pad_to_multiple, visible_range
+from jfire.kernels.varying import vary_as
 
 
 def local_pages(page_table, first_page, num_local: int):
@@ -40,23 +41,40 @@ def mla_partial_reference(q_latent, q_rope, cache, layer, page_table, positions,
     [layers, pages, page_size, c + r]; page_table [b, w] holds global page ids.
 
     Returns the partial (acc [b, t, h, c], m [b, t, h], l [b, t, h]), float32: out = acc / l
-    once every device's partial is combined."""
+    once every device's partial is combined. A loop over blocks of pages, only to the longest
+    row's last position (as jfire.kernels.paged_attention's reference)."""
     c = q_latent.shape[-1]
     num_local, page_size = cache.shape[1], cache.shape[2]
-    ids, held = local_pages(page_table, first_page, num_local)
-    rows = cache[layer, ids]  # [b, w, page_size, c + r]
-    b, w = page_table.shape
-    kv = rows.reshape(b, w * page_size, -1)
-    latent, rope_key = kv[..., :c], kv[..., c:]
-    scores = (jnp.einsum("bthc,bsc->bths", q_latent, latent, preferred_element_type=jnp.float32)
-              + jnp.einsum("bthr,bsr->bths", q_rope, rope_key, preferred_element_type=jnp.float32)) * scale
-    slots = jnp.arange(w * page_size)
-    visible = (slots[None, None, :] <= positions[:, :, None]) & jnp.repeat(held, page_size, axis=1)[:, None, :]
-    scores = jnp.where(visible[:, :, None, :], scores, MASK_VALUE)
-    m = scores.max(axis=-1)
-    p = jnp.where(visible[:, :, None, :], jnp.exp(scores - m[..., None]), 0.0)
-    acc = jnp.einsum("bths,bsc->bthc", p.astype(latent.dtype), latent, preferred_element_type=jnp.float32)
-    return acc, m, p.sum(axis=-1)
+    b, t, h, _ = q_latent.shape
+    per_block = min(block_pages(page_size), page_table.shape[1])
+    table = pad_to_multiple(page_table, per_block)
+    block = per_block * page_size
+    first, stop = visible_range(positions, page_size, per_block)
+
+    def body(i, carry):
+        m, l, acc = carry
+        ids, held = local_pages(jax.lax.dynamic_slice_in_dim(table, i * per_block, per_block, axis=1),
+                                first_page, num_local)
+        kv = cache[layer, ids].reshape(b, block, -1)  # [b, block, c + r]
+        latent, rope_key = kv[..., :c], kv[..., c:]
+        s = (jnp.einsum("bthc,bsc->bths", q_latent, latent, preferred_element_type=jnp.float32)
+             + jnp.einsum("bthr,bsr->bths", q_rope, rope_key, preferred_element_type=jnp.float32)) * scale
+        slots = i * block + jnp.arange(block)
+        visible = (slots[None, None, :] <= positions[:, :, None]) & jnp.repeat(held, page_size, axis=1)[:, None, :]
+        s = jnp.where(visible[:, :, None, :], s, MASK_VALUE)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        p = jnp.where(visible[:, :, None, :], jnp.exp(s - m_new[..., None]), 0.0)
+        correction = jnp.exp(m - m_new)
+        l = l * correction + p.sum(axis=-1)
+        acc = acc * correction[..., None] + jnp.einsum("bths,bsc->bthc", p.astype(latent.dtype), latent,
+                                                       preferred_element_type=jnp.float32)
+        return m_new, l, acc
+
+    init = (jnp.full((b, t, h), MASK_VALUE, jnp.float32), jnp.zeros((b, t, h), jnp.float32),
+            jnp.zeros((b, t, h, c), jnp.float32))
+    init = vary_as(init, q_latent, q_rope, cache, table, positions)  # inside a shard_map, the body's results vary as its inputs
+    m, l, acc = jax.lax.fori_loop(first, stop, body, init)
+    return acc, m, l
 
 
 def combine_partials(acc, m, l, axis_name=None):

@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from jfire.kernels.varying import vary_as
+
 # A large finite negative: exp() of it is 0, and a fully masked block cannot make NaNs.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -32,31 +34,107 @@ def attention(q, k, v, positions, sliding_window: int | None = None, chunk=None)
     kvh = k.shape[2]
     q = q.reshape(b, t, kvh, h // kvh, d)
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) / math.sqrt(d)
-    slots = jnp.arange(k.shape[1])
-    visible = slots[None, None, :] <= positions[:, :, None]  # [b, t, s]
-    if sliding_window is not None:
-        visible &= slots[None, None, :] > positions[:, :, None] - sliding_window
-    if chunk is not None:
-        size = jnp.maximum(chunk, 1)
-        visible &= (chunk <= 0) | (slots[None, None, :] // size == positions[:, :, None] // size)
+    visible = _visible(jnp.arange(k.shape[1]), positions, sliding_window, chunk)  # [b, t, s]
     scores = jnp.where(visible[:, None, None], scores, MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(b, t, h, d).astype(q.dtype)
 
 
-def gather_pages(pages, layer, page_table):
-    """One layer's pages of each row, laid out contiguously: [b, pages_per_row * page_size, k, d]."""
-    rows = pages[layer, :, page_table]  # [b, w, k, page_size, d]
-    b, w, kvh, ps, d = rows.shape
-    return rows.transpose(0, 1, 3, 2, 4).reshape(b, w * ps, kvh, d)
+# Keys a reference block reads at a time: the loop below runs to the longest row's length in
+# steps of this many positions, so the page table can always be the full context wide.
+BLOCK_POSITIONS = 256
+
+
+def block_pages(page_size: int) -> int:
+    """Pages per block of the reference attention loop (and the multiple a page table's width
+    is rounded up to)."""
+    return max(1, BLOCK_POSITIONS // page_size)
+
+
+def visible_range(positions, page_size: int, pages_per_block: int, sliding_window=None, chunk=None):
+    """(first, stop) block indices of a step: the blocks holding any position a valid query
+    token of positions [b, t] (-1 = padding) can see. Computed in the program, so one program
+    serves every context length up to its page table's width."""
+    block = pages_per_block * page_size
+    valid = positions >= 0
+    first = jnp.zeros_like(positions)
+    if sliding_window is not None:
+        first = jnp.maximum(first, positions - sliding_window + 1)
+    if chunk is not None:
+        size = jnp.maximum(chunk, 1)
+        first = jnp.where(chunk > 0, jnp.maximum(first, positions // size * size), first)
+    big = jnp.iinfo(jnp.int32).max
+    start = jnp.min(jnp.where(valid, first, big)) // block
+    stop = (jnp.max(jnp.where(valid, positions, -1)) + block) // block
+    return jnp.minimum(start, stop), stop
 
 
 def paged_attention_reference(q, k_pages, v_pages, layer, page_table, positions, sliding_window=None, chunk=None):
-    """q [b, t, h, d] at positions [b, t]; pages as above; page_table [b, w]. Returns [b, t, h, d]."""
-    k = gather_pages(k_pages, layer, page_table)
-    v = gather_pages(v_pages, layer, page_table)
-    return attention(q, k, v, positions, sliding_window, chunk)
+    """q [b, t, h, d] at positions [b, t]; pages as above; page_table [b, w]. Returns [b, t, h, d].
+
+    Flash-style: a loop over blocks of pages, only to the longest row's last position, with
+    an online softmax, so the work follows the rows' lengths and not the table's width."""
+    b, t, h, d = q.shape
+    _, kvh, _, page_size, _ = k_pages.shape
+    g = h // kvh
+    per_block = min(block_pages(page_size), page_table.shape[1])
+    table = pad_to_multiple(page_table, per_block)
+    block = per_block * page_size
+    qg = q.reshape(b, t, kvh, g, d)
+    scale = 1.0 / math.sqrt(d)
+    first, stop = visible_range(positions, page_size, per_block, sliding_window, chunk)
+
+    def body(i, carry):
+        m, l, acc = carry
+        ids = jax.lax.dynamic_slice_in_dim(table, i * per_block, per_block, axis=1)  # [b, bp]
+        k = _block_keys(k_pages, layer, ids)
+        v = _block_keys(v_pages, layer, ids)
+        s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+        slots = i * block + jnp.arange(block)
+        visible = _visible(slots, positions, sliding_window, chunk)[:, None, None]  # [b, 1, 1, t, s]
+        s = jnp.where(visible, s, MASK_VALUE)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        # Masked keys weigh exactly 0, even in a block no query sees (where s - m_new is 0).
+        p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)
+        correction = jnp.exp(m - m_new)
+        l = l * correction + p.sum(axis=-1)
+        acc = acc * correction[..., None] + jnp.einsum("bkgts,bskd->bkgtd", p.astype(v.dtype), v,
+                                                       preferred_element_type=jnp.float32)
+        return m_new, l, acc
+
+    init = (jnp.full((b, kvh, g, t), MASK_VALUE, jnp.float32), jnp.zeros((b, kvh, g, t), jnp.float32),
+            jnp.zeros((b, kvh, g, t, d), jnp.float32))
+    init = vary_as(init, q, k_pages, v_pages, table, positions)  # inside a shard_map, the body's results vary as its inputs
+    _, l, acc = jax.lax.fori_loop(first, stop, body, init)
+    out = acc / jnp.maximum(l, 1e-30)[..., None]  # a padding token (l = 0) gets zeros
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q.dtype)
+
+
+def pad_to_multiple(page_table, multiple: int):
+    """The table padded with page 0 to a multiple of `multiple` columns (the padding is never
+    visible: it lies past every row's positions)."""
+    extra = -page_table.shape[1] % multiple
+    return jnp.pad(page_table, ((0, 0), (0, extra))) if extra else page_table
+
+
+def _block_keys(pages, layer, ids):
+    """One layer's pages ids [b, bp] of each row, laid out contiguously: [b, bp * page_size, k, d]."""
+    rows = pages[layer, :, ids]  # [b, bp, k, page_size, d]
+    b, bp, kvh, ps, d = rows.shape
+    return rows.transpose(0, 1, 3, 2, 4).reshape(b, bp * ps, kvh, d)
+
+
+def _visible(slots, positions, sliding_window, chunk):
+    """[b, t, s]: which cache slots each query token at positions [b, t] sees (causal, then the
+    sliding window and chunked local attention as in `attention`)."""
+    visible = slots[None, None, :] <= positions[:, :, None]
+    if sliding_window is not None:
+        visible &= slots[None, None, :] > positions[:, :, None] - sliding_window
+    if chunk is not None:
+        size = jnp.maximum(chunk, 1)
+        visible &= (chunk <= 0) | (slots[None, None, :] // size == positions[:, :, None] // size)
+    return visible
 
 
 # -- the Pallas decode kernel ------------------------------------------------------------------
@@ -120,10 +198,9 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, lengths, *, sliding_
     b, h, d = q.shape
     layers, kvh, num_pages, page_size, _ = k_pages.shape
     g = h // kvh
+    pages_per_block = min(pages_per_block, page_table.shape[1])
+    page_table = pad_to_multiple(page_table, pages_per_block)
     w = page_table.shape[1]
-    pages_per_block = min(pages_per_block, w)
-    if w % pages_per_block:
-        raise ValueError(f"pages per row ({w}) must be a multiple of pages_per_block ({pages_per_block})")
     # GPU dot products want at least 16 rows: pad the query heads of a group.
     g_pad = max(16, 1 << (g - 1).bit_length())
     q = jnp.pad(q.reshape(b, kvh, g, d), ((0, 0), (0, 0), (0, g_pad - g), (0, 0)))

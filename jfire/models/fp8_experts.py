@@ -54,7 +54,7 @@ def ragged_dot_fp8(xs, weight, scale_inv, sizes, *, impl: str = "xla"):
 def _ragged_dot_looped(xs, w, sizes, block_rows: int = 16):
     """ragged_dot as a loop over experts and, within one, over blocks of block_rows rows; rows
     past sum(sizes) stay zero. Works inside the expert-parallel shard_map."""
-    from jfire.kernels.int4_experts import vary_alike
+    from jfire.kernels.varying import vary_alike
 
     a = xs.shape[0]
     out = w.shape[2]

@@ -1,0 +1,36 @@
+"""Varying mesh axes inside a shard_map that checks them (check_vma).
+
+There a value's type records the manual mesh axes it varies over, and a loop's carry or a
+kernel's operands must agree: a constant initial carry is invariant while the body's result,
+computed from a per-shard cache, varies. These helpers mark values as varying where needed;
+outside a shard_map they change nothing.
+"""
+
+from __future__ import annotations
+
+import jax
+
+
+def varying(x) -> frozenset:
+    """The manual mesh axes x varies over inside a shard_map (empty outside one)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
+def vary_as(values, *refs):
+    """The pytree `values`, each leaf marked as varying over every axis any of refs varies over."""
+    union = frozenset().union(*map(varying, refs))
+
+    def one(x):
+        missing = union - varying(x)
+        return jax.lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
+
+    return jax.tree.map(one, values)
+
+
+def vary_alike(*operands):
+    """The operands, each marked as varying over every manual mesh axis any of them varies
+    over: inside a shard_map that checks varying axes (the expert-parallel dispatch) a
+    kernel takes operands that agree, and its output is per shard like them."""
+    return vary_as(list(operands), *operands)
