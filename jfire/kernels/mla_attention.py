@@ -35,18 +35,19 @@ def local_pages(page_table, first_page, num_local: int):
     return jnp.clip(local, 0, num_local - 1), held
 
 
-def mla_partial_reference(q_latent, q_rope, cache, layer, page_table, positions, *, scale: float, first_page=0):
+def mla_partial_reference(q_latent, q_rope, cache, layer, page_table, positions, *, scale: float, first_page=0,
+                          pages_per_block: int | None = None):
     """Attention of q_latent [b, t, h, c] and q_rope [b, t, h, r] at positions [b, t] (-1 =
     padding, which sees nothing) over the pages this device holds of cache
     [layers, pages, page_size, c + r]; page_table [b, w] holds global page ids.
 
     Returns the partial (acc [b, t, h, c], m [b, t, h], l [b, t, h]), float32: out = acc / l
-    once every device's partial is combined. A loop over blocks of pages, only to the longest
-    row's last position (as jfire.kernels.paged_attention's reference)."""
+    once every device's partial is combined. A loop over blocks of `pages_per_block` pages,
+    only to the longest row's last position (as jfire.kernels.paged_attention's reference)."""
     c = q_latent.shape[-1]
     num_local, page_size = cache.shape[1], cache.shape[2]
     b, t, h, _ = q_latent.shape
-    per_block = min(block_pages(page_size), page_table.shape[1])
+    per_block = min(pages_per_block or block_pages(page_size), page_table.shape[1])
     table = pad_to_multiple(page_table, per_block)
     block = per_block * page_size
     first, stop = visible_range(positions, page_size, per_block)

@@ -70,15 +70,17 @@ def visible_range(positions, page_size: int, pages_per_block: int, sliding_windo
     return jnp.minimum(start, stop), stop
 
 
-def paged_attention_reference(q, k_pages, v_pages, layer, page_table, positions, sliding_window=None, chunk=None):
+def paged_attention_reference(q, k_pages, v_pages, layer, page_table, positions, sliding_window=None, chunk=None,
+                              pages_per_block: int | None = None):
     """q [b, t, h, d] at positions [b, t]; pages as above; page_table [b, w]. Returns [b, t, h, d].
 
-    Flash-style: a loop over blocks of pages, only to the longest row's last position, with
-    an online softmax, so the work follows the rows' lengths and not the table's width."""
+    Flash-style: a loop over blocks of `pages_per_block` pages (default: BLOCK_POSITIONS'
+    worth), only to the longest row's last position, with an online softmax, so the work
+    follows the rows' lengths and not the table's width."""
     b, t, h, d = q.shape
     _, kvh, _, page_size, _ = k_pages.shape
     g = h // kvh
-    per_block = min(block_pages(page_size), page_table.shape[1])
+    per_block = min(pages_per_block or block_pages(page_size), page_table.shape[1])
     table = pad_to_multiple(page_table, per_block)
     block = per_block * page_size
     qg = q.reshape(b, t, kvh, g, d)

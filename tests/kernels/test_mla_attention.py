@@ -31,11 +31,11 @@ def make_case(seed, lengths, heads, spare=4, dtype=jnp.float32):
     return cast(q_latent), cast(q_rope), cast(cache), jnp.asarray(table), jnp.asarray(lengths, jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnums=6)
-def reference(q_latent, q_rope, cache, layer, table, lengths, scale, first_page=0):
+@functools.partial(jax.jit, static_argnums=6, static_argnames="pages_per_block")
+def reference(q_latent, q_rope, cache, layer, table, lengths, scale, first_page=0, pages_per_block=None):
     """mla_partial_reference for one query a row at position length - 1."""
     acc, m, l = mla_partial_reference(q_latent[:, None], q_rope[:, None], cache, layer, table, (lengths - 1)[:, None],
-                                      scale=scale, first_page=first_page)
+                                      scale=scale, first_page=first_page, pages_per_block=pages_per_block)
     return acc[:, 0], m[:, 0], l[:, 0]
 
 
@@ -109,7 +109,9 @@ def test_sequence_sharded_partials_combine_to_unsharded(devices):
 
 def test_absorbed_equals_expanded_attention():
     """Folding W_UK into the query and applying W_UV after attention over the latent equals
-    attention with per-head keys cat(latent W_UK, rope_key) and values latent W_UV."""
+    attention with per-head keys cat(latent W_UK, rope_key) and values latent W_UV: the
+    kernel, and the reference looping over one block or over blocks of 1 and 3 pages (an
+    online softmax across blocks; 3 does not divide the table)."""
     rng = np.random.default_rng(3)
     heads, dn, dv, scale, layer = 5, 24, 20, 0.15, 1
     lengths = [11, 1, WIDTH * PAGE]
@@ -139,7 +141,8 @@ def test_absorbed_equals_expanded_attention():
     f32 = lambda x: jnp.asarray(x, jnp.float32)
     q_latent = jnp.einsum("bhd,chd->bhc", f32(q_nope), f32(w_uk), precision="highest")
     args = (q_latent, f32(q_rope), f32(cache), jnp.int32(layer), jnp.asarray(table), jnp.asarray(lengths, jnp.int32))
-    for partial in (reference(*args, scale), mla_paged_decode(*args, scale=scale, interpret=True)):
+    partials = [reference(*args, scale, pages_per_block=n) for n in (None, 1, 3)]
+    for partial in (*partials, mla_paged_decode(*args, scale=scale, interpret=True)):
         out = jnp.einsum("bhc,chv->bhv", combine_partials(*partial), f32(w_uv), precision="highest")
         np.testing.assert_allclose(np.asarray(out), expanded, rtol=1e-5, atol=1e-5)
 

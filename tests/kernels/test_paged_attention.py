@@ -52,6 +52,26 @@ def test_reference_prefill_chunk_equals_contiguous(window):
         assert rel(got[valid], want[valid]) < 1e-6
 
 
+@pytest.mark.parametrize("pages_per_block", [1, 3])
+@pytest.mark.parametrize("window,chunk", [(None, None), (6, None), (None, 8)])
+def test_reference_block_loop_equals_contiguous(pages_per_block, window, chunk):
+    """The reference's loop over blocks of pages (an online softmax across blocks; 3 pages do
+    not divide the table, which is padded): prefill chunks and decode rows of ragged lengths,
+    and long rows only, where the first block any query sees is past block 0 (a window or a
+    chunk), against contiguous attention."""
+    rng = np.random.default_rng(6)
+    for lengths, t in (([3, 17, 32, 9], 6), ([30, 25, 32], 1), ([31, 28], 3)):
+        k, v, k_pages, v_pages, table = make_case(7, lengths)
+        q = jnp.asarray(rng.standard_normal((len(lengths), t, KV_HEADS * GROUP, HEAD_DIM)), jnp.float32)
+        positions = jnp.asarray([[p if p >= 0 else -1 for p in range(n - t, n)] for n in lengths], jnp.int32)
+        valid = positions >= 0
+        for layer in range(LAYERS):
+            want = attention(q, k[layer], v[layer], positions, window, chunk)
+            got = paged_attention_reference(q, k_pages, v_pages, layer, table, positions, window, chunk,
+                                            pages_per_block=pages_per_block)
+            assert rel(got[valid], want[valid]) < 1e-6
+
+
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("pages_per_block", [1, 4])
 def test_pallas_decode_kernel_equals_contiguous(window, pages_per_block):
