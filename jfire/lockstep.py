@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 import zlib
+from typing import Callable
 
 from jfire.disagg import cluster
 from jfire.errors import JfireError
@@ -124,19 +125,30 @@ class StepChannel:
 
     # -- a follower ----------------------------------------------------------------------------
 
-    def beat_forever(self) -> None:
-        """A follower's sign of life, from a daemon thread for as long as the process lives
+    def beat_forever(self) -> Callable[[], None]:
+        """A follower's sign of life, from a daemon thread until the returned function is called
         (a long compile or a slow call does not silence it, nor does one failed store call;
-        death does)."""
+        death does). The follower stops it before leaving, so that no beat is in flight while
+        jax.distributed shuts its client down (a store call racing the shutdown aborts the
+        process)."""
+        stopped = threading.Event()
+
         def run():
-            while True:
+            while not stopped.is_set():
                 try:
                     self.store.key_value_increment(self._beat_key(self.me), 1)
                 except Exception:  # noqa: BLE001 - a passing store error: the next beat tries again
                     pass
-                time.sleep(BEAT_S)
+                stopped.wait(BEAT_S)
 
-        threading.Thread(target=run, name="jfire-beat", daemon=True).start()
+        thread = threading.Thread(target=run, name="jfire-beat", daemon=True)
+        thread.start()
+
+        def stop():
+            stopped.set()
+            thread.join(timeout=2 * BEAT_S)
+
+        return stop
 
     def check_config(self, engine, timeout_s: float = 600) -> None:
         try:
@@ -186,7 +198,14 @@ def follow(engine, channel: StepChannel, on_ready=None) -> int:
         # leader, draining its requests, sends its last call (or JAX stops it with the leader).
         signal.signal(signal.SIGTERM, lambda *_: print(f"jfire: process {channel.me} follows on until its leader "
                                                          "stops", file=sys.stderr, flush=True))
-    channel.beat_forever()
+    stop_beating = channel.beat_forever()
+    try:
+        return _replay(engine, channel, on_ready)
+    finally:
+        stop_beating()
+
+
+def _replay(engine, channel: StepChannel, on_ready) -> int:
     engine.start(run_loop=False)
     engine.programs.lazy = True  # a program the leader has and this process not yet: compile it now
     channel.check_config(engine)
