@@ -343,7 +343,8 @@ def estimate_workspace(cfg: Family, param_shardings: dict, cache_shardings: dict
     + ACTIVATION_VALUES_PER_TOKEN x embed width for every token."""
     w = np.dtype(WORKSPACE_DTYPE).itemsize
     layer = layer_bytes(cfg, param_shardings, WORKSPACE_DTYPE)
-    gathered = program.rows * min(program.width, block_pages(page_size)) * page_size * kv_values_per_layer(cfg, cache_shardings) * w
+    block = min(program.width, block_pages(page_size)) * page_size
+    gathered = program.rows * block * kv_values_per_layer(cfg, cache_shardings) * w
     logits = 2 * program.rows * cfg.vocab_size * w
     embed = max((n for p in cfg.param_specs() for a, n in zip(p.axes, p.shape) if a == "embed"), default=0)
     activations = program.rows * program.tokens * embed * ACTIVATION_VALUES_PER_TOKEN * w

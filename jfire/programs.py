@@ -68,12 +68,12 @@ class Buckets:
     @classmethod
     def for_limits(cls, *, max_batch: int, prefill_budget: int, max_prefill_rows: int, max_pages_per_row: int,
                    page_size: int) -> "Buckets":
-        decode = _powers(1, max_batch, 2)
+        decode = powers(1, max_batch, 2)
         # Chunk lengths in powers of two (a chunk pads to at most twice its tokens). Rows per
         # length: 1, 4, and as many as fill the step's budget, so a step of equal chunks
         # (say 2 x 128 of a 256 budget) runs as one full program.
         shapes = []
-        for t in _powers(16, max(prefill_budget, 16), 2):
+        for t in powers(16, max(prefill_budget, 16), 2):
             fill = max(1, min(max_prefill_rows, prefill_budget // t))
             for r in sorted({1, fill, *(r for r in (4,) if r <= fill)}):
                 shapes.append((r, t))
@@ -92,7 +92,8 @@ class Buckets:
         return _smallest_at_least(sorted(r for r, t in self.prefill_shapes if t == tokens), n, "prefill rows")
 
 
-def _powers(lo: int, hi: int, base: int) -> list[int]:
+def powers(lo: int, hi: int, base: int) -> list[int]:
+    """lo, lo * base, ... below hi, then hi."""
     out, x = [], lo
     while x < hi:
         out.append(x)

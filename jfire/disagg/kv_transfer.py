@@ -33,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 
 from jfire import compile_cache, sharding
 from jfire.models.family import CacheSpec, Family
+from jfire.programs import powers
 
 HEADS = "kv_heads"  # the cache axis tensor parallelism splits (and may repeat)
 
@@ -172,11 +173,7 @@ def insert_pages(pages, wire, page_ids, *, arrays: tuple[CacheSpec, ...], replic
 def transfer_widths(pages_per_row: int, page_size: int) -> tuple[int, ...]:
     """The page counts transfer programs are compiled for: powers of 4 from 256 positions' worth
     up to a whole context (a request's pages are padded to the next)."""
-    w, out = max(1, 256 // page_size), []
-    while w < pages_per_row:
-        out.append(w)
-        w *= 4
-    return (*out, pages_per_row)
+    return tuple(powers(max(1, 256 // page_size), pages_per_row, 4))
 
 
 class TransferPrograms:

@@ -24,7 +24,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jfire.kernels.paged_attention import MASK_VALUE, block_pages, pad_to_multiple, visible_range
+from jfire.kernels.paged_attention import (MASK_VALUE, block_pages, online_softmax_init, online_softmax_step,
+                                          pad_to_multiple, visible_range)
 from jfire.kernels.varying import vary_as
 
 
@@ -53,7 +54,6 @@ def mla_partial_reference(q_latent, q_rope, cache, layer, page_table, positions,
     first, stop = visible_range(positions, page_size, per_block)
 
     def body(i, carry):
-        m, l, acc = carry
         ids, held = local_pages(jax.lax.dynamic_slice_in_dim(table, i * per_block, per_block, axis=1),
                                 first_page, num_local)
         kv = cache[layer, ids].reshape(b, block, -1)  # [b, block, c + r]
@@ -62,18 +62,11 @@ def mla_partial_reference(q_latent, q_rope, cache, layer, page_table, positions,
              + jnp.einsum("bthr,bsr->bths", q_rope, rope_key, preferred_element_type=jnp.float32)) * scale
         slots = i * block + jnp.arange(block)
         visible = (slots[None, None, :] <= positions[:, :, None]) & jnp.repeat(held, page_size, axis=1)[:, None, :]
-        s = jnp.where(visible[:, :, None, :], s, MASK_VALUE)
-        m_new = jnp.maximum(m, s.max(axis=-1))
-        p = jnp.where(visible[:, :, None, :], jnp.exp(s - m_new[..., None]), 0.0)
-        correction = jnp.exp(m - m_new)
-        l = l * correction + p.sum(axis=-1)
-        acc = acc * correction[..., None] + jnp.einsum("bths,bsc->bthc", p.astype(latent.dtype), latent,
-                                                       preferred_element_type=jnp.float32)
-        return m_new, l, acc
+        return online_softmax_step(carry, s, visible[:, :, None, :], lambda p: jnp.einsum(
+            "bths,bsc->bthc", p.astype(latent.dtype), latent, preferred_element_type=jnp.float32))
 
-    init = (jnp.full((b, t, h), MASK_VALUE, jnp.float32), jnp.zeros((b, t, h), jnp.float32),
-            jnp.zeros((b, t, h, c), jnp.float32))
-    init = vary_as(init, q_latent, q_rope, cache, table, positions)  # inside a shard_map, the body's results vary as its inputs
+    # Inside a shard_map the body's results vary as its inputs: so must the initial carry.
+    init = vary_as(online_softmax_init((b, t, h), c), q_latent, q_rope, cache, table, positions)
     m, l, acc = jax.lax.fori_loop(first, stop, body, init)
     return acc, m, l
 

@@ -88,29 +88,39 @@ def paged_attention_reference(q, k_pages, v_pages, layer, page_table, positions,
     first, stop = visible_range(positions, page_size, per_block, sliding_window, chunk)
 
     def body(i, carry):
-        m, l, acc = carry
         ids = jax.lax.dynamic_slice_in_dim(table, i * per_block, per_block, axis=1)  # [b, bp]
         k = _block_keys(k_pages, layer, ids)
         v = _block_keys(v_pages, layer, ids)
         s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
         slots = i * block + jnp.arange(block)
         visible = _visible(slots, positions, sliding_window, chunk)[:, None, None]  # [b, 1, 1, t, s]
-        s = jnp.where(visible, s, MASK_VALUE)
-        m_new = jnp.maximum(m, s.max(axis=-1))
-        # Masked keys weigh exactly 0, even in a block no query sees (where s - m_new is 0).
-        p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)
-        correction = jnp.exp(m - m_new)
-        l = l * correction + p.sum(axis=-1)
-        acc = acc * correction[..., None] + jnp.einsum("bkgts,bskd->bkgtd", p.astype(v.dtype), v,
-                                                       preferred_element_type=jnp.float32)
-        return m_new, l, acc
+        return online_softmax_step(carry, s, visible, lambda p: jnp.einsum(
+            "bkgts,bskd->bkgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32))
 
-    init = (jnp.full((b, kvh, g, t), MASK_VALUE, jnp.float32), jnp.zeros((b, kvh, g, t), jnp.float32),
-            jnp.zeros((b, kvh, g, t, d), jnp.float32))
-    init = vary_as(init, q, k_pages, v_pages, table, positions)  # inside a shard_map, the body's results vary as its inputs
+    # Inside a shard_map the body's results vary as its inputs: so must the initial carry.
+    init = vary_as(online_softmax_init((b, kvh, g, t), d), q, k_pages, v_pages, table, positions)
     _, l, acc = jax.lax.fori_loop(first, stop, body, init)
     out = acc / jnp.maximum(l, 1e-30)[..., None]  # a padding token (l = 0) gets zeros
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q.dtype)
+
+
+def online_softmax_init(shape: tuple[int, ...], width: int):
+    """(m, l, acc) before the first block: running max, sum and weighted sum [*shape, width]."""
+    return (jnp.full(shape, MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros((*shape, width), jnp.float32))
+
+
+def online_softmax_step(carry, s, visible, weigh):
+    """One block of an online softmax: the carry (m, l, acc) updated with scores s [..., keys]
+    (float32), where `visible` says which keys count, and weigh(p) the block's values
+    weighted by p [..., keys] (-> [..., width])."""
+    m, l, acc = carry
+    s = jnp.where(visible, s, MASK_VALUE)
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    # Masked keys weigh exactly 0, even in a block no query sees (where s - m_new is 0).
+    p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)
+    correction = jnp.exp(m - m_new)
+    return m_new, l * correction + p.sum(axis=-1), acc * correction[..., None] + weigh(p)
 
 
 def pad_to_multiple(page_table, multiple: int):
