@@ -7,6 +7,7 @@ hits; EOS ignored, so every request decodes exactly --output-len tokens) and tim
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -72,6 +73,7 @@ def run_wave(engine: Engine, concurrency: int, prompt_len: int, output_len: int,
         # outputs) against the device's (each program call until its ids are back).
         "steps": steps,
         "step_ms": {k: 1e3 * v / max(steps, 1) for k, v in step.items()},
+        "step_wall_ms": 1e3 * elapsed / max(steps, 1),  # the wave's wall time per engine step
         "host_share": (step["schedule"] + step["prepare"] + step["outputs"]) / max(sum(step.values()), 1e-9),
     }
 
@@ -112,12 +114,14 @@ def measure_startup(model: str, dtype: str, cache_dir: str, engine_args: list[st
 
 
 def format_table(rows: list[dict]) -> str:
-    head = f"{'conc':>5} {'tok/s':>9} {'x conc1':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}"
+    head = (f"{'conc':>5} {'ahead':>5} {'tok/s':>9} {'x conc1':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} "
+            f"{'TPOT p99':>9}")
     lines = [head, "-" * len(head)]
     base = rows[0]["output_tokens_per_s"] if rows else 1.0
     for r in rows:
         lines.append(
-            f"{r['concurrency']:>5} {r['output_tokens_per_s']:>9.1f} {r['output_tokens_per_s'] / base:>8.2f} "
+            f"{r['concurrency']:>5} {'yes' if r.get('run_ahead', True) else 'no':>5} "
+            f"{r['output_tokens_per_s']:>9.1f} {r['output_tokens_per_s'] / base:>8.2f} "
             f"{r['ttft_s']['p50'] * 1e3:>7.0f}ms {r['ttft_s']['p99'] * 1e3:>7.0f}ms "
             f"{r['tpot_s']['p50'] * 1e3:>7.1f}ms {r['tpot_s']['p99'] * 1e3:>7.1f}ms")
     return "\n".join(lines)
@@ -142,16 +146,20 @@ def run(args, model, engine_config, engine_args: list[str]) -> dict:
         print(f"engine ready in {time.perf_counter() - t0:.1f} s ({engine.programs.num_compiled} programs)", flush=True)
         run_wave(engine, 1, args.prompt_len, 8, seed=0)  # touch every path once before timing
         rows = []
+        modes = (False, True) if args.run_ahead_ab else (engine_config.run_ahead,)
         for c in args.concurrency:
-            rows.append(run_wave(engine, c, args.prompt_len, args.output_len, seed=c))
-            r = rows[-1]
-            print(f"  concurrency {c}: {r['output_tokens_per_s']:.1f} output tokens/s; per step: "
-                  + ", ".join(f"{k} {v:.2f} ms" for k, v in r["step_ms"].items())
-                  + f" (host {100 * r['host_share']:.1f}%)", flush=True)
+            for run_ahead in modes:  # side by side, alternating, on one engine
+                engine.config = dataclasses.replace(engine.config, run_ahead=run_ahead)
+                rows.append({**run_wave(engine, c, args.prompt_len, args.output_len, seed=c), "run_ahead": run_ahead})
+                r = rows[-1]
+                print(f"  concurrency {c}{'' if run_ahead else ' (no running ahead)'}: "
+                      f"{r['output_tokens_per_s']:.1f} output tokens/s; per step: "
+                      + ", ".join(f"{k} {v:.2f} ms" for k, v in r["step_ms"].items())
+                      + f" (host {100 * r['host_share']:.1f}%), {r['step_wall_ms']:.2f} ms a step", flush=True)
     results["waves"] = rows
     print(format_table(rows))
     if len(rows) > 1:
-        by_c = {r["concurrency"]: r["output_tokens_per_s"] for r in rows}
+        by_c = {r["concurrency"]: r["output_tokens_per_s"] for r in rows if r["run_ahead"] == engine_config.run_ahead}
         if 1 in by_c and 16 in by_c:
             results["speedup_16_over_1"] = by_c[16] / by_c[1]
             print(f"throughput at concurrency 16 is {by_c[16] / by_c[1]:.2f}x concurrency 1")

@@ -90,6 +90,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens per engine step (default 256): bounds how long a prefill stalls decodes")
     p.add_argument("--attention", default="reference", choices=["reference", "pallas", "pallas-interpret"],
                    help="decode attention: plain jnp, or the Pallas kernel (GPU; -interpret runs it on CPU)")
+    p.add_argument("--no-run-ahead", dest="run_ahead", action="store_false",
+                   help="read every decode step's ids before dispatching the next (by default steady decoding "
+                        "dispatches the next step first, overlapping the host's work with the device's)")
     p.add_argument("--compile-cache", default=None,
                    help="JAX persistent compilation cache directory (default $JFIRE_COMPILE_CACHE, else "
                         "~/.cache/jfire/xla; 'off' disables)")
@@ -115,7 +118,7 @@ def engine_config(args, *, single: bool):
         raise JfireError(f"--kv-cache-gb must be > 0, got {args.kv_cache_gb}")
     return EngineConfig(
         kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), attention=args.attention, prefill_budget=args.prefill_budget,
-        max_model_len=getattr(args, "max_context", None),
+        max_model_len=getattr(args, "max_context", None), run_ahead=args.run_ahead,
         compilation_cache_dir=None if cache == "off" else cache, **limits)
 
 
@@ -153,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--output-len", type=int, default=128)
     b.add_argument("--output", default="bench.json", help="JSON results file (default bench.json)")
     b.add_argument("--skip-startup", action="store_true", help="do not measure cold/warm start-up")
+    b.add_argument("--run-ahead-ab", action="store_true",
+                   help="run each concurrency level twice, alternately without and with running ahead")
     b.add_argument("--compare", action="store_true",
                    help="the default model through jfire, llama.cpp (F32 and Q4_1 GGUF) and transformers, side by side "
                         "in alternating rounds: a table, --output JSON and --chart PNG (needs the 'bench' extra)")

@@ -30,7 +30,7 @@ from jfire.pipeline import Pipeline
 from jfire.programs import ATTENTION_IMPLS, Buckets, CompiledPrograms
 from jfire.sampling import (PenaltyState, RowSampling, SamplingParams, init_penalty_state, mask_words,
                             set_penalty_slot)
-from jfire.scheduler import Chunk, Phase, Scheduler, Sequence
+from jfire.scheduler import Chunk, Phase, Scheduler, Sequence, Step
 from jfire.sharding import to_host
 from jfire.tokenizer import find_stop, holdback
 
@@ -98,6 +98,9 @@ class EngineConfig:
     aot: bool = True  # compile every bucket at start-up; False compiles each on first use
     # Serve once the essential programs exist and compile the rest in the background (with aot).
     serve_while_compiling: bool = True
+    # Steady decoding dispatches each step before reading the previous step's ids (the ids
+    # stay on the device and feed the next step): the host's work overlaps the device's.
+    run_ahead: bool = True
     compilation_cache_dir: str | None = None  # JAX's persistent cache; None = off
 
     def __post_init__(self):
@@ -204,6 +207,7 @@ class Engine:
         if cache_shardings is not None:
             per_page = sharding.page_bytes_per_device(self.cfg, config.page_size, dtype, cache_shardings)
         num_pages = config.num_pages or max(1, int(config.kv_cache_bytes // per_page))
+        max_pages_per_row = -(-self.max_model_len // config.page_size)
         if cache_shardings is not None:
             # Pages split over devices (an MLA latent cache) come in whole multiples of the split.
             multiple = sharding.page_multiple(cache_shardings, self.cfg)
@@ -216,7 +220,6 @@ class Engine:
         if mesh is not None and mesh.shape["tp"] > 1 and config.attention != "reference":
             raise JfireError("the Pallas attention kernel runs on one device per tensor-parallel group only; "
                              "use --attention reference with tp > 1")
-        max_pages_per_row = -(-self.max_model_len // config.page_size)
         self.buckets = Buckets.for_limits(
             max_batch=config.max_batch, prefill_budget=config.prefill_budget,
             max_prefill_rows=config.max_prefill_rows, max_pages_per_row=max_pages_per_row,
@@ -491,6 +494,9 @@ class Engine:
             self._finish(self._live[arg], "cancelled")
 
     def _execute(self, step) -> None:
+        if self._may_run_ahead(step):
+            self._decode_running_ahead(step.decode)
+            return
         for seq in step.preempted:  # it samples again only after recomputing: its slot restarts then
             self._release_slot(self._live[seq.request_id])
         sampled: dict[Sequence, tuple] = {}
@@ -500,21 +506,13 @@ class Engine:
             results = self._run_prefill(group)
             sampled.update((c.seq, r) for c, r in zip(group, results) if c.completes_prompt)
         self.scheduler.on_step_done(step)
-        now = time.perf_counter()
-        self._recent.append((now, len(sampled)))
-        for seq, (token, logprobs) in sampled.items():
-            live = self._live[seq.request_id]
-            try:
-                self._append(live, token, logprobs)
-            except Exception as e:  # this request's own processing (detokenizing, stop strings)
-                self._fail_one(live, e)
-        self._step_time["outputs"] += time.perf_counter() - now
-        self._step_time["steps"] += 1
+        self._take_tokens(sampled)
 
-    def _row_table(self, seqs: list[Sequence], rows: int) -> np.ndarray:
+    def _row_table(self, seqs: list[Sequence | None], rows: int) -> np.ndarray:
         table = np.zeros((rows, self.buckets.pages_per_row), np.int32)
         for r, seq in enumerate(seqs):
-            table[r, : len(seq.pages)] = seq.pages
+            if seq is not None:
+                table[r, : len(seq.pages)] = seq.pages
         return table
 
     def _sampling_rows(self, seqs: list[Sequence], rows: int, sampling_now: list[bool]) -> RowSampling:
@@ -598,6 +596,98 @@ class Engine:
         inputs = (tokens, positions, self._row_table(seqs, rows), sampling)
         return self._on_device(t0, seqs, "decode", (rows,), inputs)[0]
 
+    # -- running ahead: steady decoding with the next step dispatched before the ids are read --
+
+    def _may_run_ahead(self, step) -> bool:
+        """Whether the engine may dispatch the step after `step` before reading its ids: a
+        decode-only step of every running sequence in one program call, with nothing queued
+        that a step in between would take in (a subclass adds its own pending work)."""
+        return (self.config.run_ahead and self.step_channel is None and not step.prefill and not step.preempted
+                and len(step.decode) == len(self.scheduler.running) and not self._work_pending()
+                and self.programs.decode_shape(len(step.decode)) >= len(step.decode))
+
+    def _work_pending(self) -> bool:
+        """Whether something waits for a step to take it in (a subclass adds its own)."""
+        return not self._commands.empty() or bool(self.scheduler.waiting) or self._stop.is_set()
+
+    def _next_rows(self, rows: list[Sequence | None]) -> list[Sequence | None] | None:
+        """The rows of the step after the one in flight, in the same places (a row that the
+        step in flight surely ends, by its length, becomes padding), each with pages for one
+        more token; None where the next step cannot be dispatched before the ids are read:
+        new work is waiting, a row's next token needs a mask built from this one (a grammar,
+        min_tokens), no row goes on, or the pool has no page for a row's next token."""
+        if self._work_pending():
+            return None
+        following: list[Sequence | None] = []
+        for seq in rows:
+            going_on = (seq is not None and seq.phase is Phase.RUNNING
+                        and seq.num_generated + 1 < seq.sampling.max_tokens and len(seq.tokens) + 1 < self.max_model_len)
+            if going_on and (self._live[seq.request_id].matcher is not None
+                             or seq.num_generated + 1 < seq.sampling.min_tokens):
+                return None
+            following.append(seq if going_on else None)
+        if not any(following):
+            return None
+        for seq in filter(None, following):
+            need = self.scheduler.pages_needed(len(seq.tokens) + 1) - len(seq.pages)
+            pages = self.pool.allocate(need) if need > 0 else []
+            if pages is None:
+                return None  # the next normal step preempts as it must
+            seq.pages += pages
+        return following
+
+    def _decode_running_ahead(self, seqs: list[Sequence]) -> None:
+        """Decodes `seqs` step after step, dispatching each next step (its tokens: the ids of
+        the step in flight, still on the device) before reading the ids of the one in flight,
+        so that the host's scheduling, input building and output handling overlap the
+        device's work instead of stalling it. A row the step in flight ends (a stop token, a
+        stop string, a cancel) has its next token thrown away: one row of one step wasted.
+        Ends, with no step in flight, as soon as the next step cannot be dispatched so."""
+        t0 = time.perf_counter()
+        rows = self.programs.decode_shape(len(seqs))
+        in_flight: list[Sequence | None] = [*seqs, *[None] * (rows - len(seqs))]
+        tokens, positions = np.zeros(rows, np.int32), np.full(rows, -1, np.int32)
+        for r, seq in enumerate(seqs):
+            tokens[r], positions[r] = seq.tokens[-1], len(seq.tokens) - 1
+        sampling = self._sampling_rows(seqs, rows, [True] * len(seqs))
+        out = self._device_call("decode", (rows,), (tokens, positions, self._row_table(seqs, rows), sampling))
+        self._step_time["prepare"] += time.perf_counter() - t0
+        while in_flight is not None:
+            t1 = time.perf_counter()
+            following = self._next_rows(in_flight)
+            ahead = None
+            if following is not None:
+                positions = np.where([s is not None for s in following], positions + 1, -1).astype(np.int32)
+                slots = np.where([s is not None for s in following], sampling.slot, self._scratch_slot).astype(np.int32)
+                sampling = sampling._replace(slot=slots)
+                table = self._row_table(following, rows)
+                ahead = self._device_call("decode", (rows,), (self.programs.as_input(out.ids), positions, table, sampling))
+                self._step_time["run_ahead_steps"] += 1
+            t2 = time.perf_counter()
+            done = [seq if seq is not None and seq.phase is Phase.RUNNING else None for seq in in_flight]
+            results = self._results(out, done)
+            self._step_time["prepare"] += t2 - t1
+            self._step_time["device"] += time.perf_counter() - t2
+            self.scheduler.on_step_done(Step([seq for seq in done if seq is not None], [], []))
+            self._take_tokens({seq: result for seq, result in zip(done, results) if seq is not None})
+            self._publish_stats()
+            self._deliver()
+            self._drain_commands(None)  # cancels take effect; a new request ends the run
+            in_flight, out = following, ahead
+
+    def _take_tokens(self, sampled: dict[Sequence, tuple]) -> None:
+        """Appends each sequence's sampled (token, logprobs entry) after a step."""
+        now = time.perf_counter()
+        self._recent.append((now, len(sampled)))
+        for seq, (token, logprobs) in sampled.items():
+            live = self._live[seq.request_id]
+            try:
+                self._append(live, token, logprobs)
+            except Exception as e:  # this request's own processing (detokenizing, stop strings)
+                self._fail_one(live, e)
+        self._step_time["outputs"] += time.perf_counter() - now
+        self._step_time["steps"] += 1
+
     def _device_call(self, kind: str, key, inputs):
         """Every device program the engine thread runs goes through here: a group spanning
         processes (jfire.lockstep) sends the call to its followers first, so that every
@@ -628,20 +718,26 @@ class Engine:
         (token, logprobs entry or None), and the program's SampleOut."""
         t1 = time.perf_counter()
         out = self._device_call(kind, key, inputs)
-        ids = to_host(out.ids)
-        wanted = [seq.sampling.logprobs for seq in seqs]
-        if any(k is not None for k in wanted):
-            logprob, top_ids, top_lps = to_host(out.logprob), to_host(out.top_ids), to_host(out.top_logprobs)
+        results = self._results(out, seqs)
         self._step_time["prepare"] += t1 - t0
         self._step_time["device"] += time.perf_counter() - t1
+        return results, out
+
+    def _results(self, out, seqs: list[Sequence | None]) -> list[tuple | None]:
+        """Waits for a program's ids and returns, per row of seqs, (token, logprobs entry or
+        None), or None for a row without a sequence."""
+        ids = to_host(out.ids)
+        wanted = [seq.sampling.logprobs if seq is not None else None for seq in seqs]
+        if any(k is not None for k in wanted):
+            logprob, top_ids, top_lps = to_host(out.logprob), to_host(out.top_ids), to_host(out.top_logprobs)
         results = []
-        for r, k in enumerate(wanted):
+        for r, (seq, k) in enumerate(zip(seqs, wanted)):
             entry = None
             if k is not None:
                 top = [[int(i), float(lp)] for i, lp in zip(top_ids[r, :k], top_lps[r, :k]) if np.isfinite(lp)]
                 entry = [float(logprob[r]), top]
-            results.append((int(ids[r]), entry))
-        return results, out
+            results.append((int(ids[r]), entry) if seq is not None else None)
+        return results
 
     def _prefill_groups(self, chunks: list[Chunk]) -> list[list[Chunk]]:
         """Splits a step's chunks into batches that each fit a compiled (rows, tokens) shape."""
@@ -783,6 +879,7 @@ class Engine:
             "compiled_programs": self.programs.num_compiled,
             "compiling": self.compiled_s is None,  # serving, with programs still compiling in the background
             "steps": self._step_time["steps"],
+            "run_ahead_steps": self._step_time["run_ahead_steps"],
             **{f"step_{k}_s": self._step_time[k] for k in ("schedule", "prepare", "device", "outputs")},
             "startup_s": self.startup_s,
         }

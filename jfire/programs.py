@@ -275,6 +275,13 @@ class CompiledPrograms:
         rows = sorted(r for r, tt in self._prefill if tt == t)
         return next((x for x in rows if x >= count), rows[-1]), t
 
+    def as_input(self, x: jax.Array) -> jax.Array:
+        """A program's output placed as the programs take their per-row inputs (to feed it
+        to the next call without a trip through the host)."""
+        if self._input_sharding is None or x.sharding == self._input_sharding:
+            return x
+        return jax.device_put(x, self._input_sharding)
+
     def decode(self, rows: int):
         if self.lazy and (rows,) not in self._decode:
             self._compile(("decode", rows))

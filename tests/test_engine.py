@@ -3,6 +3,7 @@ preemption, prefix caching, cancellation, no compilation after warm-up."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import jax
@@ -78,6 +79,40 @@ def test_seeded_sampling_is_the_same_batched_or_alone(engine, default_model):
     together = engine.generate(requests)
     alone = [engine.generate([r])[0] for r in requests]
     assert [c.token_ids for c in together] == [c.token_ids for c in alone]
+
+
+def _streams(engine, requests):
+    """Every output of each request, submitted together: (ids, text, logprobs, finish reason)."""
+    handles = [engine.submit(ids, sp) for ids, sp in requests]
+    return [[(o.token_ids, o.text, o.logprobs, o.finish_reason) for o in h] for h in handles]
+
+
+def test_running_ahead_gives_what_reading_each_step_gives(engine, default_model):
+    """Decode steps dispatched before the previous step's ids are read (the default) against an
+    engine that reads every step's ids before dispatching the next: the same outputs, with rows
+    ending at different steps (by length, by a stop string), logprobs, seeded sampling with a
+    penalty, and min_tokens (a mask: no running ahead until it is met)."""
+    tok = default_model.tokenizer
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=17, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=12, frequency_penalty=0.5),
+        SamplingParams(temperature=0.0, max_tokens=30, stop=[" the"], min_tokens=4),
+    ]
+    requests = [(tok.encode(p), sp) for p, sp in zip(PROMPTS, params)]
+    ahead_before = engine.stats()["run_ahead_steps"]
+    ahead = _streams(engine, requests)
+    ran_ahead = engine.stats()["run_ahead_steps"] - ahead_before
+    engine.config = dataclasses.replace(engine.config, run_ahead=False)
+    try:
+        stepped = _streams(engine, requests)
+        assert engine.stats()["run_ahead_steps"] == ahead_before + ran_ahead
+    finally:
+        engine.config = dataclasses.replace(engine.config, run_ahead=True)
+    assert ran_ahead >= 10  # most of the 17 decode steps of the longest request
+    assert ahead == stepped
+    assert [s[-1][3] for s in ahead][:3] == ["length", "length", "length"]
+    assert engine.stats()["pages_used"] == 0
 
 
 def test_no_compilation_after_warm_up(engine, default_model):

@@ -318,6 +318,9 @@ class DecodeEngine(Engine):
             return None
         return 0.002 if (self._pulling or self._admitting) else 0.5
 
+    def _work_pending(self) -> bool:
+        return super()._work_pending() or bool(self._admitting) or bool(self._pulling)
+
     def _between_steps(self) -> None:
         self._admit()
         self._keep_waiting_caches()
