@@ -208,6 +208,11 @@ class Engine:
             per_page = sharding.page_bytes_per_device(self.cfg, config.page_size, dtype, cache_shardings)
         num_pages = config.num_pages or max(1, int(config.kv_cache_bytes // per_page))
         max_pages_per_row = -(-self.max_model_len // config.page_size)
+        if config.num_pages is None and config.max_batch == 1:
+            # One row never holds more than one full context: sized by bytes, a one-row engine
+            # (`jfire generate`) would spend the rest on pages that can only keep cached
+            # prefixes (a tiny model's 1 GiB default is over a million pages per device).
+            num_pages = min(num_pages, max_pages_per_row)
         if cache_shardings is not None:
             # Pages split over devices (an MLA latent cache) come in whole multiples of the split.
             multiple = sharding.page_multiple(cache_shardings, self.cfg)

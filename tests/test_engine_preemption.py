@@ -60,3 +60,16 @@ def test_full_waiting_queue_is_refused_not_lost(tiny_model):
         assert all(len(h.result().token_ids) == 4 for h in handles)
     finally:
         engine.shutdown()
+
+
+def test_a_one_row_engine_holds_one_full_context(tiny_model):
+    """Sized by bytes, a one-row engine (`jfire generate`) takes pages for one full context,
+    which is all its one row can hold; a pool given in pages, or with more rows, is as given."""
+    limits = dict(page_size=4, max_model_len=128, aot=False, kv_cache_bytes=1 << 20)  # over a thousand pages
+    one_row = Engine(tiny_model, EngineConfig(max_batch=1, **limits))
+    assert one_row.pool.num_pages == 128 // 4
+    sampling = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    with one_row:  # and a request filling the context runs to its end in it
+        assert len(one_row.generate([(list(range(3, 30)), sampling)])[0].token_ids) == 100
+    assert Engine(tiny_model, EngineConfig(max_batch=1, num_pages=64, **limits)).pool.num_pages == 64
+    assert Engine(tiny_model, EngineConfig(max_batch=2, **limits)).pool.num_pages > 128 // 4
