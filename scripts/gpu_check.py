@@ -1,6 +1,7 @@
-"""GPU check of the bf16 decode kernel: bit-exact against the reference decoder on the GPU, and
-its decode GB/s against a device-to-device copy of the same bytes; and the MoE grouped matmul
-(ragged_dot) against dense all-experts for a Llama 4 Scout layer.
+"""The prepared GPU run: the engine end to end on an 8B-shaped Llama (start-up, decode and
+prefill speed against the device's roofline, the host's share of a step), every Pallas kernel
+against its reference, the bf16 decode kernel's GB/s against a device copy, and the MoE grouped
+matmul (ragged_dot) against dense all-experts for a Llama 4 Scout layer.
 
     python scripts/gpu_check.py [--output gpu_check.json]   # one call on one GPU (H200: a few minutes)
     python scripts/gpu_check.py --smoke                    # CPU-sized, interpret mode (run by the tests)
@@ -15,7 +16,12 @@ infinities, subnormals and signed zeros planted in every tensor. Then:
   4. a sweep of the kernel's tile size and warps on the largest tensor;
   5. one Scout-shaped MoE layer (hidden 5120, 16 experts of width 8192, top-1, bf16): the
      dropless grouped matmul (`jax.lax.ragged_dot`, which may lower to a padded dense matmul)
-     against computing every expert, at 1, 16 and 256 tokens, results compared.
+     against computing every expert, at 1, 16 and 256 tokens, results compared;
+  6. Kimi K2.5's MLA decode and int4 expert kernels against their references;
+  7. the engine: an 8B-shaped Llama in bf16 served by `Engine` with the Pallas attention
+     (`scripts/gpu_engine_check.py`: start-up, batch-1 decode against the read-bandwidth
+     roofline, batch-64 decode, TTFT of 512 and 4,096-token prompts and prefill MFU, each
+     decode without and with running ahead, the paged-attention kernel against its reference).
 Prints a summary and writes all figures as JSON; exits 1 if anything is not bit-exact.
 """
 
@@ -35,6 +41,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench_compression import measure, median_seconds  # noqa: E402  (beside this script)
+from gpu_engine_check import engine_check, summary  # noqa: E402  (beside this script)
 from jfire.checkpoint import codec  # noqa: E402
 from jfire.checkpoint.compressed import layout_for  # noqa: E402
 from jfire.kernels.bf16_decode import bf16_decode, pad_payload  # noqa: E402
@@ -191,11 +198,12 @@ def main(argv=None) -> int:
     result["sweep"] = sweep(name, bits, encoded[name], configs, interpret=args.smoke, repeats=repeats)
     result["moe"] = moe_check(args.smoke, repeats)
     result["kimi_kernels"] = kimi_kernels_check(args.smoke, repeats)
+    result["engine"] = engine_check(args.smoke, repeats)
     result["seconds"] = time.perf_counter() - start
 
     t = result["total"]
     exact = t["exact"] and all(r["exact"] for r in result["units"] + result["sweep"])
-    exact = exact and all(r["agree"] for r in result["moe"] + result["kimi_kernels"])
+    exact = exact and all(r["agree"] for r in result["moe"] + result["kimi_kernels"] + [result["engine"]["kernel"]])
     best = max(result["sweep"], key=lambda r: r["gbps"])
     print(f"compression ratio {t['ratio']:.4f}; encode {t['encode_gbps']:.3f} GB/s (host)")
     for d in decoders:
@@ -209,6 +217,8 @@ def main(argv=None) -> int:
     for r in result["kimi_kernels"]:
         print(f"{r['kernel']:<18} {r['kernel_ms']:8.3f} ms against its reference {r['reference_ms']:8.3f} ms, "
               f"agree: {'yes' if r['agree'] else 'NO'}")
+    for line in summary(result["engine"]):
+        print(line)
     print(f"bit-exact (whole tensors, single layers, every tile) and MoE paths agree: {'yes' if exact else 'NO'}; "
           f"{result['seconds']:.0f} s")
     Path(args.output).write_text(json.dumps(result, indent=2) + "\n")

@@ -31,7 +31,16 @@ def test_gpu_check_smoke(tmp_path, capsys, monkeypatch):
     assert len(result["sweep"]) == 2 and all(r["exact"] for r in result["sweep"])
     # The MoE layer: grouped (ragged_dot) and dense all-experts agree at every token count.
     assert [r["tokens"] for r in result["moe"]] == [1, 16, 256] and all(r["agree"] for r in result["moe"])
-    assert "bit-exact (whole tensors, single layers, every tile) and MoE paths agree: yes" in capsys.readouterr().out
+    # The engine end to end (a tiny Llama, the Pallas attention interpreted): every measurement
+    # taken, each decode batch without and with running ahead, the kernel equal to its reference.
+    engine = result["engine"]
+    assert engine["kernel"]["agree"] and engine["programs"] > 0
+    assert [(d["batch"], d["run_ahead"]) for d in engine["decode"]] == [(1, False), (1, True), (2, False), (2, True)]
+    assert all(d["output_tokens_per_s"] > 0 and 0 < d["host_share"] < 1 for d in engine["decode"])
+    assert [p["prompt_tokens"] for p in engine["prefill"]] == [24, 48] and engine["batch1_roofline_fraction"] > 0
+    out = capsys.readouterr().out
+    assert "bit-exact (whole tensors, single layers, every tile) and MoE paths agree: yes" in out
+    assert "paged_attention against its reference" in out and "of its roofline" in out
 
 
 def test_bench_compression_runs(tmp_path, monkeypatch):
