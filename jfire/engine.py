@@ -231,8 +231,14 @@ class Engine:
             page_size=config.page_size)
         self.scheduler = Scheduler(self.pool, max_batch=config.max_batch, prefill_budget=config.prefill_budget,
                                    max_prefill_rows=config.max_prefill_rows, prefix_caching=config.prefix_caching)
-        # One penalty slot per batch row, and a last, scratch, slot for rows without one.
-        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None else None
+        # One penalty slot per batch row, and a last, scratch, slot for rows without one. The
+        # state is committed to the params' device(s) from the start, as every program's output
+        # is: `set_penalty_slot` compiled at start-up is then the one later calls use (an
+        # uncommitted array is another jit cache entry: the first penalized request compiled it).
+        if mesh is not None:
+            replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        else:
+            replicated = jax.sharding.SingleDeviceSharding(next(iter(jax.tree.leaves(model.params)[0].devices())))
         self.penalties: PenaltyState = init_penalty_state(config.max_batch + 1, self.cfg.vocab_size, replicated)
         self._scratch_slot = config.max_batch
         self._free_slots = list(range(config.max_batch))

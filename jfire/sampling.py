@@ -168,10 +168,7 @@ def neutral_rows(rows: int, vocab_size: int) -> RowSampling:
 
 def init_penalty_state(slots: int, vocab_size: int, sharding=None) -> PenaltyState:
     state = PenaltyState(jnp.zeros((slots, vocab_size), jnp.int32), jnp.zeros((slots, vocab_size), bool))
-    # Committed to its device(s) from the start, as every program's output is: `set_penalty_slot`
-    # compiled at start-up on this state is then the one later calls use (an uncommitted
-    # array is another jit cache entry, and the first penalized request compiled it again).
-    return jax.device_put(state, sharding if sharding is not None else jax.devices()[0])
+    return jax.device_put(state, sharding) if sharding is not None else state
 
 
 @jax.jit
