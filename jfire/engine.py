@@ -661,7 +661,7 @@ class Engine:
         for r, seq in enumerate(seqs):
             tokens[r], positions[r] = seq.tokens[-1], len(seq.tokens) - 1
         sampling = self._sampling_rows(seqs, rows, [True] * len(seqs))
-        out = self._device_call("decode", (rows,), (tokens, positions, self._row_table(seqs, rows), sampling))
+        out = self._decode_call(in_flight, (rows,), (tokens, positions, self._row_table(seqs, rows), sampling))
         self._step_time["prepare"] += time.perf_counter() - t0
         while in_flight is not None:
             t1 = time.perf_counter()
@@ -672,7 +672,7 @@ class Engine:
                 slots = np.where([s is not None for s in following], sampling.slot, self._scratch_slot).astype(np.int32)
                 sampling = sampling._replace(slot=slots)
                 table = self._row_table(following, rows)
-                ahead = self._device_call("decode", (rows,), (self.programs.as_input(out.ids), positions, table, sampling))
+                ahead = self._decode_call(following, (rows,), (self.programs.as_input(out.ids), positions, table, sampling))
                 self._step_time["run_ahead_steps"] += 1
             t2 = time.perf_counter()
             done = [seq if seq is not None and seq.phase is Phase.RUNNING else None for seq in in_flight]
@@ -728,11 +728,16 @@ class Engine:
         and the device's part (dispatch to result) for `stats()`. Returns, per row of seqs,
         (token, logprobs entry or None), and the program's SampleOut."""
         t1 = time.perf_counter()
-        out = self._device_call(kind, key, inputs)
+        out = self._decode_call(seqs, key, inputs) if kind == "decode" else self._device_call(kind, key, inputs)
         results = self._results(out, seqs)
         self._step_time["prepare"] += t1 - t0
         self._step_time["device"] += time.perf_counter() - t1
         return results, out
+
+    def _decode_call(self, seqs: list[Sequence | None], key, inputs):
+        """Dispatches one decode step of seqs (None: a padding row): the one place both the
+        step-by-step and the running-ahead paths run a decode program."""
+        return self._device_call("decode", key, inputs)
 
     def _results(self, out, seqs: list[Sequence | None]) -> list[tuple | None]:
         """Waits for a program's ids and returns, per row of seqs, (token, logprobs entry or

@@ -100,6 +100,7 @@ def test_running_ahead_gives_what_reading_each_step_gives(engine, default_model)
         SamplingParams(temperature=0.0, max_tokens=30, stop=[" the"], min_tokens=4),
     ]
     requests = [(tok.encode(p), sp) for p, sp in zip(PROMPTS, params)]
+    assert engine.wait_compiled(timeout=600)  # both runs pick from the same programs
     ahead_before = engine.stats()["run_ahead_steps"]
     ahead = _streams(engine, requests)
     ran_ahead = engine.stats()["run_ahead_steps"] - ahead_before
@@ -110,7 +111,19 @@ def test_running_ahead_gives_what_reading_each_step_gives(engine, default_model)
     finally:
         engine.config = dataclasses.replace(engine.config, run_ahead=True)
     assert ran_ahead >= 10  # most of the 17 decode steps of the longest request
-    assert ahead == stepped
+    # Running ahead keeps a finished row as padding where stepping runs a smaller batch program:
+    # ids, texts and finish reasons equal, logprobs to float32 rounding between programs.
+    assert [[(ids, text, end) for ids, text, _, end in s] for s in ahead] == \
+           [[(ids, text, end) for ids, text, _, end in s] for s in stepped]
+    for a, b in zip(ahead, stepped):
+        for (_, _, lp_a, _), (_, _, lp_b, _) in zip(a, b):
+            assert (lp_a is None) == (lp_b is None)
+            if lp_a is not None:
+                (value_a, top_a), = lp_a
+                (value_b, top_b), = lp_b
+                assert [i for i, _ in top_a] == [i for i, _ in top_b]
+                assert np.allclose([value_a, *(v for _, v in top_a)], [value_b, *(v for _, v in top_b)],
+                                   rtol=0, atol=1e-5)
     assert [s[-1][3] for s in ahead][:3] == ["length", "length", "length"]
     assert engine.stats()["pages_used"] == 0
 

@@ -501,14 +501,14 @@ import sys
 from jfire import cli
 from jfire.engine import Engine
 
-decode = Engine._run_decode
+decode = Engine._decode_call
 
-def failing_decode(self, seqs):
-    if any(s.prompt_ids == {FAILING} for s in seqs):
+def failing_decode(self, seqs, key, inputs):
+    if any(s is not None and s.prompt_ids == {FAILING} for s in seqs):
         raise RuntimeError("injected device failure")
-    return decode(self, seqs)
+    return decode(self, seqs, key, inputs)
 
-Engine._run_decode = failing_decode
+Engine._decode_call = failing_decode
 sys.exit(cli.main(["serve", *sys.argv[1:]]))
 """
 
