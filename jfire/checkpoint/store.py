@@ -40,9 +40,12 @@ def save(dst: Path, config: Family, params: dict, dtype_name: str, compression: 
     dst = Path(dst).absolute()
     dst.mkdir(parents=True, exist_ok=True)
     _quiet_orbax()
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(dst / "params", params, save_args=layer_chunks(config, params), force=True)
-        ckptr.wait_until_finished()
+    # Stored without orbax's zstd: reading raw chunks is a copy (the default model's float32
+    # weights load in 0.4 s instead of 0.8 s on this CPU, for 514 MB on disk against 333 MB).
+    # Saving space is the compressed format's job, whose payload zstd would not shrink anyway.
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False)) as ckptr:
+        ckptr.save(dst / "params", args=ocp.args.PyTreeSave(params, save_args=layer_chunks(config, params)),
+                   force=True)
     manifest = {"format": COMPRESSED_FORMAT if compression else FORMAT_VERSION, "family": config.family,
                 "dtype": dtype_name, "config": config.to_dict()}
     if compression:
