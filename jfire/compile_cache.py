@@ -1,4 +1,17 @@
-"""Compiled programs kept across restarts for the processes JAX's persistent cache does not serve.
+"""Compiled programs kept across restarts, beside JAX's persistent compilation cache.
+
+Two stores, both in the cache directory (`jax_compilation_cache_dir`):
+
+`program(fn, args, static, devices)`: the engine's prefill and decode buckets, kept under a
+key computed without tracing (`_program_key`: the function, its static arguments, its
+arguments' shapes, dtypes and shardings, the digest of jfire's own source files, the versions,
+devices, process and settings that shape a compiled program). JAX's cache is keyed by the
+lowered program, so even a hit pays for tracing and lowering the model first, about 0.3 s a
+program for the default model on this CPU against 0.05 s to load it: a warm start of 50-odd
+buckets spent most of its time tracing. Any change to jfire's code changes every key, so a
+program is never loaded for code that would trace differently.
+
+`compiled(lowered, devices)`: any lowered program, for the processes JAX's cache does not serve.
 
 JAX's persistent compilation cache writes entries only from process 0 of a jax.distributed
 cluster (`jax._src.compiler._cache_write`, sparing shared filesystems the contention). In a
@@ -14,6 +27,7 @@ Process 0, and a process outside any cluster, leave it to JAX.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import pickle
@@ -27,6 +41,68 @@ import jaxlib
 import jfire
 
 SUBDIR = "jfire-processes"
+PROGRAMS = "jfire-programs"
+
+
+def program(fn, args: tuple, static: dict, devices) -> jax.stages.Compiled:
+    """`fn.lower(*args, **static).compile()` (`fn` jitted, `args` abstract), loaded without
+    tracing when an earlier start stored the same program (see the module docstring), else
+    compiled (JAX's cache may still hit) and stored for the next start."""
+    root = jax.config.jax_compilation_cache_dir
+    devices = list(devices)
+    if not root:
+        return compiled(fn.lower(*args, **static), devices)
+    directory = Path(root) / PROGRAMS
+    path = directory / f"{_program_key(fn, args, static, devices)}.pkl"
+    loaded = _load(path, devices)
+    if loaded is not None:
+        return loaded
+    exe = _compiled_afresh(fn.lower(*args, **static))
+    try:
+        payload = pickle.dumps(_serialize(exe))
+    except Exception:  # noqa: BLE001 - an executable the backend cannot serialize is just not kept
+        return exe
+    directory.mkdir(parents=True, exist_ok=True)
+    _write(directory, path, payload)
+    return exe
+
+
+def is_stored(fn, args: tuple, static: dict, devices) -> bool:
+    """Whether `program(fn, args, static, devices)` would load a stored executable."""
+    root = jax.config.jax_compilation_cache_dir
+    devices = list(devices)
+    return bool(root) and (Path(root) / PROGRAMS / f"{_program_key(fn, args, static, devices)}.pkl").is_file()
+
+
+def _compiled_afresh(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
+    """Compiled by XLA, not loaded from JAX's persistent cache: XLA:CPU serializes an executable
+    it loaded from that cache without some of its kernels (the copy loaded later fails with
+    "Function ... not found"), so an executable to be kept is always compiled afresh. The
+    setting is per thread: other threads' compilations still use JAX's cache."""
+    from jax._src import config
+
+    with config.enable_compilation_cache(False):
+        return lowered.compile()
+
+
+def _serialize(exe: jax.stages.Compiled):
+    from jax.experimental.serialize_executable import serialize
+
+    return serialize(exe)
+
+
+def _load(path: Path, devices: list) -> jax.stages.Compiled | None:
+    """The executable stored at `path`, or None (absent, truncated, or stale: recompiled and replaced)."""
+    from jax.experimental.serialize_executable import deserialize_and_load
+
+    try:
+        serialized, in_tree, out_tree = pickle.loads(path.read_bytes())
+        return deserialize_and_load(serialized, in_tree, out_tree, backend=devices[0].client,
+                                    execution_devices=devices)
+    except FileNotFoundError:
+        return None
+    except Exception:  # noqa: BLE001 - a truncated or stale entry: compile anew and replace it
+        return None
 
 
 def compiled(lowered: jax.stages.Lowered, devices) -> jax.stages.Compiled:
@@ -35,20 +111,14 @@ def compiled(lowered: jax.stages.Lowered, devices) -> jax.stages.Compiled:
     directory = _directory()
     if directory is None:
         return lowered.compile()
-    from jax.experimental.serialize_executable import deserialize_and_load, serialize
-
     devices = list(devices)
     path = directory / f"{_key(lowered, devices)}.pkl"
-    if path.exists():
-        try:
-            serialized, in_tree, out_tree = pickle.loads(path.read_bytes())
-            return deserialize_and_load(serialized, in_tree, out_tree, backend=devices[0].client,
-                                        execution_devices=devices)
-        except Exception:  # noqa: BLE001 - a truncated or stale entry: compile anew and replace it
-            pass
-    compiled = lowered.compile()
+    loaded = _load(path, devices)
+    if loaded is not None:
+        return loaded
+    compiled = _compiled_afresh(lowered)
     try:
-        payload = pickle.dumps(serialize(compiled))
+        payload = pickle.dumps(_serialize(compiled))
     except Exception:  # noqa: BLE001 - an executable the backend cannot serialize is just not kept
         return compiled
     _write(directory, path, payload)
@@ -93,4 +163,39 @@ def _key(lowered: jax.stages.Lowered, devices: list) -> str:
                  os.environ.get("XLA_FLAGS", "")):
         h.update(part.encode())
         h.update(b"\0")
+    return h.hexdigest()
+
+
+# jax settings that never change a compiled program (where caches and logs go, runtime guards,
+# timeouts); every other setting is part of a program's key.
+_NOT_IN_KEY = ("cache", "log", "transfer", "platform", "timeout", "traceback", "visible_devices", "dump")
+
+
+def _program_key(fn, args: tuple, static: dict, devices: list) -> str:
+    """What decides a jitted function's executable, known before tracing it: the function and
+    jfire's source (the digest of every file, since a program calls across modules), the static
+    arguments, the arguments' tree, shapes, dtypes and shardings, the devices (ids and model),
+    the versions, the process and its cluster's size, XLA_FLAGS and the jax settings."""
+    settings = sorted((k, repr(v)) for k, v in jax.config.values.items()
+                      if not any(word in k for word in _NOT_IN_KEY))
+    h = hashlib.sha256()
+    for part in (f"{fn.__module__}.{fn.__qualname__}", source_digest(), repr(sorted(static.items())),
+                 str(jax.tree.structure(args)), repr(jax.tree.leaves(args)), jfire.__version__, jax.__version__,
+                 jaxlib.__version__, devices[0].client.platform_version, devices[0].device_kind,
+                 repr([d.id for d in devices]), str(jax.process_index()), str(jax.process_count()),
+                 os.environ.get("XLA_FLAGS", ""), repr(settings)):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+@functools.cache
+def source_digest() -> str:
+    """The digest of jfire's Python sources: a program stored by other code is never loaded."""
+    package = Path(jfire.__file__).parent
+    h = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        h.update(str(path.relative_to(package)).encode())
+        h.update(b"\0")
+        h.update(path.read_bytes())
     return h.hexdigest()

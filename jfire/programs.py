@@ -212,39 +212,47 @@ class CompiledPrograms:
                 if progress:
                     progress(i + 1, len(shapes))
 
-    def compile_rest(self, workers: int = 1, stop=None) -> None:
+    def compile_rest(self, workers: int = 1, stop=None, before_loading=None) -> None:
         """Compiles the buckets not compiled yet (the background half of a start-up), `workers`
-        at a time, until done or `stop` (a threading.Event) is set."""
+        at a time, until done or `stop` (a threading.Event) is set. `before_loading()` is
+        called before a batch of programs that are all stored (a warm start): loading them is
+        cheap, and the caller may hold it back while it is busy."""
         rest = [s for s in self.shapes() if not self._has(s)]
         for i in range(0, len(rest), max(1, workers)):
             if stop is not None and stop.is_set():
                 return
-            self.compile_all(workers, shapes=rest[i:i + max(1, workers)])
+            batch = rest[i:i + max(1, workers)]
+            if before_loading is not None and all(self.is_stored(s) for s in batch):
+                before_loading()
+            self.compile_all(workers, shapes=batch)
 
     def _has(self, shape: tuple) -> bool:
         return (shape[1:] in self._decode) if shape[0] == "decode" else (shape[1:] in self._prefill)
 
     def _compile(self, shape: tuple) -> None:
+        exe = compile_cache.program(*self._program(shape), self._devices)
+        if shape[0] == "decode":
+            self._decode = {**self._decode, shape[1:]: exe}
+        else:
+            self._prefill = {**self._prefill, shape[1:]: exe}
+
+    def is_stored(self, shape: tuple) -> bool:
+        """Whether an earlier start stored this bucket's program (loading it is cheap)."""
+        return compile_cache.is_stored(*self._program(shape), self._devices)
+
+    def _program(self, shape: tuple) -> tuple:
+        """(jitted function, abstract arguments, static arguments) of a bucket."""
         i32 = jnp.int32
         s = functools.partial(jax.ShapeDtypeStruct, sharding=self._input_sharding)
+        w = self.buckets.pages_per_row
+        static = dict(cfg=self.cfg, layer_stack=self.layer_stack, parallel=self.parallel)
         if shape[0] == "decode":
             _, n = shape
-            w = self.buckets.pages_per_row
-            exe = compile_cache.compiled(decode.lower(
-                self._params, self._pages, s((n,), i32), s((n,), i32), s((n, w), i32), self._rows(n),
-                self._penalties, cfg=self.cfg, attention=self.attention, layer_stack=self.layer_stack,
-                parallel=self.parallel,
-            ), self._devices)
-            self._decode = {**self._decode, (n,): exe}
-        else:
-            _, r, t = shape
-            w = self.buckets.pages_per_row
-            exe = compile_cache.compiled(prefill.lower(
-                self._params, self._pages, s((r, t), i32), s((r, t), i32), s((r, w), i32), s((r,), i32),
-                self._rows(r), self._penalties, s((r, t), i32), cfg=self.cfg, layer_stack=self.layer_stack,
-                parallel=self.parallel,
-            ), self._devices)
-            self._prefill = {**self._prefill, (r, t): exe}
+            return decode, (self._params, self._pages, s((n,), i32), s((n,), i32), s((n, w), i32), self._rows(n),
+                            self._penalties), {**static, "attention": self.attention}
+        _, r, t = shape
+        return prefill, (self._params, self._pages, s((r, t), i32), s((r, t), i32), s((r, w), i32), s((r,), i32),
+                         self._rows(r), self._penalties, s((r, t), i32)), static
 
     def _rows(self, n: int) -> RowSampling:
         s = functools.partial(jax.ShapeDtypeStruct, sharding=self._input_sharding)

@@ -94,3 +94,121 @@ def test_a_later_life_loads_what_an_earlier_one_compiled(tmp_path):
     np.testing.assert_allclose(first["f"], expected, rtol=1e-6)
     assert second["f"] == first["f"]  # the loaded executable, bit for bit
     assert first["g"] == second["g"] == "compiled instead of loaded"  # another program: no entry of f's
+
+
+# --- the program store: programs kept under a key known before tracing ----------------------
+
+# One life of a process using jfire.compile_cache.program: compiles (and stores) or, with
+# "load", must load every program (compiling afresh raises). Prints the outputs and which
+# programs it could not load.
+PROGRAM_LIFE = """
+import functools, json, sys
+import jax, jax.numpy as jnp, numpy as np
+from jfire import compile_cache
+from jfire.engine import enable_compilation_cache
+
+enable_compilation_cache(sys.argv[1])
+if sys.argv[2] == "load":
+    def refuse(lowered):
+        raise RuntimeError("compiled instead of loaded")
+    compile_cache._compiled_afresh = refuse
+
+@functools.partial(jax.jit, static_argnames=("scale",), donate_argnames=("acc",))
+def f(x, acc, *, scale):
+    return acc + jnp.tanh(x @ x.T) * scale
+
+x = jnp.asarray(np.arange(12, dtype=np.float32).reshape(3, 4) / 10)
+out = {}
+for name, args, static in [("f", (x, jnp.zeros((3, 3))), {"scale": 3.0}),
+                           ("other static", (x, jnp.zeros((3, 3))), {"scale": 2.0}),
+                           ("other shape", (x[:2], jnp.zeros((2, 2))), {"scale": 3.0})]:
+    abstract = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in args)
+    try:
+        exe = compile_cache.program(f, abstract, static, jax.local_devices())
+        out[name] = np.asarray(exe(*args)).tolist()
+    except RuntimeError as e:
+        out[name] = str(e)
+    if sys.argv[2] == "compile":
+        break  # life 1 stores f alone
+print(json.dumps(out), flush=True)
+"""
+
+
+def program_life(cache: Path, mode: str) -> dict:
+    run = subprocess.run([sys.executable, "-c", PROGRAM_LIFE, str(cache), mode], cwd=REPO,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_a_stored_program_loads_without_compiling_and_computes_the_same(tmp_path):
+    x = np.arange(12, dtype=np.float32).reshape(3, 4) / 10
+    first = program_life(tmp_path, "compile")
+    np.testing.assert_allclose(first["f"], np.tanh(x @ x.T) * 3, rtol=1e-6)
+    assert len(list((tmp_path / "jfire-programs").glob("*.pkl"))) == 1
+    second = program_life(tmp_path, "load")
+    assert second["f"] == first["f"]  # the stored executable, bit for bit
+    # Another static argument or argument shape is another program: never served f's entry.
+    assert second["other static"] == second["other shape"] == "compiled instead of loaded"
+
+
+def test_a_program_key_covers_the_source_arguments_and_devices(monkeypatch):
+    import jax
+    import jax.numpy as jnp
+
+    from jfire import compile_cache
+
+    f = jax.jit(lambda x, *, scale: x * scale, static_argnames=("scale",))
+    devices = jax.local_devices()
+    args = (jax.ShapeDtypeStruct((4,), jnp.float32),)
+    key = compile_cache._program_key(f, args, {"scale": 2.0}, devices)
+    assert key == compile_cache._program_key(f, args, {"scale": 2.0}, devices)  # stable
+    assert key != compile_cache._program_key(f, args, {"scale": 3.0}, devices)
+    assert key != compile_cache._program_key(f, (jax.ShapeDtypeStruct((4,), jnp.int32),), {"scale": 2.0}, devices)
+    assert key != compile_cache._program_key(f, (jax.ShapeDtypeStruct((5,), jnp.float32),), {"scale": 2.0}, devices)
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_dump_to=/nowhere")
+    assert key != compile_cache._program_key(f, args, {"scale": 2.0}, devices)
+    monkeypatch.undo()
+    monkeypatch.setattr(compile_cache, "source_digest", lambda: "other source")
+    assert key != compile_cache._program_key(f, args, {"scale": 2.0}, devices)  # jfire's code changed
+
+
+# An engine's second start loads every bucket it compiled in its first (none is traced or
+# compiled: compiling afresh raises), and generates exactly what the first did.
+ENGINE_LIFE = """
+import json, sys
+from jfire import compile_cache
+from jfire.checkpoint.load import load_model
+from jfire.engine import Engine, EngineConfig
+from jfire.sampling import SamplingParams
+
+if sys.argv[3] == "load":
+    def refuse(lowered):
+        raise RuntimeError("compiled instead of loaded")
+    compile_cache._compiled_afresh = refuse
+model = load_model(sys.argv[1])
+engine = Engine(model, EngineConfig(max_batch=2, num_pages=64, prefill_budget=32, max_model_len=128,
+                                    compilation_cache_dir=sys.argv[2])).start()
+assert engine.wait_compiled(300)
+done = engine.generate([([1, 5, 9, 2], SamplingParams(max_tokens=6, temperature=0.0, logprobs=2)),
+                        ([3] * 20, SamplingParams(max_tokens=4, temperature=0.8, seed=7))])
+print(json.dumps({"programs": engine.programs.num_compiled, "total": engine.programs.num_total,
+                  "ids": [c.token_ids for c in done]}), flush=True)
+engine.shutdown()
+"""
+
+
+def test_an_engine_started_again_loads_every_program_and_generates_the_same(tmp_path, tiny_hf_dir):
+    model = tiny_hf_dir("llama2")
+
+    def engine_life(mode):
+        run = subprocess.run([sys.executable, "-c", ENGINE_LIFE, str(model), str(tmp_path / "cache"), mode],
+                             cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
+                             timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        return json.loads(run.stdout.strip().splitlines()[-1])
+
+    first = engine_life("compile")
+    assert first["programs"] == first["total"] > 3
+    second = engine_life("load")
+    assert second == first
