@@ -120,7 +120,7 @@ def format_table(rows: list[dict]) -> str:
     base = rows[0]["output_tokens_per_s"] if rows else 1.0
     for r in rows:
         lines.append(
-            f"{r['concurrency']:>5} {'yes' if r.get('run_ahead', True) else 'no':>5} "
+            f"{r['concurrency']:>5} {'yes' if r['run_ahead'] else 'no':>5} "
             f"{r['output_tokens_per_s']:>9.1f} {r['output_tokens_per_s'] / base:>8.2f} "
             f"{r['ttft_s']['p50'] * 1e3:>7.0f}ms {r['ttft_s']['p99'] * 1e3:>7.0f}ms "
             f"{r['tpot_s']['p50'] * 1e3:>7.1f}ms {r['tpot_s']['p99'] * 1e3:>7.1f}ms")

@@ -609,13 +609,17 @@ class Engine:
     def _run_decode(self, seqs: list[Sequence]) -> list[tuple]:
         t0 = time.perf_counter()
         rows = self.programs.decode_shape(len(seqs))
+        return self._on_device(t0, seqs, "decode", (rows,), self._decode_inputs(seqs, rows))[0]
+
+    def _decode_inputs(self, seqs: list[Sequence], rows: int) -> tuple:
+        """(tokens, positions, page table, sampling rows) of a decode call: `seqs` in the
+        first rows of `rows`, the rest padding (position -1)."""
         tokens = np.zeros(rows, np.int32)
         positions = np.full(rows, -1, np.int32)
         for r, seq in enumerate(seqs):
             tokens[r], positions[r] = seq.tokens[-1], len(seq.tokens) - 1
         sampling = self._sampling_rows(seqs, rows, [True] * len(seqs))
-        inputs = (tokens, positions, self._row_table(seqs, rows), sampling)
-        return self._on_device(t0, seqs, "decode", (rows,), inputs)[0]
+        return tokens, positions, self._row_table(seqs, rows), sampling
 
     # -- running ahead: steady decoding with the next step dispatched before the ids are read --
 
@@ -667,19 +671,17 @@ class Engine:
         t0 = time.perf_counter()
         rows = self.programs.decode_shape(len(seqs))
         in_flight: list[Sequence | None] = [*seqs, *[None] * (rows - len(seqs))]
-        tokens, positions = np.zeros(rows, np.int32), np.full(rows, -1, np.int32)
-        for r, seq in enumerate(seqs):
-            tokens[r], positions[r] = seq.tokens[-1], len(seq.tokens) - 1
-        sampling = self._sampling_rows(seqs, rows, [True] * len(seqs))
-        out = self._decode_call(in_flight, (rows,), (tokens, positions, self._row_table(seqs, rows), sampling))
+        _, positions, _, sampling = inputs = self._decode_inputs(seqs, rows)
+        out = self._decode_call(in_flight, (rows,), inputs)
         self._step_time["prepare"] += time.perf_counter() - t0
         while in_flight is not None:
             t1 = time.perf_counter()
             following = self._next_rows(in_flight)
             ahead = None
             if following is not None:
-                positions = np.where([s is not None for s in following], positions + 1, -1).astype(np.int32)
-                slots = np.where([s is not None for s in following], sampling.slot, self._scratch_slot).astype(np.int32)
+                goes_on = [s is not None for s in following]
+                positions = np.where(goes_on, positions + 1, -1).astype(np.int32)
+                slots = np.where(goes_on, sampling.slot, self._scratch_slot).astype(np.int32)
                 sampling = sampling._replace(slot=slots)
                 table = self._row_table(following, rows)
                 ahead = self._decode_call(following, (rows,), (self.programs.as_input(out.ids), positions, table, sampling))
