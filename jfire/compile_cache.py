@@ -7,8 +7,8 @@ key computed without tracing (`_program_key`: the function, its static arguments
 arguments' shapes, dtypes and shardings, the digest of jfire's own source files, the versions,
 devices, process and settings that shape a compiled program). JAX's cache is keyed by the
 lowered program, so even a hit pays for tracing and lowering the model first, about 0.3 s a
-program for the default model on this CPU against 0.05 s to load it: a warm start of 50-odd
-buckets spent most of its time tracing. Any change to jfire's code changes every key, so a
+program for the default model on this CPU against 0.05 s to load it: a warm start of the
+default limits' 18 buckets spent most of its time tracing. Any change to jfire's code changes every key, so a
 program is never loaded for code that would trace differently.
 
 `compiled(lowered, devices)`: any lowered program, for the processes JAX's cache does not serve.
@@ -47,7 +47,8 @@ PROGRAMS = "jfire-programs"
 def program(fn, args: tuple, static: dict, devices) -> jax.stages.Compiled:
     """`fn.lower(*args, **static).compile()` (`fn` jitted, `args` abstract), loaded without
     tracing when an earlier start stored the same program (see the module docstring), else
-    compiled (JAX's cache may still hit) and stored for the next start."""
+    compiled afresh (`_compiled_afresh`: JAX's cache is not consulted) and stored for the
+    next start."""
     root = jax.config.jax_compilation_cache_dir
     devices = list(devices)
     if not root:
