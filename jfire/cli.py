@@ -93,6 +93,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-run-ahead", dest="run_ahead", action="store_false",
                    help="read every decode step's ids before dispatching the next (by default steady decoding "
                         "dispatches the next step first, overlapping the host's work with the device's)")
+    p.add_argument("--no-cpu-matmul", dest="cpu_matmul", action="store_false",
+                   help="on a float32 CPU device, use XLA's dots instead of jfire's matmul kernels that read "
+                        "each layer's weights in place (slower decode, for comparison)")
     p.add_argument("--compile-cache", default=None,
                    help="JAX persistent compilation cache directory (default $JFIRE_COMPILE_CACHE, else "
                         "~/.cache/jfire/xla; 'off' disables)")
@@ -119,7 +122,7 @@ def engine_config(args, *, single: bool):
     return EngineConfig(
         kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), attention=args.attention, prefill_budget=args.prefill_budget,
         max_model_len=getattr(args, "max_context", None), run_ahead=args.run_ahead,
-        compilation_cache_dir=None if cache == "off" else cache, **limits)
+        cpu_matmul=args.cpu_matmul, compilation_cache_dir=None if cache == "off" else cache, **limits)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -192,10 +192,11 @@ def _program_key(fn, args: tuple, static: dict, devices: list) -> str:
 
 @functools.cache
 def source_digest() -> str:
-    """The digest of jfire's Python sources: a program stored by other code is never loaded."""
+    """The digest of jfire's sources (Python, and the C++ kernels programs call): a program
+    stored by other code is never loaded."""
     package = Path(jfire.__file__).parent
     h = hashlib.sha256()
-    for path in sorted(package.rglob("*.py")):
+    for path in sorted([*package.rglob("*.py"), *package.rglob("*.cc")]):
         h.update(str(path.relative_to(package)).encode())
         h.update(b"\0")
         h.update(path.read_bytes())

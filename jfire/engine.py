@@ -19,12 +19,14 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jfire import sharding
 from jfire.checkpoint.load import LoadedModel
 from jfire.errors import JfireError
 from jfire.grammar import Grammars, ban, fill_mask
+from jfire.kernels import cpu_matmul
 from jfire.kv_cache import BlockPool, init_pages, page_bytes
 from jfire.pipeline import Pipeline
 from jfire.programs import ATTENTION_IMPLS, Buckets, CompiledPrograms
@@ -101,6 +103,9 @@ class EngineConfig:
     # Steady decoding dispatches each step before reading the previous step's ids (the ids
     # stay on the device and feed the next step): the host's work overlaps the device's.
     run_ahead: bool = True
+    # On one float32 CPU device, small products read each layer's weights where they lie in the
+    # stack (jfire.kernels.cpu_matmul) instead of XLA:CPU copying them out first.
+    cpu_matmul: bool = True
     compilation_cache_dir: str | None = None  # JAX's persistent cache; None = off
 
     def __post_init__(self):
@@ -194,6 +199,12 @@ class Engine:
     PROGRAM_KINDS = ("prefill", "decode")
     CALL_KINDS = ("prefill", "decode", "penalty")  # what _apply runs (and a group's followers replay)
 
+    def _uses_cpu_matmul(self, model: LoadedModel) -> bool:
+        if not self.config.cpu_matmul or model.mesh is not None or model.dtype_of_params != jnp.float32:
+            return False
+        device = next(iter(jax.tree.leaves(model.params)[0].devices()))
+        return device.platform == "cpu" and cpu_matmul.available()
+
     def __init__(self, model: LoadedModel, config: EngineConfig = EngineConfig()):
         self.model = model
         self.cfg = model.config
@@ -246,7 +257,8 @@ class Engine:
         self.programs = CompiledPrograms(self.cfg, model.params, self.pages, self.penalties, self.buckets,
                                          config.attention,
                                          lazy=not config.aot, mesh=mesh, layer_stack=layer_stack,
-                                         kinds=self.PROGRAM_KINDS, parallel=model.parallel)
+                                         kinds=self.PROGRAM_KINDS, parallel=model.parallel,
+                                         cpu_matmul=self._uses_cpu_matmul(model))
         self.eos_ids = frozenset(self.cfg.eos_token_ids) | (model.tokenizer.eos_ids if model.tokenizer else frozenset())
         self.grammars = Grammars(model.tokenizer, self.cfg.vocab_size, self.eos_ids)
         self._commands: queue.Queue = queue.Queue()

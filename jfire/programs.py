@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jfire import compile_cache
+from jfire.kernels import cpu_matmul as cpu_matmul_kernels
 from jfire.kernels.paged_attention import paged_attention
 from jfire.models.family import Family
 from jfire.sampling import PenaltyState, RowSampling, mask_words, prompt_logprobs, sample
@@ -108,34 +109,38 @@ def _smallest_at_least(options, n: int, what: str) -> int:
     raise ValueError(f"{what} {n} exceeds the largest compiled bucket {max(options)}")
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "layer_stack", "parallel"), donate_argnames=("pages", "penalties"))
+@functools.partial(jax.jit, static_argnames=("cfg", "layer_stack", "parallel", "cpu_matmul"),
+                   donate_argnames=("pages", "penalties"))
 def prefill(params, pages, tokens, positions, page_table, last_index, rows: RowSampling, penalties: PenaltyState,
-            targets, *, cfg: Family, layer_stack=None, parallel=None):
+            targets, *, cfg: Family, layer_stack=None, parallel=None, cpu_matmul: bool = False):
     """Chunks of prompts: tokens/positions [b, t] (position -1 = padding), page_table [b, w];
     last_index [b] picks the token whose next-token logits are wanted; targets [b, t] the
     prompt token after each position whose logprob is wanted (-1: none, the usual case).
     Returns (SampleOut of the next ids with the prompt's logprobs, their logits [b, v],
-    penalties, pages)."""
-    hidden, pages = cfg.decoder(params, tokens, positions, pages, page_table, layer_stack=layer_stack,
-                                parallel=parallel)
-    row = jnp.arange(tokens.shape[0])
-    logits = cfg.logits(params, hidden[row, last_index])
-    steps = positions[row, last_index].astype(jnp.uint32)
-    out, penalties = sample(logits, steps, rows, penalties)
-    out = out._replace(prompt=prompt_logprobs(functools.partial(cfg.logits, params), hidden, targets))
+    penalties, pages). `cpu_matmul`: small products read the weights in place
+    (jfire.kernels.cpu_matmul; one float32 CPU device only)."""
+    with cpu_matmul_kernels.in_place(cpu_matmul):
+        hidden, pages = cfg.decoder(params, tokens, positions, pages, page_table, layer_stack=layer_stack,
+                                    parallel=parallel)
+        row = jnp.arange(tokens.shape[0])
+        logits = cfg.logits(params, hidden[row, last_index])
+        steps = positions[row, last_index].astype(jnp.uint32)
+        out, penalties = sample(logits, steps, rows, penalties)
+        out = out._replace(prompt=prompt_logprobs(functools.partial(cfg.logits, params), hidden, targets))
     return out, logits, penalties, pages
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "attention", "layer_stack", "parallel"),
+@functools.partial(jax.jit, static_argnames=("cfg", "attention", "layer_stack", "parallel", "cpu_matmul"),
                    donate_argnames=("pages", "penalties"))
 def decode(params, pages, tokens, positions, page_table, rows: RowSampling, penalties: PenaltyState, *,
-           cfg: Family, attention: str = "reference", layer_stack=None, parallel=None):
+           cfg: Family, attention: str = "reference", layer_stack=None, parallel=None, cpu_matmul: bool = False):
     """One token per row: tokens/positions [b] (position -1 = an empty row), page_table [b, w].
     Returns (SampleOut of the next ids, logits [b, v], penalties, pages)."""
-    hidden, pages = cfg.decoder(params, tokens[:, None], positions[:, None], pages, page_table,
-                                attention_impl=_decode_attention(attention), layer_stack=layer_stack,
-                                parallel=parallel)
-    logits = cfg.logits(params, hidden[:, 0])
+    with cpu_matmul_kernels.in_place(cpu_matmul):
+        hidden, pages = cfg.decoder(params, tokens[:, None], positions[:, None], pages, page_table,
+                                    attention_impl=_decode_attention(attention), layer_stack=layer_stack,
+                                    parallel=parallel)
+        logits = cfg.logits(params, hidden[:, 0])
     out, penalties = sample(logits, positions.astype(jnp.uint32), rows, penalties)
     return out, logits, penalties, pages
 
@@ -157,8 +162,10 @@ class CompiledPrograms:
     """
 
     def __init__(self, cfg: Family, params, pages, penalties, buckets: Buckets, attention: str = "reference",
-                 lazy: bool = False, mesh=None, layer_stack=None, kinds=("prefill", "decode"), parallel=None):
+                 lazy: bool = False, mesh=None, layer_stack=None, kinds=("prefill", "decode"), parallel=None,
+                 cpu_matmul: bool = False):
         self.cfg = cfg
+        self.cpu_matmul = cpu_matmul  # small products read the weights in place (see `decode`)
         self.kinds = kinds  # a disaggregated group compiles only its own role's programs
         self.layer_stack = layer_stack
         self.parallel = parallel
@@ -245,7 +252,7 @@ class CompiledPrograms:
         i32 = jnp.int32
         s = functools.partial(jax.ShapeDtypeStruct, sharding=self._input_sharding)
         w = self.buckets.pages_per_row
-        static = dict(cfg=self.cfg, layer_stack=self.layer_stack, parallel=self.parallel)
+        static = dict(cfg=self.cfg, layer_stack=self.layer_stack, parallel=self.parallel, cpu_matmul=self.cpu_matmul)
         if shape[0] == "decode":
             _, n = shape
             return decode, (self._params, self._pages, s((n,), i32), s((n,), i32), s((n, w), i32), self._rows(n),

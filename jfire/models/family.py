@@ -259,19 +259,43 @@ def stack_depth(stack) -> int:
     return jax.tree.leaves(stack)[0].shape[0]
 
 
-def scan_layers(layer: Callable, stack, carry, dtype):
+def scan_layers(layer: Callable, stack, carry, dtype, *, in_place: bool = False):
     """`lax.scan` of `layer(carry, p, j) -> (carry, None)` over a segment's stacked weights,
     j the layer's index in the stack. The cache rides in the carry so each layer updates it in
     place (a scanned-over output would be a second full copy of the pool). Weights kept
-    compressed in device memory are decoded just before their layer runs."""
+    compressed in device memory are decoded just before their layer runs.
+
+    `in_place`: the layer reads its weights through `jfire.models.blocks.layer_matmul`, which
+    can take them from the whole stack; where the program enables that
+    (`jfire.kernels.cpu_matmul.in_place`), `p` is a `StackedLayer` view instead of slices."""
+    from jfire.kernels import cpu_matmul
     from jfire.kernels.layer_weights import has_compressed, layer_slice
 
     ids = jax.numpy.arange(stack_depth(stack), dtype=jax.numpy.int32)
     if has_compressed(stack):
         carry, _ = jax.lax.scan(lambda c, j: layer(c, layer_slice(stack, j, dtype=dtype), j), carry, ids)
+    elif in_place and cpu_matmul.in_place_enabled():
+        carry, _ = jax.lax.scan(lambda c, j: layer(c, StackedLayer(stack, j), j), carry, ids)
     else:
         carry, _ = jax.lax.scan(lambda c, xs: layer(c, *xs), carry, (stack, ids))
     return carry
+
+
+class StackedLayer(Mapping):
+    """Layer `index` of a stacked weight tree, read lazily: `p[name]` slices that layer out
+    (XLA:CPU copies it), while `layer_matmul` can multiply by it straight from the stack."""
+
+    def __init__(self, stack: Mapping, index):
+        self.stack, self.index = stack, index
+
+    def __getitem__(self, name):
+        return jax.lax.dynamic_index_in_dim(self.stack[name], self.index, keepdims=False)
+
+    def __iter__(self):
+        return iter(self.stack)
+
+    def __len__(self):
+        return len(self.stack)
 
 
 # -- whole-model helpers for tests and tools ------------------------------------------------------

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from jfire.errors import JfireError
 from jfire.kernels.paged_attention import paged_attention_reference
-from jfire.models.blocks import (RopeScaling, pre_norm_decoder, gqa_mesh_problems, kv_cache_specs, repeat_kv_heads, apply_rope, cache_slots, gated_mlp, lm_head, out_projection, rms_norm,
+from jfire.models.blocks import (RopeScaling, pre_norm_decoder, gqa_mesh_problems, kv_cache_specs, repeat_kv_heads, apply_rope, cache_slots, layer_matmul, lm_head, rms_norm,
                                  rope_angles, rope_inv_freq, rope_params, write_heads)
 from jfire.models.family import CacheSpec, Family, MeshShape, segments_of, scan_layers
 from jfire.models.params import ParamSpec
@@ -335,9 +335,7 @@ def run_segment(cfg: LlamaConfig, segment, stack: dict, x, positions, pages: dic
         i = cache_offset + j
         with jax.named_scope("attention"):
             h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-            q = jnp.einsum("bte,ehd->bthd", h, p["wq"])
-            k = jnp.einsum("bte,ekd->btkd", h, p["wk"])
-            v = jnp.einsum("bte,ekd->btkd", h, p["wv"])
+            q, k, v = (layer_matmul(h, p, name) for name in ("wq", "wk", "wv"))
             if cfg.qkv_bias:
                 q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
             if cfg.qk_norm:
@@ -347,7 +345,7 @@ def run_segment(cfg: LlamaConfig, segment, stack: dict, x, positions, pages: dic
             k_pages = write_heads(k_pages, i, page, slot, k)
             v_pages = write_heads(v_pages, i, page, slot, v)
             out = attend(q, k_pages, v_pages, i, page_table, positions, sliding_window=cfg.sliding_window)
-            x = x + out_projection(out, p["wo"])
+            x = x + layer_matmul(out, p, "wo", n_in=2)
             if cfg.o_bias:
                 x = x + p["bo"]
         h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
@@ -361,8 +359,9 @@ def run_segment(cfg: LlamaConfig, segment, stack: dict, x, positions, pages: dic
                                        parallel=parallel)
         else:
             with jax.named_scope("mlp"):
-                x = x + gated_mlp(h, p["w_gate"], p["w_up"], p["w_down"])
+                gate = jax.nn.silu(layer_matmul(h, p, "w_gate"))
+                x = x + layer_matmul(gate * layer_matmul(h, p, "w_up"), p, "w_down")
         return (x, k_pages, v_pages), None
 
-    x, k, v = scan_layers(layer, stack, (x, pages["k"], pages["v"]), x.dtype)
+    x, k, v = scan_layers(layer, stack, (x, pages["k"], pages["v"]), x.dtype, in_place=True)
     return x, {"k": k, "v": v}

@@ -1,0 +1,165 @@
+// Float32 matrix products for XLA:CPU that read their weights where they lie (see cpu_matmul.py).
+//
+//   jfire_stacked_matmul: y[m, n] = x[m, k] @ w[layer, k, n], layer a device scalar. Inside the
+//     models' layer scan the weights stay one stacked array; XLA:CPU would copy each layer's
+//     slice out of it before its dot, which costs more than the product itself.
+//   jfire_matmul_nt: y[m, n] = x[m, k] @ w[n, k]^T (the tied embedding as the output head).
+//
+// Both split their work into one chunk per thread of XLA's intra-op pool. The calling thread
+// claims chunks too, and waits only for chunks another thread has already claimed, so a call
+// never waits on a task queued behind a busy pool (XLA runs independent thunks concurrently on
+// that same pool). Chunks of w are read front to back, once.
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// y[r, :] = sum over k0 <= kk < k1 of x[r, kk] * w[kk, :], for r < m; w is [k, n] row-major.
+// Columns are tiled so the m rows of accumulators stay in L1 while w streams past.
+void AccumulateRows(const float* __restrict x, const float* __restrict w, float* __restrict y, int64_t m,
+                    int64_t k, int64_t n, int64_t k0, int64_t k1) {
+  const int64_t tile = std::max<int64_t>(64, (24 * 1024 / 4) / m / 16 * 16);
+  for (int64_t c0 = 0; c0 < n; c0 += tile) {
+    const int64_t len = std::min(tile, n - c0);
+    for (int64_t r = 0; r < m; ++r) std::memset(y + r * n + c0, 0, len * sizeof(float));
+    int64_t kk = k0;
+    for (; kk + 4 <= k1; kk += 4) {
+      const float* w0 = w + kk * n + c0;
+      const float* w1 = w0 + n;
+      const float* w2 = w1 + n;
+      const float* w3 = w2 + n;
+      for (int64_t r = 0; r < m; ++r) {
+        const float* xr = x + r * k + kk;
+        const float a0 = xr[0], a1 = xr[1], a2 = xr[2], a3 = xr[3];
+        float* yr = y + r * n + c0;
+#pragma GCC ivdep
+        for (int64_t j = 0; j < len; ++j) yr[j] += a0 * w0[j] + a1 * w1[j] + a2 * w2[j] + a3 * w3[j];
+      }
+    }
+    for (; kk < k1; ++kk) {
+      const float* w0 = w + kk * n + c0;
+      for (int64_t r = 0; r < m; ++r) {
+        const float a0 = x[r * k + kk];
+        float* yr = y + r * n + c0;
+#pragma GCC ivdep
+        for (int64_t j = 0; j < len; ++j) yr[j] += a0 * w0[j];
+      }
+    }
+  }
+}
+
+// y[r, n0:n1] = x[r, :] . w[n0:n1, :] for r < m; w is [n, k] row-major.
+void DotRows(const float* __restrict x, const float* __restrict w, float* __restrict y, int64_t m, int64_t k,
+             int64_t n, int64_t n0, int64_t n1) {
+  for (int64_t j = n0; j < n1; ++j) {
+    const float* wj = w + j * k;
+    for (int64_t r = 0; r < m; ++r) {
+      const float* xr = x + r * k;
+      float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t i = 0; i < k; ++i) acc += xr[i] * wj[i];
+      y[r * n + j] = acc;
+    }
+  }
+}
+
+// Runs work(c) for c < chunks on the pool and the calling thread; returns when all are done.
+template <typename Work>
+void RunChunks(ffi::ThreadPool& pool, int64_t chunks, Work work) {
+  struct State {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+  };
+  auto state = std::make_shared<State>();
+  auto claim = [state, chunks, work]() {
+    for (int64_t c; (c = state->next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
+      work(c);
+      state->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int64_t t = 1; t < chunks; ++t) pool.Schedule(decltype(claim)(claim));
+  claim();
+  while (state->done.load(std::memory_order_acquire) < chunks) {
+  }
+}
+
+int64_t Threads(ffi::ThreadPool& pool, int64_t work_rows) {
+  return std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), work_rows / 64));
+}
+
+ffi::Error StackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                         ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || xd[1] != wd[1]) {
+    return ffi::Error::InvalidArgument("jfire_stacked_matmul takes x [m, k] and w [layers, k, n]");
+  }
+  const int64_t m = xd[0], k = xd[1], layers = wd[0], n = wd[2];
+  const int32_t l = layer.typed_data()[0];
+  if (l < 0 || l >= layers) return ffi::Error::InvalidArgument("jfire_stacked_matmul: layer index out of range");
+  const float* xp = x.typed_data();
+  const float* wl = w.typed_data() + static_cast<int64_t>(l) * k * n;
+  float* yp = y->typed_data();
+  const int64_t chunks = Threads(pool, k);
+  if (chunks == 1) {
+    AccumulateRows(xp, wl, yp, m, k, n, 0, k);
+    return ffi::Error::Success();
+  }
+  // Chunks split k, so each reads whole rows of w; chunk 0 sums into y, the others into partials.
+  const int64_t per = (k + chunks - 1) / chunks;
+  std::vector<float> partial((chunks - 1) * m * n);
+  float* parts = partial.data();
+  RunChunks(pool, chunks, [=](int64_t c) {
+    const int64_t k0 = c * per, k1 = std::min(k, k0 + per);
+    AccumulateRows(xp, wl, c == 0 ? yp : parts + (c - 1) * m * n, m, k, n, k0, std::max(k0, k1));
+  });
+  for (int64_t c = 1; c < chunks; ++c) {
+    const float* p = parts + (c - 1) * m * n;
+    for (int64_t i = 0; i < m * n; ++i) yp[i] += p[i];
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error MatmulNT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                    ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1]) {
+    return ffi::Error::InvalidArgument("jfire_matmul_nt takes x [m, k] and w [n, k]");
+  }
+  const int64_t m = xd[0], k = xd[1], n = wd[0];
+  const float* xp = x.typed_data();
+  const float* wp = w.typed_data();
+  float* yp = y->typed_data();
+  const int64_t chunks = Threads(pool, n);
+  const int64_t per = (n + chunks - 1) / chunks;
+  RunChunks(pool, chunks, [=](int64_t c) {
+    const int64_t n0 = c * per, n1 = std::min(n, n0 + per);
+    DotRows(xp, wp, yp, m, k, n, n0, std::max(n0, n1));
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jfire_stacked_matmul, StackedMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jfire_matmul_nt, MatmulNT,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,99 @@
+"""The CPU matmul kernels (jfire.kernels.cpu_matmul) against float64 numpy products: odd and
+real shapes, every row count up to the kernels' limit, the layer picked from a stack inside a
+jitted layer scan; and that the engine's programs really call them where they apply."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jfire.kernels import cpu_matmul
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    # setup.sh builds them; a machine where they cannot be built must not pass this silently.
+    assert cpu_matmul.available(), "the CPU matmul kernels did not build (see the warning above)"
+
+
+def within_float32_rounding(got, x, w):
+    """got equals x @ w computed in float64, to float32 accumulation error: at most a few ulps
+    of the sum of |x| |w| over the contraction, at every element."""
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    bound = np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(w, np.float64))
+    err = np.abs(np.asarray(got, np.float64) - want)
+    k = x.shape[-1]
+    assert got.shape == want.shape
+    assert np.all(err <= 4 * np.sqrt(k) * np.finfo(np.float32).eps * bound + 1e-30), float((err / (bound + 1e-30)).max())
+
+
+SHAPES = [(1, 576, 1536), (1, 1536, 576), (3, 5, 7), (8, 1027, 192), (17, 576, 960), (64, 64, 2048), (2, 130, 33)]
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_stacked_matmul_picks_the_layer_and_multiplies(m, k, n):
+    rng = np.random.default_rng(m * 1000 + k)
+    stack = rng.standard_normal((3, k, n), dtype=np.float32)
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    f = jax.jit(cpu_matmul.stacked_matmul)
+    for layer in range(3):
+        within_float32_rounding(np.asarray(f(x, stack, jnp.int32(layer))), x, stack[layer])
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_matmul_nt_is_x_times_w_transposed(m, k, n):
+    rng = np.random.default_rng(m * 1000 + n)
+    w = rng.standard_normal((n, k), dtype=np.float32)
+    x = rng.standard_normal((2, m, k), dtype=np.float32)  # leading dims are kept
+    got = np.asarray(jax.jit(cpu_matmul.matmul_nt)(x, w))
+    within_float32_rounding(got.reshape(-1, n), x.reshape(-1, k), w.T)
+
+
+def test_stacked_matmul_inside_a_layer_scan():
+    """A scan over 6 layers that multiplies by each layer's weight from the whole stack gives
+    the layer-by-layer float64 products."""
+    rng = np.random.default_rng(0)
+    stack = rng.standard_normal((6, 96, 96), dtype=np.float32) / 10
+    x = rng.standard_normal((4, 96), dtype=np.float32)
+
+    def run(x, stack):
+        return jax.lax.scan(lambda h, j: (jnp.tanh(cpu_matmul.stacked_matmul(h, stack, j)),) * 2, x,
+                            jnp.arange(6, dtype=jnp.int32))[1]
+
+    steps = np.asarray(jax.jit(run)(x, stack))
+    h = x
+    for j in range(6):
+        want = np.tanh(np.asarray(h, np.float64) @ stack[j].astype(np.float64))
+        np.testing.assert_allclose(steps[j], want, rtol=0, atol=1e-5)
+        h = steps[j]
+
+
+def test_the_engine_programs_call_the_kernels_only_where_they_apply(default_checkpoint):
+    """A float32 decode program with cpu_matmul=True calls both kernels (every layer product
+    and the tied head); the same program without it, and a prefill of more rows than the
+    kernels take, call none."""
+    from jfire.checkpoint.load import load_model
+    from jfire.kv_cache import init_pages
+    from jfire.programs import decode, prefill
+    from jfire.sampling import init_penalty_state, neutral_rows
+
+    model = load_model("default", "float32")
+    cfg, params = model.config, model.params
+    pages = init_pages(cfg, 8, 16, jnp.float32)
+    pen = init_penalty_state(2, cfg.vocab_size)
+    i32 = np.int32
+
+    def decode_text(flag):
+        return decode.lower(params, pages, np.zeros(1, i32), np.zeros(1, i32), np.zeros((1, 8), i32),
+                            neutral_rows(1, cfg.vocab_size), pen, cfg=cfg, cpu_matmul=flag).as_text()
+
+    on, off = decode_text(True), decode_text(False)
+    assert "jfire_stacked_matmul" in on and "jfire_matmul_nt" in on
+    assert "jfire_stacked_matmul" not in off and "jfire_matmul_nt" not in off
+    t = cpu_matmul.MAX_ROWS * 2
+    big = prefill.lower(params, pages, np.zeros((1, t), i32), np.zeros((1, t), i32), np.zeros((1, 8), i32),
+                        np.zeros(1, i32), neutral_rows(1, cfg.vocab_size), pen, np.full((1, t), -1, i32),
+                        cfg=cfg, cpu_matmul=True).as_text()
+    assert "jfire_stacked_matmul" not in big
