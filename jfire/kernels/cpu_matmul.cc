@@ -5,7 +5,9 @@
 //     slice out of it before its dot, which costs more than the product itself.
 //   jfire_matmul_nt: y[m, n] = x[m, k] @ w[n, k]^T (the tied embedding as the output head).
 //
-// Both split their work into one chunk per thread of XLA's intra-op pool. The calling thread
+// A row's result is the same whatever the number of rows in the call (every path sums the
+// contraction in the same order, with fused multiply-adds), so a sequence decodes the same
+// tokens alone or batched. Both split their work into one chunk per thread of XLA's intra-op pool. The calling thread
 // claims chunks too, and waits only for chunks another thread has already claimed, so a call
 // never waits on a task queued behind a busy pool (XLA runs independent thunks concurrently on
 // that same pool). Chunks of w are read front to back, once.
@@ -23,13 +25,14 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// y[r, :] = sum over k0 <= kk < k1 of x[r, kk] * w[kk, :], for r < m; w is [k, n] row-major.
-// Columns are tiled so the m rows of accumulators stay in L1 while w streams past.
+// y[r, c0:c1] = sum over k0 <= kk < k1 of x[r, kk] * w[kk, c0:c1], for r < m; x is [m, k] and
+// w [k, n], row-major. Columns are tiled so the m rows of accumulators stay in L1 while w
+// streams past: the form for one or a few rows, where reading w is all the work.
 void AccumulateRows(const float* __restrict x, const float* __restrict w, float* __restrict y, int64_t m,
-                    int64_t k, int64_t n, int64_t k0, int64_t k1) {
+                    int64_t k, int64_t n, int64_t k0, int64_t k1, int64_t c_begin, int64_t c_end) {
   const int64_t tile = std::max<int64_t>(64, (24 * 1024 / 4) / m / 16 * 16);
-  for (int64_t c0 = 0; c0 < n; c0 += tile) {
-    const int64_t len = std::min(tile, n - c0);
+  for (int64_t c0 = c_begin; c0 < c_end; c0 += tile) {
+    const int64_t len = std::min(tile, c_end - c0);
     for (int64_t r = 0; r < m; ++r) std::memset(y + r * n + c0, 0, len * sizeof(float));
     int64_t kk = k0;
     for (; kk + 4 <= k1; kk += 4) {
@@ -41,8 +44,17 @@ void AccumulateRows(const float* __restrict x, const float* __restrict w, float*
         const float* xr = x + r * k + kk;
         const float a0 = xr[0], a1 = xr[1], a2 = xr[2], a3 = xr[3];
         float* yr = y + r * n + c0;
+        // One fused multiply-add per row of w, in order: the summation order of the register
+        // blocks, so a row's result does not depend on how many rows share the call.
 #pragma GCC ivdep
-        for (int64_t j = 0; j < len; ++j) yr[j] += a0 * w0[j] + a1 * w1[j] + a2 * w2[j] + a3 * w3[j];
+        for (int64_t j = 0; j < len; ++j) {
+          float acc = yr[j];
+          acc += a0 * w0[j];
+          acc += a1 * w1[j];
+          acc += a2 * w2[j];
+          acc += a3 * w3[j];
+          yr[j] = acc;
+        }
       }
     }
     for (; kk < k1; ++kk) {
@@ -55,6 +67,70 @@ void AccumulateRows(const float* __restrict x, const float* __restrict w, float*
       }
     }
   }
+}
+
+// One vector register of floats, and the register block of rows x vectors of columns that
+// keeps its accumulators in registers: 4 x 4 of the 32 AVX-512 registers, 6 x 2 of the 16
+// AVX2 ones (two registers for w and one for the broadcast x are left over).
+#if defined(__AVX512F__)
+typedef float Vec __attribute__((vector_size(64)));
+constexpr int64_t kBlockRows = 4, kBlockVecs = 4;
+#else
+typedef float Vec __attribute__((vector_size(32)));
+constexpr int64_t kBlockRows = 6, kBlockVecs = 2;
+#endif
+constexpr int64_t kLanes = sizeof(Vec) / sizeof(float), kBlockCols = kLanes * kBlockVecs;
+
+// y[0:R, 0:kBlockCols] = x[0:R, k0:k1] @ w[k0:k1, 0:kBlockCols], the accumulators held in
+// registers: per row of w, kBlockVecs loads feed R * kBlockVecs fused multiply-adds (the
+// few-rows form reloads its accumulators for every row of w, which bounds it at 8-64 rows).
+template <int64_t R>
+void Block(const float* __restrict x, int64_t k, const float* __restrict w, int64_t n, float* __restrict y,
+           int64_t k0, int64_t k1) {
+  Vec acc[R][kBlockVecs] = {};
+  for (int64_t kk = k0; kk < k1; ++kk) {
+    Vec wv[kBlockVecs];
+    for (int64_t c = 0; c < kBlockVecs; ++c) std::memcpy(&wv[c], w + kk * n + c * kLanes, sizeof(Vec));
+    for (int64_t r = 0; r < R; ++r) {
+      const float a = x[r * k + kk];
+      for (int64_t c = 0; c < kBlockVecs; ++c) acc[r][c] += a * wv[c];
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < kBlockVecs; ++c) std::memcpy(y + r * n + c * kLanes, &acc[r][c], sizeof(Vec));
+}
+
+template <int64_t R>
+void BlockRow(const float* x, int64_t k, const float* w, int64_t n, float* y, int64_t k0, int64_t k1,
+              int64_t block_cols) {
+  for (int64_t c0 = 0; c0 < block_cols; c0 += kBlockCols) Block<R>(x, k, w + c0, n, y + c0, k0, k1);
+}
+
+// y = x[:, k0:k1] @ w[k0:k1, :] for x [m, k], w [k, n]. One or two rows stream w with the
+// few-rows form; more go through register blocks (the last block taking the rows left),
+// and the few-rows form takes the columns past the last whole block.
+void MultiplyRows(const float* __restrict x, const float* __restrict w, float* __restrict y, int64_t m, int64_t k,
+                  int64_t n, int64_t k0, int64_t k1) {
+  const int64_t block_cols = n / kBlockCols * kBlockCols;
+  if (m <= 2 || block_cols == 0) {
+    AccumulateRows(x, w, y, m, k, n, k0, k1, 0, n);
+    return;
+  }
+  for (int64_t r0 = 0; r0 < m; r0 += kBlockRows) {
+    const float* xr = x + r0 * k;
+    float* yr = y + r0 * n;
+    switch (std::min(kBlockRows, m - r0)) {
+      case 1: BlockRow<1>(xr, k, w, n, yr, k0, k1, block_cols); break;
+      case 2: BlockRow<2>(xr, k, w, n, yr, k0, k1, block_cols); break;
+      case 3: BlockRow<3>(xr, k, w, n, yr, k0, k1, block_cols); break;
+      case 4: BlockRow<4>(xr, k, w, n, yr, k0, k1, block_cols); break;
+#if !defined(__AVX512F__)
+      case 5: BlockRow<5>(xr, k, w, n, yr, k0, k1, block_cols); break;
+      case 6: BlockRow<6>(xr, k, w, n, yr, k0, k1, block_cols); break;
+#endif
+    }
+  }
+  if (block_cols < n) AccumulateRows(x, w, y, m, k, n, k0, k1, block_cols, n);
 }
 
 // y[r, n0:n1] = x[r, :] . w[n0:n1, :] for r < m; w is [n, k] row-major.
@@ -110,7 +186,7 @@ ffi::Error StackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   float* yp = y->typed_data();
   const int64_t chunks = Threads(pool, k);
   if (chunks == 1) {
-    AccumulateRows(xp, wl, yp, m, k, n, 0, k);
+    MultiplyRows(xp, wl, yp, m, k, n, 0, k);
     return ffi::Error::Success();
   }
   // Chunks split k, so each reads whole rows of w; chunk 0 sums into y, the others into partials.
@@ -119,7 +195,7 @@ ffi::Error StackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   float* parts = partial.data();
   RunChunks(pool, chunks, [=](int64_t c) {
     const int64_t k0 = c * per, k1 = std::min(k, k0 + per);
-    AccumulateRows(xp, wl, c == 0 ? yp : parts + (c - 1) * m * n, m, k, n, k0, std::max(k0, k1));
+    MultiplyRows(xp, wl, c == 0 ? yp : parts + (c - 1) * m * n, m, k, n, k0, std::max(k0, k1));
   });
   for (int64_t c = 1; c < chunks; ++c) {
     const float* p = parts + (c - 1) * m * n;

@@ -35,9 +35,14 @@ log = logging.getLogger("jfire.kernels")
 SOURCE = Path(__file__).with_name("cpu_matmul.cc")
 BUILD_DIR = Path(__file__).with_name("_build")
 # -march=native: the library is built on (and keyed by) the CPU that runs it.
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd", "-w")
+# -ffp-contract=fast: a * b + c as one fused multiply-add everywhere (ISO C++ mode would
+# contract only some), so every path rounds the same way.
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd", "-w")
 TARGETS = ("jfire_stacked_matmul", "jfire_matmul_nt")
 MAX_ROWS = 64  # rows (tokens) per product up to which the kernels beat a slice copy plus XLA's dot
+# The head (`matmul_nt`) is a row of dot products per output: ahead of XLA's dot for a few rows,
+# well behind its blocked GEMM at 16 (42 against ~10 ms for the default model's 113 MB head).
+HEAD_MAX_ROWS = 4
 
 # Whether the models' layer scans read their weights in place (set by the programs for a
 # single-device float32 CPU engine). A jax user context: part of jit's cache key, local to the
@@ -108,9 +113,9 @@ def available() -> bool:
     return True
 
 
-def applies(rows: int, *arrays) -> bool:
+def applies(rows: int, *arrays, max_rows: int = MAX_ROWS) -> bool:
     """Whether a product of `rows` rows over these arrays runs on the kernels."""
-    return (in_place_enabled() and rows <= MAX_ROWS and all(a.dtype == jnp.float32 for a in arrays)
+    return (in_place_enabled() and rows <= max_rows and all(a.dtype == jnp.float32 for a in arrays)
             and available())
 
 

@@ -97,3 +97,18 @@ def test_the_engine_programs_call_the_kernels_only_where_they_apply(default_chec
                         np.zeros(1, i32), neutral_rows(1, cfg.vocab_size), pen, np.full((1, t), -1, i32),
                         cfg=cfg, cpu_matmul=True).as_text()
     assert "jfire_stacked_matmul" not in big
+
+
+@pytest.mark.parametrize("k,n", [(576, 1536), (1536, 576), (130, 70)])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(k, n):
+    """Every path (few rows, register blocks, the columns left over) sums in the same order,
+    bit for bit: a sequence decodes the same alone or batched."""
+    rng = np.random.default_rng(k + n)
+    stack = rng.standard_normal((2, k, n), dtype=np.float32)
+    w = rng.standard_normal((n, k), dtype=np.float32)
+    x = rng.standard_normal((cpu_matmul.MAX_ROWS, k), dtype=np.float32)
+    stacked, nt = jax.jit(cpu_matmul.stacked_matmul), jax.jit(cpu_matmul.matmul_nt)
+    all_stacked, all_nt = np.asarray(stacked(x, stack, jnp.int32(1))), np.asarray(nt(x, w))
+    for m in (1, 2, 3, 5, 6, 7, 13, 16, 33):
+        np.testing.assert_array_equal(np.asarray(stacked(x[:m], stack, jnp.int32(1))), all_stacked[:m])
+        np.testing.assert_array_equal(np.asarray(nt(x[:m], w)), all_nt[:m])
