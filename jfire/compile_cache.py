@@ -82,8 +82,14 @@ def _compiled_afresh(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
     setting is per thread: other threads' compilations still use JAX's cache."""
     from jax._src import config
 
+    # JAX also keeps compiled executables in memory, keyed by the lowered module and the compiler
+    # options: a program this process already compiled (or loaded from JAX's cache) would come
+    # back as that same executable. An option set to its default value makes the key its own.
     with config.enable_compilation_cache(False):
-        return lowered.compile()
+        return lowered.compile(compiler_options=_AFRESH)
+
+
+_AFRESH = {"xla_embed_ir_in_executable": False}  # XLA's default
 
 
 def _serialize(exe: jax.stages.Compiled):

@@ -152,6 +152,56 @@ def test_a_stored_program_loads_without_compiling_and_computes_the_same(tmp_path
     assert second["other static"] == second["other shape"] == "compiled instead of loaded"
 
 
+# A program this process first ran through plain jit (JAX's persistent cache on), then stored.
+JIT_THEN_STORE = """
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+from jfire import compile_cache
+from jfire.engine import enable_compilation_cache
+
+enable_compilation_cache(sys.argv[1])
+
+@jax.jit
+def h(x):
+    return jnp.tanh(x @ x.T) + jnp.arange(x.shape[0], dtype=x.dtype)
+
+x = jnp.asarray(np.arange(12, dtype=np.float32).reshape(3, 4) / 10)
+out = {}
+if sys.argv[2] in ("jit", "jit then store"):
+    out["jit"] = np.asarray(h(x)).tolist()
+if sys.argv[2] == "jit then store":  # the store's compilation is its own, not jit's executable
+    out["own executable"] = (compile_cache._compiled_afresh(h.lower(x)).runtime_executable()
+                             is not h.lower(x).compile().runtime_executable())
+if sys.argv[2] in ("jit then store", "load"):
+    exe = compile_cache.program(h, (jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),), {},
+                                jax.local_devices())
+    out["program"] = np.asarray(exe(x)).tolist()
+print(json.dumps(out), flush=True)
+"""
+
+
+def test_a_program_first_run_through_jit_is_stored_whole(tmp_path):
+    """JAX keeps compiled executables in memory by lowered module: a program a process already
+    ran through plain jit, whose executable came from JAX's persistent cache, would be stored
+    as that executable, which XLA:CPU serializes without some of its kernels (a later start's
+    copy then failed with "Function iota... not found"). The store compiles its own, and the
+    stored program computes what jit did in a third process."""
+    x = np.arange(12, dtype=np.float32).reshape(3, 4) / 10
+    want = np.tanh(x @ x.T) + np.arange(3)
+
+    def run(mode):
+        done = subprocess.run([sys.executable, "-c", JIT_THEN_STORE, str(tmp_path), mode], cwd=REPO,
+                              env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    np.testing.assert_allclose(run("jit")["jit"], want, rtol=1e-6)  # fills JAX's persistent cache
+    second = run("jit then store")  # jit loads from JAX's cache; the program store then stores
+    assert second["own executable"] and second["program"] == second["jit"]
+    assert run("load")["program"] == second["jit"]
+
+
 def test_a_program_key_covers_the_source_arguments_and_devices(monkeypatch):
     import jax
     import jax.numpy as jnp
