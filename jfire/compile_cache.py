@@ -75,6 +75,11 @@ def is_stored(fn, args: tuple, static: dict, devices) -> bool:
     return bool(root) and (Path(root) / PROGRAMS / f"{_program_key(fn, args, static, devices)}.pkl").is_file()
 
 
+# A compiler option at XLA's default value: it changes nothing in the program, only the key of
+# JAX's in-memory executables (see `_compiled_afresh`).
+_AFRESH = {"xla_embed_ir_in_executable": False}
+
+
 def _compiled_afresh(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
     """Compiled by XLA, not loaded from JAX's persistent cache: XLA:CPU serializes an executable
     it loaded from that cache without some of its kernels (the copy loaded later fails with
@@ -88,8 +93,6 @@ def _compiled_afresh(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
     with config.enable_compilation_cache(False):
         return lowered.compile(compiler_options=_AFRESH)
 
-
-_AFRESH = {"xla_embed_ir_in_executable": False}  # XLA's default
 
 
 def _serialize(exe: jax.stages.Compiled):

@@ -7,10 +7,10 @@
 //
 // A row's result is the same whatever the number of rows in the call (every path sums the
 // contraction in the same order, with fused multiply-adds), so a sequence decodes the same
-// tokens alone or batched. Both split their work into one chunk per thread of XLA's intra-op pool. The calling thread
-// claims chunks too, and waits only for chunks another thread has already claimed, so a call
-// never waits on a task queued behind a busy pool (XLA runs independent thunks concurrently on
-// that same pool). Chunks of w are read front to back, once.
+// tokens alone or batched. Both split their work into one chunk per thread of XLA's intra-op
+// pool. The calling thread claims chunks too, and waits only for chunks another thread has
+// already claimed, so a call never waits on a task queued behind a busy pool (XLA runs
+// independent thunks concurrently on that same pool). Chunks of w are read front to back, once.
 
 #include <algorithm>
 #include <atomic>

@@ -159,21 +159,25 @@ def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Arra
 
 def layer_matmul(x: jax.Array, p, name: str, n_in: int = 1) -> jax.Array:
     """x [..., in...] through the layer weight p[name] [in..., out...], whose first n_in dims
-    contract with x's last n_in: one 2-D product (XLA:CPU otherwise transposes a weight with
-    several input dims on every call). Where `p` is a `StackedLayer` and the CPU kernels apply,
-    the product reads the layer straight from the stack (jfire.kernels.cpu_matmul)."""
+    contract with x's last n_in (`flat_matmul`). Where `p` is a `StackedLayer` and the CPU
+    kernels apply, the product reads the layer straight from the stack (jfire.kernels.cpu_matmul)."""
     from jfire.kernels import cpu_matmul
     from jfire.models.family import StackedLayer
 
-    lead = x.shape[:x.ndim - n_in]
-    k = math.prod(x.shape[x.ndim - n_in:])
     if isinstance(p, StackedLayer):
         stack = p.stack[name]
+        lead, k = x.shape[:x.ndim - n_in], math.prod(x.shape[x.ndim - n_in:])
         out_dims = stack.shape[1 + n_in:]
         if cpu_matmul.applies(math.prod(lead), x, stack):
             flat = stack.reshape(stack.shape[0], k, math.prod(out_dims))
             return cpu_matmul.stacked_matmul(x.reshape(*lead, k), flat, p.index).reshape(*lead, *out_dims)
-    w = p[name]
+    return flat_matmul(x, p[name], n_in)
+
+
+def flat_matmul(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
+    """x [..., in...] @ w [in..., out...] over the n_in input dims, as one 2-D product (XLA:CPU
+    otherwise transposes a weight with several input dims on every call)."""
+    lead, k = x.shape[:x.ndim - n_in], math.prod(x.shape[x.ndim - n_in:])
     out_dims = w.shape[n_in:]
     y = jnp.einsum("...k,kn->...n", x.reshape(*lead, k), w.reshape(k, math.prod(out_dims)))
     return y.reshape(*lead, *out_dims)
@@ -196,10 +200,8 @@ def write_heads(pages: jax.Array, layer, page, slot, values: jax.Array) -> jax.A
 
 
 def out_projection(out: jax.Array, wo: jax.Array) -> jax.Array:
-    """Attention output [b, t, h, d] through wo [h, d, e]: one contraction over h*d (XLA CPU
-    otherwise transposes wo on every call)."""
-    b, t, h, d = out.shape
-    return jnp.einsum("btf,fe->bte", out.reshape(b, t, h * d), wo.reshape(h * d, -1))
+    """Attention output [b, t, h, d] through wo [h, d, e]: one contraction over h*d."""
+    return flat_matmul(out, wo, n_in=2)
 
 
 def lm_head(x: jax.Array, params: dict, tied: bool) -> jax.Array:
@@ -209,7 +211,7 @@ def lm_head(x: jax.Array, params: dict, tied: bool) -> jax.Array:
             from jfire.kernels import cpu_matmul
 
             if cpu_matmul.applies(math.prod(x.shape[:-1]), x, params["embed"], max_rows=cpu_matmul.HEAD_MAX_ROWS):
-                return cpu_matmul.matmul_nt(x, params["embed"])  # XLA:CPU's dot reads it at 2/3 the speed
+                return cpu_matmul.matmul_nt(x, params["embed"])
             return jnp.einsum("...e,ve->...v", x, params["embed"], preferred_element_type=jnp.float32)
         return jnp.einsum("...e,ev->...v", x, params["lm_head"], preferred_element_type=jnp.float32)
 
