@@ -1,8 +1,9 @@
 // Float32 matrix products for XLA:CPU that read their weights where they lie (see cpu_matmul.py).
 //
-//   jfire_stacked_matmul: y[m, n] = x[m, k] @ w[layer, k, n], layer a device scalar. Inside the
-//     models' layer scan the weights stay one stacked array; XLA:CPU would copy each layer's
-//     slice out of it before its dot, which costs more than the product itself.
+//   jfire_stacked_matmul: y_i[m, n_i] = x[m, k] @ w_i[layer, k, n_i] for one or more stacks w_i,
+//     layer a device scalar. Inside the models' layer scan the weights stay one stacked array;
+//     XLA:CPU would copy each layer's slice out of it before its dot, which costs more than the
+//     product itself.
 //   jfire_matmul_nt: y[m, n] = x[m, k] @ w[n, k]^T (the tied embedding as the output head).
 //
 // A row's result is the same whatever the number of rows in the call (every path sums the
@@ -172,34 +173,61 @@ int64_t Threads(ffi::ThreadPool& pool, int64_t work_rows) {
   return std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), work_rows / 64));
 }
 
-ffi::Error StackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                         ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
-  const auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || xd[1] != wd[1]) {
-    return ffi::Error::InvalidArgument("jfire_stacked_matmul takes x [m, k] and w [layers, k, n]");
+// y_i = x @ w_i[layer] for every stack w_i [layers, k, n_i] given (one or more, all with the
+// same k and layer count): the products of one input (a layer's q, k and v, or its gate and
+// up) share one pass over the pool, so its threads are woken once for all of them.
+ffi::Error StackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
+                         ffi::RemainingArgs stack_args, ffi::RemainingRets out_rets) {
+  const auto xd = x.dimensions();
+  const int64_t count = static_cast<int64_t>(stack_args.size());
+  if (xd.size() != 2 || count == 0 || static_cast<int64_t>(out_rets.size()) != count) {
+    return ffi::Error::InvalidArgument("jfire_stacked_matmul takes x [m, k], layer, stacks [layers, k, n_i] and "
+                                       "returns one [m, n_i] per stack");
   }
-  const int64_t m = xd[0], k = xd[1], layers = wd[0], n = wd[2];
+  const int64_t m = xd[0], k = xd[1];
   const int32_t l = layer.typed_data()[0];
-  if (l < 0 || l >= layers) return ffi::Error::InvalidArgument("jfire_stacked_matmul: layer index out of range");
+  std::vector<const float*> ws(count);
+  std::vector<float*> ys(count);
+  std::vector<int64_t> ns(count), offsets(count + 1, 0);
+  for (int64_t i = 0; i < count; ++i) {
+    auto w = stack_args.get<ffi::Buffer<ffi::F32>>(i);
+    auto y = out_rets.get<ffi::Buffer<ffi::F32>>(i);
+    if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("jfire_stacked_matmul: float32 only");
+    const auto wd = w->dimensions();
+    if (wd.size() != 3 || wd[1] != k) return ffi::Error::InvalidArgument("jfire_stacked_matmul: a stack is not [layers, k, n]");
+    if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("jfire_stacked_matmul: layer index out of range");
+    ns[i] = wd[2];
+    ws[i] = w->typed_data() + static_cast<int64_t>(l) * k * ns[i];
+    ys[i] = (*y)->typed_data();
+    offsets[i + 1] = offsets[i] + m * ns[i];
+  }
   const float* xp = x.typed_data();
-  const float* wl = w.typed_data() + static_cast<int64_t>(l) * k * n;
-  float* yp = y->typed_data();
   const int64_t chunks = Threads(pool, k);
   if (chunks == 1) {
-    MultiplyRows(xp, wl, yp, m, k, n, 0, k);
+    for (int64_t i = 0; i < count; ++i) MultiplyRows(xp, ws[i], ys[i], m, k, ns[i], 0, k);
     return ffi::Error::Success();
   }
-  // Chunks split k, so each reads whole rows of w; chunk 0 sums into y, the others into partials.
-  const int64_t per = (k + chunks - 1) / chunks;
-  std::vector<float> partial((chunks - 1) * m * n);
+  // Chunks split k, so each reads whole rows of every w; chunk 0 sums into the outputs, the
+  // others into partials.
+  const int64_t per = (k + chunks - 1) / chunks, total = offsets[count];
+  std::vector<float> partial((chunks - 1) * total);
   float* parts = partial.data();
+  const float* const* wp = ws.data();
+  float* const* yp = ys.data();
+  const int64_t* np_ = ns.data();
+  const int64_t* off = offsets.data();
   RunChunks(pool, chunks, [=](int64_t c) {
-    const int64_t k0 = c * per, k1 = std::min(k, k0 + per);
-    MultiplyRows(xp, wl, c == 0 ? yp : parts + (c - 1) * m * n, m, k, n, k0, std::max(k0, k1));
+    const int64_t k0 = c * per, k1 = std::max(k0, std::min(k, k0 + per));
+    for (int64_t i = 0; i < count; ++i) {
+      MultiplyRows(xp, wp[i], c == 0 ? yp[i] : parts + (c - 1) * total + off[i], m, k, np_[i], k0, k1);
+    }
   });
-  for (int64_t c = 1; c < chunks; ++c) {
-    const float* p = parts + (c - 1) * m * n;
-    for (int64_t i = 0; i < m * n; ++i) yp[i] += p[i];
+  for (int64_t i = 0; i < count; ++i) {
+    for (int64_t c = 1; c < chunks; ++c) {
+      const float* p = parts + (c - 1) * total + offsets[i];
+      float* y = ys[i];
+      for (int64_t j = 0; j < m * ns[i]; ++j) y[j] += p[j];
+    }
   }
   return ffi::Error::Success();
 }
@@ -229,9 +257,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jfire_stacked_matmul, StackedMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .RemainingArgs()
+                                  .RemainingRets());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jfire_matmul_nt, MatmulNT,
                               ffi::Ffi::Bind()

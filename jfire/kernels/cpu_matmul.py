@@ -2,8 +2,9 @@
 
 Why: the models keep each run of layers as one stacked array and scan over it. Inside the
 scan XLA:CPU copies every layer's weight slice out of the stack before its dot, and at decode
-sizes the copy costs more than the product (docs/performance.md). `stacked_matmul` takes the
-whole stack and the layer index, so nothing is copied; `matmul_nt` is the tied embedding as the
+sizes the copy costs more than the product (docs/performance.md). `stacked_matmuls` takes the
+whole stacks and the layer index, so nothing is copied, and multiplies one input by several
+stacks in one call; `matmul_nt` is the tied embedding as the
 output head, read row by row instead of through a transposing dot.
 
 The kernels are a small C++ file called through XLA's FFI, built with the machine's C++
@@ -122,11 +123,17 @@ def applies(rows: int, *arrays, max_rows: int = MAX_ROWS) -> bool:
 
 def stacked_matmul(x: jax.Array, stack: jax.Array, layer) -> jax.Array:
     """x [..., k] @ stack[layer] ([k, n]); stack [layers, k, n], layer an int32 scalar."""
+    return stacked_matmuls(x, (stack,), layer)[0]
+
+
+def stacked_matmuls(x: jax.Array, stacks, layer) -> tuple[jax.Array, ...]:
+    """x [..., k] @ stack[layer] for each stack [layers, k, n_i], in one kernel call: the
+    products of one input share a pass over the thread pool instead of waking it once each."""
     *lead, k = x.shape
     rows = x.reshape(-1, k)
-    out = jax.ffi.ffi_call("jfire_stacked_matmul", jax.ShapeDtypeStruct((rows.shape[0], stack.shape[2]), jnp.float32))(
-        rows, stack, jnp.asarray(layer, jnp.int32).reshape(1))
-    return out.reshape(*lead, stack.shape[2])
+    shapes = tuple(jax.ShapeDtypeStruct((rows.shape[0], s.shape[2]), jnp.float32) for s in stacks)
+    outs = jax.ffi.ffi_call("jfire_stacked_matmul", shapes)(rows, jnp.asarray(layer, jnp.int32).reshape(1), *stacks)
+    return tuple(out.reshape(*lead, s.shape[2]) for out, s in zip(outs, stacks))
 
 
 def matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:

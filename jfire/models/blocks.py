@@ -161,17 +161,23 @@ def layer_matmul(x: jax.Array, p, name: str, n_in: int = 1) -> jax.Array:
     """x [..., in...] through the layer weight p[name] [in..., out...], whose first n_in dims
     contract with x's last n_in (`flat_matmul`). Where `p` is a `StackedLayer` and the CPU
     kernels apply, the product reads the layer straight from the stack (jfire.kernels.cpu_matmul)."""
+    return layer_matmuls(x, p, (name,), n_in)[0]
+
+
+def layer_matmuls(x: jax.Array, p, names, n_in: int = 1) -> tuple[jax.Array, ...]:
+    """`layer_matmul` of one input by several weights (a layer's q, k and v, or its gate and
+    up): on the CPU kernels, one call for all of them."""
     from jfire.kernels import cpu_matmul
     from jfire.models.family import StackedLayer
 
     if isinstance(p, StackedLayer):
-        stack = p.stack[name]
+        stacks = [p.stack[name] for name in names]
         lead, k = x.shape[:x.ndim - n_in], math.prod(x.shape[x.ndim - n_in:])
-        out_dims = stack.shape[1 + n_in:]
-        if cpu_matmul.applies(math.prod(lead), x, stack):
-            flat = stack.reshape(stack.shape[0], k, math.prod(out_dims))
-            return cpu_matmul.stacked_matmul(x.reshape(*lead, k), flat, p.index).reshape(*lead, *out_dims)
-    return flat_matmul(x, p[name], n_in)
+        if cpu_matmul.applies(math.prod(lead), x, *stacks):
+            flat = [s.reshape(s.shape[0], k, math.prod(s.shape[1 + n_in:])) for s in stacks]
+            outs = cpu_matmul.stacked_matmuls(x.reshape(*lead, k), flat, p.index)
+            return tuple(y.reshape(*lead, *s.shape[1 + n_in:]) for y, s in zip(outs, stacks))
+    return tuple(flat_matmul(x, p[name], n_in) for name in names)
 
 
 def flat_matmul(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from jfire.errors import JfireError
 from jfire.kernels.paged_attention import paged_attention_reference
-from jfire.models.blocks import (RopeScaling, pre_norm_decoder, gqa_mesh_problems, kv_cache_specs, repeat_kv_heads, apply_rope, cache_slots, layer_matmul, lm_head, rms_norm,
+from jfire.models.blocks import (RopeScaling, pre_norm_decoder, gqa_mesh_problems, kv_cache_specs, repeat_kv_heads, apply_rope, cache_slots, layer_matmul, layer_matmuls, lm_head, rms_norm,
                                  rope_angles, rope_inv_freq, rope_params, write_heads)
 from jfire.models.family import CacheSpec, Family, MeshShape, segments_of, scan_layers
 from jfire.models.params import ParamSpec
@@ -335,7 +335,7 @@ def run_segment(cfg: LlamaConfig, segment, stack: dict, x, positions, pages: dic
         i = cache_offset + j
         with jax.named_scope("attention"):
             h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-            q, k, v = (layer_matmul(h, p, name) for name in ("wq", "wk", "wv"))
+            q, k, v = layer_matmuls(h, p, ("wq", "wk", "wv"))
             if cfg.qkv_bias:
                 q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
             if cfg.qk_norm:
@@ -359,8 +359,8 @@ def run_segment(cfg: LlamaConfig, segment, stack: dict, x, positions, pages: dic
                                        parallel=parallel)
         else:
             with jax.named_scope("mlp"):
-                gate = jax.nn.silu(layer_matmul(h, p, "w_gate"))
-                x = x + layer_matmul(gate * layer_matmul(h, p, "w_up"), p, "w_down")
+                gate, up = layer_matmuls(h, p, ("w_gate", "w_up"))
+                x = x + layer_matmul(jax.nn.silu(gate) * up, p, "w_down")
         return (x, k_pages, v_pages), None
 
     x, k, v = scan_layers(layer, stack, (x, pages["k"], pages["v"]), x.dtype, in_place=True)

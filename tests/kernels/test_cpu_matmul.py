@@ -42,6 +42,22 @@ def test_stacked_matmul_picks_the_layer_and_multiplies(m, k, n):
         within_float32_rounding(np.asarray(f(x, stack, jnp.int32(layer))), x, stack[layer])
 
 
+@pytest.mark.parametrize("m,k", [(1, 576), (2, 130), (7, 576), (64, 64)])
+def test_stacked_matmuls_give_each_stacks_product_and_the_lone_calls_bits(m, k):
+    """One call over several stacks of different widths (a layer's q, k and v) gives each
+    stack's float64 product, and the same bits as multiplying by each stack alone."""
+    rng = np.random.default_rng(m + k)
+    stacks = [rng.standard_normal((3, k, n), dtype=np.float32) for n in (576, 192, 33)]
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    grouped, alone = jax.jit(cpu_matmul.stacked_matmuls), jax.jit(cpu_matmul.stacked_matmul)
+    for layer in range(3):
+        outs = grouped(x, stacks, jnp.int32(layer))
+        assert len(outs) == len(stacks)
+        for got, stack in zip(outs, stacks):
+            within_float32_rounding(np.asarray(got), x, stack[layer])
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(alone(x, stack, jnp.int32(layer))))
+
+
 @pytest.mark.parametrize("m,k,n", SHAPES)
 def test_matmul_nt_is_x_times_w_transposed(m, k, n):
     rng = np.random.default_rng(m * 1000 + n)
