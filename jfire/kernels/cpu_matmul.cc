@@ -101,12 +101,6 @@ void Block(const float* __restrict x, int64_t k, const float* __restrict w, int6
     for (int64_t c = 0; c < kBlockVecs; ++c) std::memcpy(y + r * n + c * kLanes, &acc[r][c], sizeof(Vec));
 }
 
-template <int64_t R>
-void BlockRow(const float* x, int64_t k, const float* w, int64_t n, float* y, int64_t k0, int64_t k1,
-              int64_t block_cols) {
-  for (int64_t c0 = 0; c0 < block_cols; c0 += kBlockCols) Block<R>(x, k, w + c0, n, y + c0, k0, k1);
-}
-
 // y = x[:, k0:k1] @ w[k0:k1, :] for x [m, k], w [k, n]. One or two rows stream w with the
 // few-rows form; more go through register blocks (the last block taking the rows left),
 // and the few-rows form takes the columns past the last whole block.
@@ -117,18 +111,23 @@ void MultiplyRows(const float* __restrict x, const float* __restrict w, float* _
     AccumulateRows(x, w, y, m, k, n, k0, k1, 0, n);
     return;
   }
-  for (int64_t r0 = 0; r0 < m; r0 += kBlockRows) {
-    const float* xr = x + r0 * k;
-    float* yr = y + r0 * n;
-    switch (std::min(kBlockRows, m - r0)) {
-      case 1: BlockRow<1>(xr, k, w, n, yr, k0, k1, block_cols); break;
-      case 2: BlockRow<2>(xr, k, w, n, yr, k0, k1, block_cols); break;
-      case 3: BlockRow<3>(xr, k, w, n, yr, k0, k1, block_cols); break;
-      case 4: BlockRow<4>(xr, k, w, n, yr, k0, k1, block_cols); break;
+  // Column strips outside, row blocks inside: a strip of w (k1 - k0 rows of kBlockCols floats)
+  // is read from memory once and stays in cache for the row blocks after the first; with the
+  // rows outside, every row block streamed the whole of w from memory again.
+  for (int64_t c0 = 0; c0 < block_cols; c0 += kBlockCols) {
+    for (int64_t r0 = 0; r0 < m; r0 += kBlockRows) {
+      const float* xr = x + r0 * k;
+      float* yr = y + r0 * n + c0;
+      switch (std::min(kBlockRows, m - r0)) {
+        case 1: Block<1>(xr, k, w + c0, n, yr, k0, k1); break;
+        case 2: Block<2>(xr, k, w + c0, n, yr, k0, k1); break;
+        case 3: Block<3>(xr, k, w + c0, n, yr, k0, k1); break;
+        case 4: Block<4>(xr, k, w + c0, n, yr, k0, k1); break;
 #if !defined(__AVX512F__)
-      case 5: BlockRow<5>(xr, k, w, n, yr, k0, k1, block_cols); break;
-      case 6: BlockRow<6>(xr, k, w, n, yr, k0, k1, block_cols); break;
+        case 5: Block<5>(xr, k, w + c0, n, yr, k0, k1); break;
+        case 6: Block<6>(xr, k, w + c0, n, yr, k0, k1); break;
 #endif
+      }
     }
   }
   if (block_cols < n) AccumulateRows(x, w, y, m, k, n, k0, k1, block_cols, n);
