@@ -83,28 +83,25 @@ def paged_attention_reference(q, k_pages, v_pages, layer, page_table, positions,
     per_block = min(pages_per_block or block_pages(page_size), page_table.shape[1])
     table = pad_to_multiple(page_table, per_block)
     block = per_block * page_size
-    # KV heads lead, then rows: the layout the gathered pages come in (`_block_keys`), so both
-    # products are batched over (k, b) with no transpose of the keys or values; only the
-    # small queries and output are transposed.
-    qk = q.reshape(b, t, kvh, g, d).transpose(2, 0, 3, 1, 4)  # [k, b, g, t, d]
+    qg = q.reshape(b, t, kvh, g, d)
     scale = 1.0 / math.sqrt(d)
     first, stop = visible_range(positions, page_size, per_block, sliding_window, chunk)
 
     def body(i, carry):
         ids = jax.lax.dynamic_slice_in_dim(table, i * per_block, per_block, axis=1)  # [b, bp]
-        k = _block_keys(k_pages, layer, ids)  # [k, b, s, d]
+        k = _block_keys(k_pages, layer, ids)
         v = _block_keys(v_pages, layer, ids)
-        s = jnp.einsum("kbgtd,kbsd->kbgts", qk, k, preferred_element_type=jnp.float32) * scale
+        s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
         slots = i * block + jnp.arange(block)
-        visible = _visible(slots, positions, sliding_window, chunk)[None, :, None]  # [1, b, 1, t, s]
+        visible = _visible(slots, positions, sliding_window, chunk)[:, None, None]  # [b, 1, 1, t, s]
         return online_softmax_step(carry, s, visible, lambda p: jnp.einsum(
-            "kbgts,kbsd->kbgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32))
+            "bkgts,bskd->bkgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32))
 
     # Inside a shard_map the body's results vary as its inputs: so must the initial carry.
-    init = vary_as(online_softmax_init((kvh, b, g, t), d), q, k_pages, v_pages, table, positions)
+    init = vary_as(online_softmax_init((b, kvh, g, t), d), q, k_pages, v_pages, table, positions)
     _, l, acc = jax.lax.fori_loop(first, stop, body, init)
     out = acc / jnp.maximum(l, 1e-30)[..., None]  # a padding token (l = 0) gets zeros
-    return out.transpose(1, 3, 0, 2, 4).reshape(b, t, h, d).astype(q.dtype)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q.dtype)
 
 
 def online_softmax_init(shape: tuple[int, ...], width: int):
@@ -134,14 +131,10 @@ def pad_to_multiple(page_table, multiple: int):
 
 
 def _block_keys(pages, layer, ids):
-    """One layer's pages ids [b, bp] of each row, per KV head, laid out contiguously:
-    [k, b, bp * page_size, d]. One gather whose index arrays sit side by side, so its result
-    keeps their order (k, b, bp) with each page's [page_size, d] behind: nothing to transpose."""
-    kvh, ps, d = pages.shape[1], pages.shape[3], pages.shape[4]
-    b, bp = ids.shape
-    heads = jnp.arange(kvh)[:, None, None]
-    rows = pages[layer, heads, ids[None]]  # [k, b, bp, page_size, d]
-    return rows.reshape(kvh, b, bp * ps, d)
+    """One layer's pages ids [b, bp] of each row, laid out contiguously: [b, bp * page_size, k, d]."""
+    rows = pages[layer, :, ids]  # [b, bp, k, page_size, d]
+    b, bp, kvh, ps, d = rows.shape
+    return rows.transpose(0, 1, 3, 2, 4).reshape(b, bp * ps, kvh, d)
 
 
 def _visible(slots, positions, sliding_window, chunk):
