@@ -213,12 +213,12 @@ ffi::Error StackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   float* parts = partial.data();
   const float* const* wp = ws.data();
   float* const* yp = ys.data();
-  const int64_t* np_ = ns.data();
+  const int64_t* widths = ns.data();
   const int64_t* off = offsets.data();
   RunChunks(pool, chunks, [=](int64_t c) {
     const int64_t k0 = c * per, k1 = std::max(k0, std::min(k, k0 + per));
     for (int64_t i = 0; i < count; ++i) {
-      MultiplyRows(xp, wp[i], c == 0 ? yp[i] : parts + (c - 1) * total + off[i], m, k, np_[i], k0, k1);
+      MultiplyRows(xp, wp[i], c == 0 ? yp[i] : parts + (c - 1) * total + off[i], m, k, widths[i], k0, k1);
     }
   });
   for (int64_t i = 0; i < count; ++i) {
