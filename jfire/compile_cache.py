@@ -94,7 +94,6 @@ def _compiled_afresh(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
         return lowered.compile(compiler_options=_AFRESH)
 
 
-
 def _serialize(exe: jax.stages.Compiled):
     from jax.experimental.serialize_executable import serialize
 

@@ -185,9 +185,14 @@ ffi::Error StackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   }
   const int64_t m = xd[0], k = xd[1];
   const int32_t l = layer.typed_data()[0];
-  std::vector<const float*> ws(count);
-  std::vector<float*> ys(count);
-  std::vector<int64_t> ns(count), offsets(count + 1, 0);
+  // Each product: its layer of w, its output, its width, and where its partials start.
+  struct Product {
+    const float* w;
+    float* y;
+    int64_t n, offset;
+  };
+  std::vector<Product> products(count);
+  int64_t total = 0;  // floats of output over all products
   for (int64_t i = 0; i < count; ++i) {
     auto w = stack_args.get<ffi::Buffer<ffi::F32>>(i);
     auto y = out_rets.get<ffi::Buffer<ffi::F32>>(i);
@@ -195,37 +200,33 @@ ffi::Error StackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
     const auto wd = w->dimensions();
     if (wd.size() != 3 || wd[1] != k) return ffi::Error::InvalidArgument("jfire_stacked_matmul: a stack is not [layers, k, n]");
     if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("jfire_stacked_matmul: layer index out of range");
-    ns[i] = wd[2];
-    ws[i] = w->typed_data() + static_cast<int64_t>(l) * k * ns[i];
-    ys[i] = (*y)->typed_data();
-    offsets[i + 1] = offsets[i] + m * ns[i];
+    const int64_t n = wd[2];
+    products[i] = {w->typed_data() + static_cast<int64_t>(l) * k * n, (*y)->typed_data(), n, total};
+    total += m * n;
   }
   const float* xp = x.typed_data();
   const int64_t chunks = Threads(pool, k);
   if (chunks == 1) {
-    for (int64_t i = 0; i < count; ++i) MultiplyRows(xp, ws[i], ys[i], m, k, ns[i], 0, k);
+    for (const Product& p : products) MultiplyRows(xp, p.w, p.y, m, k, p.n, 0, k);
     return ffi::Error::Success();
   }
   // Chunks split k, so each reads whole rows of every w; chunk 0 sums into the outputs, the
   // others into partials.
-  const int64_t per = (k + chunks - 1) / chunks, total = offsets[count];
+  const int64_t per = (k + chunks - 1) / chunks;
   std::vector<float> partial((chunks - 1) * total);
   float* parts = partial.data();
-  const float* const* wp = ws.data();
-  float* const* yp = ys.data();
-  const int64_t* widths = ns.data();
-  const int64_t* off = offsets.data();
+  const Product* ps = products.data();
   RunChunks(pool, chunks, [=](int64_t c) {
     const int64_t k0 = c * per, k1 = std::max(k0, std::min(k, k0 + per));
     for (int64_t i = 0; i < count; ++i) {
-      MultiplyRows(xp, wp[i], c == 0 ? yp[i] : parts + (c - 1) * total + off[i], m, k, widths[i], k0, k1);
+      const Product& p = ps[i];
+      MultiplyRows(xp, p.w, c == 0 ? p.y : parts + (c - 1) * total + p.offset, m, k, p.n, k0, k1);
     }
   });
-  for (int64_t i = 0; i < count; ++i) {
+  for (const Product& p : products) {
     for (int64_t c = 1; c < chunks; ++c) {
-      const float* p = parts + (c - 1) * total + offsets[i];
-      float* y = ys[i];
-      for (int64_t j = 0; j < m * ns[i]; ++j) y[j] += p[j];
+      const float* part = parts + (c - 1) * total + p.offset;
+      for (int64_t j = 0; j < m * p.n; ++j) p.y[j] += part[j];
     }
   }
   return ffi::Error::Success();

@@ -4,8 +4,8 @@ Why: the models keep each run of layers as one stacked array and scan over it. I
 scan XLA:CPU copies every layer's weight slice out of the stack before its dot, and at decode
 sizes the copy costs more than the product (docs/performance.md). `stacked_matmuls` takes the
 whole stacks and the layer index, so nothing is copied, and multiplies one input by several
-stacks in one call; `matmul_nt` is the tied embedding as the
-output head, read row by row instead of through a transposing dot.
+stacks in one call; `matmul_nt` is the tied embedding as the output head, read row by row
+instead of through a transposing dot.
 
 The kernels are a small C++ file called through XLA's FFI, built with the machine's C++
 compiler by `scripts/setup.sh` (or on first use) for the CPU it runs on. Where no compiler or
