@@ -96,6 +96,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cpu-matmul", dest="cpu_matmul", action="store_false",
                    help="on a float32 CPU device, use XLA's dots instead of jfire's matmul kernels that read "
                         "each layer's weights in place (slower decode, for comparison)")
+    p.add_argument("--quick-compile", action="store_true",
+                   help="compile with XLA's backend optimisation off: programs compile about 3x faster and "
+                        "run slower (tiny models, trying things out)")
     p.add_argument("--compile-cache", default=None,
                    help="JAX persistent compilation cache directory (default $JFIRE_COMPILE_CACHE, else "
                         "~/.cache/jfire/xla; 'off' disables)")
@@ -122,7 +125,8 @@ def engine_config(args, *, single: bool):
     return EngineConfig(
         kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), attention=args.attention, prefill_budget=args.prefill_budget,
         max_model_len=getattr(args, "max_context", None), run_ahead=args.run_ahead,
-        cpu_matmul=args.cpu_matmul, compilation_cache_dir=None if cache == "off" else cache, **limits)
+        cpu_matmul=args.cpu_matmul, quick_compile=args.quick_compile,
+        compilation_cache_dir=None if cache == "off" else cache, **limits)
 
 
 def build_parser() -> argparse.ArgumentParser:

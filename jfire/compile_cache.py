@@ -44,21 +44,21 @@ SUBDIR = "jfire-processes"
 PROGRAMS = "jfire-programs"
 
 
-def program(fn, args: tuple, static: dict, devices) -> jax.stages.Compiled:
-    """`fn.lower(*args, **static).compile()` (`fn` jitted, `args` abstract), loaded without
-    tracing when an earlier start stored the same program (see the module docstring), else
-    compiled afresh (`_compiled_afresh`: JAX's cache is not consulted) and stored for the
-    next start."""
+def program(fn, args: tuple, static: dict, devices, options: dict | None = None) -> jax.stages.Compiled:
+    """`fn.lower(*args, **static).compile(compiler_options=options)` (`fn` jitted, `args`
+    abstract), loaded without tracing when an earlier start stored the same program (see the
+    module docstring), else compiled afresh (`_compiled_afresh`: JAX's cache is not consulted)
+    and stored for the next start."""
     root = jax.config.jax_compilation_cache_dir
     devices = list(devices)
     if not root:
-        return compiled(fn.lower(*args, **static), devices)
+        return compiled(fn.lower(*args, **static), devices, options)
     directory = Path(root) / PROGRAMS
-    path = directory / f"{_program_key(fn, args, static, devices)}.pkl"
+    path = directory / f"{_program_key(fn, args, static, devices, options)}.pkl"
     loaded = _load(path, devices)
     if loaded is not None:
         return loaded
-    exe = _compiled_afresh(fn.lower(*args, **static))
+    exe = _compiled_afresh(fn.lower(*args, **static), options)
     try:
         payload = pickle.dumps(_serialize(exe))
     except Exception:  # noqa: BLE001 - an executable the backend cannot serialize is just not kept
@@ -68,11 +68,12 @@ def program(fn, args: tuple, static: dict, devices) -> jax.stages.Compiled:
     return exe
 
 
-def is_stored(fn, args: tuple, static: dict, devices) -> bool:
-    """Whether `program(fn, args, static, devices)` would load a stored executable."""
+def is_stored(fn, args: tuple, static: dict, devices, options: dict | None = None) -> bool:
+    """Whether `program(fn, args, static, devices, options)` would load a stored executable."""
     root = jax.config.jax_compilation_cache_dir
     devices = list(devices)
-    return bool(root) and (Path(root) / PROGRAMS / f"{_program_key(fn, args, static, devices)}.pkl").is_file()
+    key = _program_key(fn, args, static, devices, options)
+    return bool(root) and (Path(root) / PROGRAMS / f"{key}.pkl").is_file()
 
 
 # A compiler option at XLA's default value: it changes nothing in the program, only the key of
@@ -80,7 +81,7 @@ def is_stored(fn, args: tuple, static: dict, devices) -> bool:
 _AFRESH = {"xla_embed_ir_in_executable": False}
 
 
-def _compiled_afresh(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
+def _compiled_afresh(lowered: jax.stages.Lowered, options: dict | None = None) -> jax.stages.Compiled:
     """Compiled by XLA, not loaded from JAX's persistent cache: XLA:CPU serializes an executable
     it loaded from that cache without some of its kernels (the copy loaded later fails with
     "Function ... not found"), so an executable to be kept is always compiled afresh. The
@@ -91,7 +92,7 @@ def _compiled_afresh(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
     # options: a program this process already compiled (or loaded from JAX's cache) would come
     # back as that same executable. An option set to its default value makes the key its own.
     with config.enable_compilation_cache(False):
-        return lowered.compile(compiler_options=_AFRESH)
+        return lowered.compile(compiler_options={**_AFRESH, **(options or {})})
 
 
 def _serialize(exe: jax.stages.Compiled):
@@ -114,18 +115,19 @@ def _load(path: Path, devices: list) -> jax.stages.Compiled | None:
         return None
 
 
-def compiled(lowered: jax.stages.Lowered, devices) -> jax.stages.Compiled:
-    """`lowered.compile()`, loaded from this process's cache when an earlier start stored it.
-    `devices`: the program's devices in its device-assignment order (a mesh's, flattened)."""
+def compiled(lowered: jax.stages.Lowered, devices, options: dict | None = None) -> jax.stages.Compiled:
+    """`lowered.compile(compiler_options=options)`, loaded from this process's cache when an
+    earlier start stored it. `devices`: the program's devices in its device-assignment order (a
+    mesh's, flattened)."""
     directory = _directory()
     if directory is None:
-        return lowered.compile()
+        return lowered.compile(compiler_options=options or None)
     devices = list(devices)
-    path = directory / f"{_key(lowered, devices)}.pkl"
+    path = directory / f"{_key(lowered, devices, options)}.pkl"
     loaded = _load(path, devices)
     if loaded is not None:
         return loaded
-    compiled = _compiled_afresh(lowered)
+    compiled = _compiled_afresh(lowered, options)
     try:
         payload = pickle.dumps(_serialize(compiled))
     except Exception:  # noqa: BLE001 - an executable the backend cannot serialize is just not kept
@@ -161,13 +163,14 @@ def _directory() -> Path | None:
     return directory
 
 
-def _key(lowered: jax.stages.Lowered, devices: list) -> str:
+def _key(lowered: jax.stages.Lowered, devices: list, options: dict | None = None) -> str:
     """What decides the executable and how it is called: the program's text (which names no
-    argument), its argument and result trees, the devices (ids and model), the versions, the
-    process and its cluster's size, XLA_FLAGS."""
+    argument), its argument and result trees, the compiler options, the devices (ids and model),
+    the versions, the process and its cluster's size, XLA_FLAGS."""
     h = hashlib.sha256()
-    for part in (lowered.as_text(), str(lowered.in_tree), str(lowered.out_tree), jfire.__version__,
-                 jax.__version__, jaxlib.__version__, devices[0].client.platform_version, devices[0].device_kind,
+    for part in (lowered.as_text(), str(lowered.in_tree), str(lowered.out_tree),
+                 repr(sorted((options or {}).items())), jfire.__version__, jax.__version__, jaxlib.__version__,
+                 devices[0].client.platform_version, devices[0].device_kind,
                  repr([d.id for d in devices]), str(jax.process_index()), str(jax.process_count()),
                  os.environ.get("XLA_FLAGS", "")):
         h.update(part.encode())
@@ -180,16 +183,18 @@ def _key(lowered: jax.stages.Lowered, devices: list) -> str:
 _NOT_IN_KEY = ("cache", "log", "transfer", "platform", "timeout", "traceback", "visible_devices", "dump")
 
 
-def _program_key(fn, args: tuple, static: dict, devices: list) -> str:
+def _program_key(fn, args: tuple, static: dict, devices: list, options: dict | None = None) -> str:
     """What decides a jitted function's executable, known before tracing it: the function and
     jfire's source (the digest of every file, since a program calls across modules), the static
-    arguments, the arguments' tree, shapes, dtypes and shardings, the devices (ids and model),
-    the versions, the process and its cluster's size, XLA_FLAGS and the jax settings."""
+    arguments, the arguments' tree, shapes, dtypes and shardings, the compiler options, the
+    devices (ids and model), the versions, the process and its cluster's size, XLA_FLAGS and the
+    jax settings."""
     settings = sorted((k, repr(v)) for k, v in jax.config.values.items()
                       if not any(word in k for word in _NOT_IN_KEY))
     h = hashlib.sha256()
     for part in (f"{fn.__module__}.{fn.__qualname__}", source_digest(), repr(sorted(static.items())),
-                 str(jax.tree.structure(args)), repr(jax.tree.leaves(args)), jfire.__version__, jax.__version__,
+                 str(jax.tree.structure(args)), repr(jax.tree.leaves(args)), repr(sorted((options or {}).items())),
+                 jfire.__version__, jax.__version__,
                  jaxlib.__version__, devices[0].client.platform_version, devices[0].device_kind,
                  repr([d.id for d in devices]), str(jax.process_index()), str(jax.process_count()),
                  os.environ.get("XLA_FLAGS", ""), repr(settings)):

@@ -29,7 +29,7 @@ from jfire.grammar import Grammars, ban, fill_mask
 from jfire.kernels import cpu_matmul
 from jfire.kv_cache import BlockPool, init_pages, page_bytes
 from jfire.pipeline import Pipeline
-from jfire.programs import ATTENTION_IMPLS, Buckets, CompiledPrograms
+from jfire.programs import ATTENTION_IMPLS, QUICK_COMPILE, Buckets, CompiledPrograms
 from jfire.sampling import (PenaltyState, RowSampling, SamplingParams, init_penalty_state, mask_words,
                             set_penalty_slot)
 from jfire.scheduler import Chunk, Phase, Scheduler, Sequence, Step
@@ -106,6 +106,9 @@ class EngineConfig:
     # On one float32 CPU device, small products read each layer's weights where they lie in the
     # stack (jfire.kernels.cpu_matmul) instead of XLA:CPU copying them out first.
     cpu_matmul: bool = True
+    # Compile with XLA's backend optimisation off (programs.QUICK_COMPILE): faster start-up,
+    # slower steps. For tiny models and trying things out, not for serving a real model.
+    quick_compile: bool = False
     compilation_cache_dir: str | None = None  # JAX's persistent cache; None = off
 
     def __post_init__(self):
@@ -258,7 +261,8 @@ class Engine:
                                          config.attention,
                                          lazy=not config.aot, mesh=mesh, layer_stack=layer_stack,
                                          kinds=self.PROGRAM_KINDS, parallel=model.parallel,
-                                         cpu_matmul=self._uses_cpu_matmul(model))
+                                         cpu_matmul=self._uses_cpu_matmul(model),
+                                         compiler_options=QUICK_COMPILE if config.quick_compile else None)
         self.eos_ids = frozenset(self.cfg.eos_token_ids) | (model.tokenizer.eos_ids if model.tokenizer else frozenset())
         self.grammars = Grammars(model.tokenizer, self.cfg.vocab_size, self.eos_ids)
         self._commands: queue.Queue = queue.Queue()

@@ -25,6 +25,11 @@ from jfire.sampling import PenaltyState, RowSampling, mask_words, prompt_logprob
 
 ATTENTION_IMPLS = ("reference", "pallas", "pallas-interpret")
 
+# Compiler options of a quick compile (EngineConfig.quick_compile): XLA's backend (LLVM)
+# optimisation off. A tiny model's programs compile about 3x faster on this CPU; the default
+# model's steps run about half as fast (docs/performance.md, "Quick compiles").
+QUICK_COMPILE = {"xla_backend_optimization_level": 0}
+
 
 def _decode_attention(attention: str):
     """The model's attention hook for decode: None (the reference) or the Pallas kernels."""
@@ -163,8 +168,9 @@ class CompiledPrograms:
 
     def __init__(self, cfg: Family, params, pages, penalties, buckets: Buckets, attention: str = "reference",
                  lazy: bool = False, mesh=None, layer_stack=None, kinds=("prefill", "decode"), parallel=None,
-                 cpu_matmul: bool = False):
+                 cpu_matmul: bool = False, compiler_options: dict | None = None):
         self.cfg = cfg
+        self.compiler_options = dict(compiler_options or {})  # every bucket's (e.g. QUICK_COMPILE)
         self.cpu_matmul = cpu_matmul  # small products read the weights in place (see `decode`)
         self.kinds = kinds  # a disaggregated group compiles only its own role's programs
         self.layer_stack = layer_stack
@@ -237,7 +243,7 @@ class CompiledPrograms:
         return (shape[1:] in self._decode) if shape[0] == "decode" else (shape[1:] in self._prefill)
 
     def _compile(self, shape: tuple) -> None:
-        exe = compile_cache.program(*self._program(shape), self._devices)
+        exe = compile_cache.program(*self._program(shape), self._devices, self.compiler_options)
         if shape[0] == "decode":
             self._decode = {**self._decode, shape[1:]: exe}
         else:
@@ -245,7 +251,7 @@ class CompiledPrograms:
 
     def is_stored(self, shape: tuple) -> bool:
         """Whether an earlier start stored this bucket's program (loading it is cheap)."""
-        return compile_cache.is_stored(*self._program(shape), self._devices)
+        return compile_cache.is_stored(*self._program(shape), self._devices, self.compiler_options)
 
     def _program(self, shape: tuple) -> tuple:
         """(jitted function, abstract arguments, static arguments) of a bucket."""

@@ -109,7 +109,7 @@ from jfire.engine import enable_compilation_cache
 
 enable_compilation_cache(sys.argv[1])
 if sys.argv[2] == "load":
-    def refuse(lowered):
+    def refuse(lowered, options=None):
         raise RuntimeError("compiled instead of loaded")
     compile_cache._compiled_afresh = refuse
 
@@ -202,7 +202,7 @@ def test_a_program_first_run_through_jit_is_stored_whole(tmp_path):
     assert run("load")["program"] == second["jit"]
 
 
-def test_a_program_key_covers_the_source_arguments_and_devices(monkeypatch):
+def test_a_program_key_covers_the_source_arguments_options_and_devices(monkeypatch):
     import jax
     import jax.numpy as jnp
 
@@ -216,6 +216,8 @@ def test_a_program_key_covers_the_source_arguments_and_devices(monkeypatch):
     assert key != compile_cache._program_key(f, args, {"scale": 3.0}, devices)
     assert key != compile_cache._program_key(f, (jax.ShapeDtypeStruct((4,), jnp.int32),), {"scale": 2.0}, devices)
     assert key != compile_cache._program_key(f, (jax.ShapeDtypeStruct((5,), jnp.float32),), {"scale": 2.0}, devices)
+    quick = {"xla_backend_optimization_level": 0}  # a quick-compiled program is kept apart
+    assert key != compile_cache._program_key(f, args, {"scale": 2.0}, devices, quick)
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_dump_to=/nowhere")
     assert key != compile_cache._program_key(f, args, {"scale": 2.0}, devices)
     monkeypatch.undo()
@@ -233,7 +235,7 @@ from jfire.engine import Engine, EngineConfig
 from jfire.sampling import SamplingParams
 
 if sys.argv[3] == "load":
-    def refuse(lowered):
+    def refuse(lowered, options=None):
         raise RuntimeError("compiled instead of loaded")
     compile_cache._compiled_afresh = refuse
 model = load_model(sys.argv[1])
@@ -262,3 +264,44 @@ def test_an_engine_started_again_loads_every_program_and_generates_the_same(tmp_
     assert first["programs"] == first["total"] > 3
     second = engine_life("load")
     assert second == first
+
+
+def test_quick_compiles_pass_their_options_to_xla_and_give_the_full_compiles_tokens(tiny_hf_dir, monkeypatch):
+    """EngineConfig.quick_compile (`--quick-compile`): every bucket is compiled with
+    programs.QUICK_COMPILE, and the engine's tokens and logprobs are those of full compiles."""
+    import jax
+
+    from jfire import compile_cache
+    from jfire.checkpoint.load import load_model
+    from jfire.engine import Engine, EngineConfig
+    from jfire.programs import QUICK_COMPILE
+    from jfire.sampling import SamplingParams
+
+    seen = []
+    afresh = compile_cache._compiled_afresh
+
+    def spy(lowered, options=None):
+        seen.append(options)
+        return afresh(lowered, options)
+
+    monkeypatch.setattr(compile_cache, "_compiled_afresh", spy)
+    # A function of its own (never stored by another test): compiling it must pass the options.
+    f = jax.jit(lambda x: x * 7.0 + 1.0)
+    exe = compile_cache.program(f, (jax.ShapeDtypeStruct((3,), np.float32),), {}, jax.local_devices(), QUICK_COMPILE)
+    assert seen == [QUICK_COMPILE] and exe(np.ones(3, np.float32)).tolist() == [8.0] * 3
+
+    model = load_model(str(tiny_hf_dir("qwen3")), "float32")
+    requests = [([1, 5, 9, 2], SamplingParams(max_tokens=8, temperature=0.0, logprobs=2)),
+                ([3] * 20, SamplingParams(max_tokens=6, temperature=0.8, seed=7, logprobs=2))]
+    outs = {}
+    for quick in (False, True):
+        config = EngineConfig(max_batch=2, num_pages=64, prefill_budget=32, max_model_len=128, aot=False,
+                              quick_compile=quick)
+        with Engine(model, config) as engine:
+            assert engine.programs.compiler_options == (QUICK_COMPILE if quick else {})
+            handles = [engine.submit(ids, sampling) for ids, sampling in requests]
+            outs[quick] = [([i for o in outputs for i in o.token_ids], [lp for o in outputs for lp in o.logprobs or []])
+                           for outputs in (list(h) for h in handles)]
+    for (ids_full, lp_full), (ids_quick, lp_quick) in zip(outs[False], outs[True]):
+        assert ids_quick == ids_full and len(lp_full) == len(ids_full)
+        np.testing.assert_allclose([t[0] for t in lp_quick], [t[0] for t in lp_full], rtol=0, atol=1e-5)
