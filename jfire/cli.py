@@ -480,8 +480,12 @@ def cmd_launch(args) -> int:
         raise JfireError(f"--shutdown-grace must be >= 0 seconds, got {args.shutdown_grace}")
     if args.max_restarts < 0:
         raise JfireError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    # The switches travel too: without them a group's engine quietly ran with the defaults.
+    switches = [flag for flag, on in (("--no-run-ahead", not args.run_ahead), ("--no-cpu-matmul", not args.cpu_matmul),
+                                      ("--quick-compile", args.quick_compile)) if on]
     options = launch.Options(model=args.model, dtype=args.dtype, host=args.host, port=args.port,
-                             engine_args=tuple(str(x) for flag, v in passed if v is not None for x in (flag, v)),
+                             engine_args=tuple(str(x) for flag, v in passed if v is not None for x in (flag, v))
+                             + tuple(switches),
                              shutdown_grace=args.shutdown_grace, max_restarts=args.max_restarts)
     if args.process_id is None:
         if args.coordinator:

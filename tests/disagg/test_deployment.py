@@ -11,7 +11,7 @@ import pytest
 
 from jfire.disagg.deployment import Deployment
 from jfire.disagg.frontend import RemoteEngine
-from jfire.disagg.launch import Options, process_env
+from jfire.disagg.launch import Options, process_argv, process_env
 from jfire.errors import JfireError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -130,8 +130,6 @@ def test_slurm_launcher_dry_run():
 
 
 def test_local_launch_runs_each_process_with_the_same_options():
-    from jfire.disagg.launch import process_argv
-
     argv = process_argv("local-1p1d", 2, "127.0.0.1:9", Options(model="/m", port=8001, engine_args=("--max-batch", "4")))
     assert argv == ["launch", "local-1p1d", "--process-id", "2", "--coordinator", "127.0.0.1:9", "--model", "/m",
                     "--dtype", "float32", "--host", "127.0.0.1", "--shutdown-grace", "30", "--port", "8001",
@@ -204,3 +202,26 @@ def test_launchers_dry_run_of_groups_spanning_two_hosts(tmp_path):
     assert lines[0].startswith("srun --ntasks=5 --nodes=2 --distribution=block ")
     assert lines[1:] == [f"task {i}: .venv/bin/jfire launch local-groups-2x2 --process-id {i} --coordinator "
                          "gpu-node-1:8476 --host 0.0.0.0" for i in range(5)]
+
+
+def test_a_launch_gives_its_groups_the_engine_settings_it_was_given(monkeypatch):
+    """Each group process parses the arguments the launcher hands it: its engine must be set up
+    as the command line asked (switches such as --quick-compile included), not with defaults."""
+    from jfire import cli
+    from jfire.disagg import launch
+
+    seen = {}
+
+    def launch_local(deployment, deployment_arg, options):  # records what each process would be given
+        seen["options"] = options
+        return 0
+
+    monkeypatch.setattr(launch, "launch_local", launch_local)
+    asked = ["launch", "local-1p1d", "--max-batch", "4", "--kv-cache-gb", "0.05", "--prefill-budget", "32",
+             "--max-context", "128", "--no-run-ahead", "--no-cpu-matmul", "--quick-compile", "--compile-cache", "off"]
+    assert cli.main(asked) == 0
+    group = process_argv("local-1p1d", 1, "127.0.0.1:9", seen["options"])
+    parser = cli.build_parser()
+    assert cli.engine_config(parser.parse_args(group), single=False) == cli.engine_config(parser.parse_args(asked),
+                                                                                           single=False)
+    assert cli.engine_config(parser.parse_args(group), single=False).quick_compile
