@@ -69,7 +69,7 @@ def make_params(name: str) -> dict:
     return params
 
 
-_forward = jax.jit(forward, static_argnames=("cfg",))
+_forward = greedy_programs.quick(forward, static_argnames=("cfg",))
 
 
 def uncached_logits(params, cfg, seq) -> np.ndarray:

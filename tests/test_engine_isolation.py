@@ -27,7 +27,8 @@ def model(tiny_hf_dir):
 
 
 def config():
-    return EngineConfig(max_batch=4, max_prefill_rows=4, aot=False, max_model_len=64, kv_cache_bytes=8 << 20)
+    return EngineConfig(max_batch=4, max_prefill_rows=4, aot=False, max_model_len=64, kv_cache_bytes=8 << 20,
+                        quick_compile=True)
 
 
 @pytest.fixture(scope="module")

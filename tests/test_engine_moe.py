@@ -34,9 +34,9 @@ def model(request, tiny_hf_dir):
 def limits(num_pages: int, prefix_caching: bool = True) -> EngineConfig:
     """Every engine here has the same limits but its pool, so the reference's programs are
     among the batched engine's and the module compiles two small sets (4 rows: the twelve
-    requests join and leave a running batch)."""
+    requests join and leave a running batch), quickly (programs.QUICK_COMPILE)."""
     return EngineConfig(page_size=4, num_pages=num_pages, max_batch=4, prefill_budget=32, max_prefill_rows=4,
-                        aot=False, max_model_len=128, prefix_caching=prefix_caching)
+                        aot=False, max_model_len=128, prefix_caching=prefix_caching, quick_compile=True)
 
 
 ROOMY, TIGHT = 512, 14  # pages of 4 slots: every row at full length; two or three rows

@@ -29,7 +29,8 @@ def requests_for(model, count=16):
 def test_preempted_requests_equal_running_alone(tiny_model):
     requests = requests_for(tiny_model)
     # The same limits but the pool (the reference one row at a time, without prefix caching).
-    limits = dict(page_size=4, max_batch=16, prefill_budget=32, max_prefill_rows=4, max_model_len=128, aot=False)
+    limits = dict(page_size=4, max_batch=16, prefill_budget=32, max_prefill_rows=4, max_model_len=128, aot=False,
+                  quick_compile=True)
     with Engine(tiny_model, EngineConfig(num_pages=512, prefix_caching=False, **limits)) as engine:
         alone = [engine.generate([r])[0].token_ids for r in requests]
     # 14 pages of 4 slots: two or three sequences fit at once, sixteen are asked for.

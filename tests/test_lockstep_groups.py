@@ -34,8 +34,9 @@ DENSE = LlamaConfig(architecture="LlamaForCausalLM", vocab_size=512, hidden_size
 MOE = LlamaConfig(architecture="MixtralForCausalLM", vocab_size=512, hidden_size=64, intermediate_size=96,
                   num_layers=4, num_heads=8, num_kv_heads=4, head_dim=8, max_position_embeddings=256,
                   num_experts=8, experts_per_token=2, moe_intermediate_size=96, router="softmax_topk")
-# Small buckets: few programs to compile.
-ENGINE_ARGS = ["--max-batch", "4", "--prefill-budget", "32", "--max-context", "128", "--kv-cache-gb", "0.01"]
+# Small buckets: few programs to compile, and compiled quickly (a few tokens each).
+ENGINE_ARGS = ["--max-batch", "4", "--prefill-budget", "32", "--max-context", "128", "--quick-compile",
+               "--kv-cache-gb", "0.01"]
 PROMPTS = [{"prompt_ids": [1, 5, 9, 200, 31], "max_tokens": 8},
            {"prompt_ids": [7, 7, 7], "max_tokens": 6},
            {"prompt_ids": [3, 100, 400, 2, 9, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28,

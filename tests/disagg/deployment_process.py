@@ -87,12 +87,12 @@ def wait_for(predicate, timeout: float, what: str):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
-def colocated(prompts: list[dict], tmp_path: Path, model: str = "default") -> list[dict]:
+def colocated(prompts: list[dict], tmp_path: Path, model: str = "default", engine_args: tuple = ()) -> list[dict]:
     """The same prompts through colocated `jfire generate` (one process, one engine)."""
     src, out = tmp_path / "prompts.jsonl", tmp_path / "colocated.jsonl"
     src.write_text("".join(json.dumps(p) + "\n" for p in prompts))
     subprocess.run([sys.executable, "-m", "jfire.cli", "generate", "--prompts-file", str(src), "--output", str(out),
-                    *SERVE_LIMITS, "--model", model], check=True, cwd=REPO,
+                    *SERVE_LIMITS, *engine_args, "--model", model], check=True, cwd=REPO,
                    env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     return [r for r in sorted(rows, key=lambda r: r["index"])]

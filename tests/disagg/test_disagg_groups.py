@@ -67,8 +67,8 @@ def reference(model, tmp_path_factory):
     src = tmp_path_factory.mktemp("reference") / "prompts.jsonl"
     src.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
     run = subprocess.run([sys.executable, "-m", "jfire.cli", "generate", "--model", str(model), "--prompts-file",
-                          str(src), "--ignore-eos", *DEPLOYMENT_LIMITS], capture_output=True, text=True, cwd=REPO,
-                         timeout=600)
+                          str(src), "--ignore-eos", "--quick-compile", *DEPLOYMENT_LIMITS],
+                         capture_output=True, text=True, cwd=REPO, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     rows = sorted((json.loads(line) for line in run.stdout.splitlines()), key=lambda r: r["index"])
     return [r["token_ids"] for r in rows]
@@ -80,7 +80,7 @@ def deployment(model, tmp_path_factory):
     path = tmp / "groups.toml"
     path.write_text(DEPLOYMENT)
     running = launch(path, tmp / "launch.log", extra=("--model", str(model), "--max-restarts", "1",
-                                                                "--served-model-name", MODEL_NAME))
+                                                                "--served-model-name", MODEL_NAME, "--quick-compile"))
     yield running
     code = running.stop()
     assert code == 0, running.log.read_text()[-3000:]

@@ -28,7 +28,9 @@ PROMPTS = [
     {"prompt": "Write a short poem about the sea and the wind. " * 2, "max_tokens": 16},
     {"prompt": "List three prime numbers: 2, 3,", "max_tokens": 10},
 ]
-SMALL = (*SERVE_LIMITS, "--served-model-name", "default")
+# The tiny model compiles quickly (it runs a few tokens): the reference, the server and the groups alike.
+QUICK = ("--quick-compile",)
+SMALL = (*SERVE_LIMITS, *QUICK, "--served-model-name", "default")
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +42,7 @@ def moe_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(moe_dir, tmp_path_factory):
-    return colocated(PROMPTS, tmp_path_factory.mktemp("colocated-moe"), model=moe_dir)
+    return colocated(PROMPTS, tmp_path_factory.mktemp("colocated-moe"), model=moe_dir, engine_args=QUICK)
 
 
 def test_serve_equals_generate(moe_dir, reference, tmp_path):
@@ -53,7 +55,7 @@ def test_serve_equals_generate(moe_dir, reference, tmp_path):
 
 def test_launch_1p1d_equals_generate(moe_dir, reference, tmp_path):
     running = launch(deployment_file(tmp_path, "local-1p1d", timeout_s=30), tmp_path / "launch.log",
-                     extra=("--model", moe_dir, "--served-model-name", "default"))
+                     extra=("--model", moe_dir, "--served-model-name", "default", *QUICK))
     try:
         lengths = assert_same_as_colocated(running.url, PROMPTS, reference)
         hf = json.loads((Path(moe_dir) / "config.json").read_text())

@@ -77,7 +77,7 @@ def test_routed_experts_stay_fp8_on_the_device(released):
 
 
 def greedy(model, prompt):
-    with Engine(model, EngineConfig(max_batch=1, max_prefill_rows=1, aot=False)) as engine:
+    with Engine(model, EngineConfig(max_batch=1, max_prefill_rows=1, aot=False, quick_compile=True)) as engine:
         return engine.generate([(prompt, SamplingParams(temperature=0.0, max_tokens=GREEDY_STEPS))])[0].token_ids
 
 

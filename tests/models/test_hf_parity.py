@@ -56,7 +56,8 @@ def test_prefill_and_decode_logits_match_transformers(family, tiny_hf_dir):
 
     # Prefill: every position's logits.
     cache = init_cache(cfg, 1, 64, jnp.float32)
-    logits, _ = jax.jit(forward, static_argnums=1)(params, cfg, jnp.asarray([prompt]), jnp.arange(PROMPT_LEN)[None], cache)
+    prefill = greedy_programs.quick(forward, static_argnums=1)
+    logits, _ = prefill(params, cfg, jnp.asarray([prompt]), jnp.arange(PROMPT_LEN)[None], cache)
     assert_close_per_position(logits[0], hf_logits(ref_model, prompt), what="prefill")
 
     # Decode through the compiled programs, checking each step's logits against HF recomputing
@@ -88,7 +89,7 @@ def test_greedy_tokens_match_transformers_generate(family, tiny_hf_dir):
     with torch.no_grad():
         out = ref_model.generate(torch.tensor([prompt]), max_new_tokens=GREEDY_STEPS, do_sample=False)
     expected = out[0, len(prompt):].tolist()
-    with Engine(model, EngineConfig(max_batch=1, max_prefill_rows=1, aot=False)) as engine:
+    with Engine(model, EngineConfig(max_batch=1, max_prefill_rows=1, aot=False, quick_compile=True)) as engine:
         got = engine.generate([(prompt, SamplingParams(temperature=0.0, max_tokens=GREEDY_STEPS))])[0]
     assert got.token_ids == expected
     # These seeds never sample EOS, so all 16 steps are compared.

@@ -78,7 +78,8 @@ def test_greedy_tokens_match_transformers_on_the_dequantized_experts(released, a
     prompt = [int(x) for x in np.random.RandomState(4).randint(3, model.config.vocab_size, size=11)]
     with torch.no_grad():
         expected = reference.generate(torch.tensor([prompt]), max_new_tokens=GREEDY_STEPS, do_sample=False)[0, 11:]
-    with Engine(model, EngineConfig(max_batch=1, max_prefill_rows=1, aot=False, attention=attention)) as engine:
+    with Engine(model, EngineConfig(max_batch=1, max_prefill_rows=1, aot=False, attention=attention,
+                                     quick_compile=True)) as engine:
         got = engine.generate([(prompt, SamplingParams(temperature=0.0, max_tokens=GREEDY_STEPS))])[0]
     assert got.token_ids == expected.tolist()
     assert len(got.token_ids) == GREEDY_STEPS
