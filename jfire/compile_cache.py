@@ -49,31 +49,39 @@ def program(fn, args: tuple, static: dict, devices, options: dict | None = None)
     abstract), loaded without tracing when an earlier start stored the same program (see the
     module docstring), else compiled afresh (`_compiled_afresh`: JAX's cache is not consulted)
     and stored for the next start."""
-    root = jax.config.jax_compilation_cache_dir
     devices = list(devices)
-    if not root:
+    path = _program_path(fn, args, static, devices, options)
+    if path is None:
         return compiled(fn.lower(*args, **static), devices, options)
-    directory = Path(root) / PROGRAMS
-    path = directory / f"{_program_key(fn, args, static, devices, options)}.pkl"
-    loaded = _load(path, devices)
-    if loaded is not None:
-        return loaded
-    exe = _compiled_afresh(fn.lower(*args, **static), options)
-    try:
-        payload = pickle.dumps(_serialize(exe))
-    except Exception:  # noqa: BLE001 - an executable the backend cannot serialize is just not kept
-        return exe
-    directory.mkdir(parents=True, exist_ok=True)
-    _write(directory, path, payload)
-    return exe
+    return _load_or_compile(path, devices, lambda: fn.lower(*args, **static), options)
 
 
 def is_stored(fn, args: tuple, static: dict, devices, options: dict | None = None) -> bool:
     """Whether `program(fn, args, static, devices, options)` would load a stored executable."""
+    path = _program_path(fn, args, static, list(devices), options)
+    return path is not None and path.is_file()
+
+
+def _program_path(fn, args: tuple, static: dict, devices: list, options: dict | None) -> Path | None:
+    """Where `program()` keeps this program; None without a cache directory."""
     root = jax.config.jax_compilation_cache_dir
-    devices = list(devices)
-    key = _program_key(fn, args, static, devices, options)
-    return bool(root) and (Path(root) / PROGRAMS / f"{key}.pkl").is_file()
+    if not root:
+        return None
+    return Path(root) / PROGRAMS / f"{_program_key(fn, args, static, devices, options)}.pkl"
+
+
+def _load_or_compile(path: Path, devices: list, lower, options: dict | None) -> jax.stages.Compiled:
+    """The executable stored at `path`, else `lower()` compiled afresh and stored there."""
+    loaded = _load(path, devices)
+    if loaded is not None:
+        return loaded
+    exe = _compiled_afresh(lower(), options)
+    try:
+        payload = pickle.dumps(_serialize(exe))
+    except Exception:  # noqa: BLE001 - an executable the backend cannot serialize is just not kept
+        return exe
+    _write(path, payload)
+    return exe
 
 
 # A compiler option at XLA's default value: it changes nothing in the program, only the key of
@@ -123,25 +131,16 @@ def compiled(lowered: jax.stages.Lowered, devices, options: dict | None = None) 
     if directory is None:
         return lowered.compile(compiler_options=options or None)
     devices = list(devices)
-    path = directory / f"{_key(lowered, devices, options)}.pkl"
-    loaded = _load(path, devices)
-    if loaded is not None:
-        return loaded
-    compiled = _compiled_afresh(lowered, options)
-    try:
-        payload = pickle.dumps(_serialize(compiled))
-    except Exception:  # noqa: BLE001 - an executable the backend cannot serialize is just not kept
-        return compiled
-    _write(directory, path, payload)
-    return compiled
+    return _load_or_compile(directory / f"{_key(lowered, devices, options)}.pkl", devices, lambda: lowered, options)
 
 
-def _write(directory: Path, path: Path, payload: bytes) -> None:
+def _write(path: Path, payload: bytes) -> None:
     """Written beside its final name and renamed, so a reader never sees half an entry. A cache
     that cannot be written (read-only, full) only costs the next start its compile, as with
     JAX's own cache: it never stops this one."""
-    tmp = None
+    directory, tmp = path.parent, None
     try:
+        directory.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
             f.write(payload)
@@ -158,9 +157,7 @@ def _directory() -> Path | None:
     root = jax.config.jax_compilation_cache_dir
     if not root:
         return None
-    directory = Path(root) / SUBDIR
-    directory.mkdir(parents=True, exist_ok=True)
-    return directory
+    return Path(root) / SUBDIR
 
 
 def _key(lowered: jax.stages.Lowered, devices: list, options: dict | None = None) -> str:
