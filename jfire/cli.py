@@ -317,8 +317,8 @@ def cmd_generate(args) -> int:
             "token_ids": result.token_ids,
             "text": result.text,
             "finish_reason": result.finish_reason,
-            "ttft_s": round(result.ttft_s, 4),
-            "seconds": round(result.latency_s, 4),
+            "ttft_s": _seconds(result.ttft_s),
+            "seconds": _seconds(result.latency_s),
             "timings": _timings(load_s, compile_s, result),
         }))
     else:
@@ -326,13 +326,19 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _seconds(t: float) -> float:
+    """A time as `--json` reports it: to the microsecond (a tiny model's decode of a few tokens
+    takes a few milliseconds, and its rate is computed from the unrounded time)."""
+    return round(t, 6)
+
+
 def _timings(load_s: float, compile_s: float, result) -> dict:
     """Where a one-request `generate --json` spent its time: loading, compiling (done before
     the request, so the rest excludes it), prefill (up to the first token) and decode."""
     decode_s = result.latency_s - result.ttft_s
     decoded = len(result.token_ids) - 1  # the first token comes out of prefill
-    return {"load_s": round(load_s, 4), "compile_s": round(compile_s, 4), "prefill_s": round(result.ttft_s, 4),
-            "ttft_s": round(result.ttft_s, 4), "decode_s": round(decode_s, 4),
+    return {"load_s": _seconds(load_s), "compile_s": _seconds(compile_s), "prefill_s": _seconds(result.ttft_s),
+            "ttft_s": _seconds(result.ttft_s), "decode_s": _seconds(decode_s),
             "prefill_tokens_per_s": round(len(result.prompt_ids) / result.ttft_s, 2),
             "decode_tokens_per_s": round(decoded / decode_s, 2) if decoded > 0 and decode_s > 0 else None}
 
