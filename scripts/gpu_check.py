@@ -41,7 +41,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench_compression import measure, median_seconds  # noqa: E402  (beside this script)
-from gpu_engine_check import engine_check, summary  # noqa: E402  (beside this script)
+from gpu_engine_check import engine_check, jit, summary  # noqa: E402  (beside this script)
 from jfire.checkpoint import codec  # noqa: E402
 from jfire.checkpoint.compressed import layout_for  # noqa: E402
 from jfire.kernels.bf16_decode import bf16_decode, pad_payload  # noqa: E402
@@ -114,8 +114,8 @@ def moe_check(smoke: bool, repeats: int) -> list[dict]:
     key = jax.random.key(7)
     w = [(0.02 * jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32)).astype(jnp.bfloat16)
          for i, shape in enumerate([(experts, hidden, ffn), (experts, hidden, ffn), (experts, ffn, hidden)])]
-    grouped = jax.jit(lambda *a: moe.experts_dropless(*a, scale_input=True))
-    dense = jax.jit(lambda *a: moe.experts_dense_reference(*a, scale_input=True))
+    grouped = jit(smoke)(lambda *a: moe.experts_dropless(*a, scale_input=True))
+    dense = jit(smoke)(lambda *a: moe.experts_dense_reference(*a, scale_input=True))
     rows = []
     for tokens in (1, 16, 256):
         x = jax.random.normal(jax.random.fold_in(key, 100 + tokens), (tokens, hidden), jnp.float32).astype(jnp.bfloat16)
@@ -147,9 +147,9 @@ def kimi_kernels_check(smoke: bool, repeats: int) -> list[dict]:
     table = jnp.asarray(np.random.default_rng(0).permutation(pages)[: b * w].reshape(b, w).astype(np.int32))
     lengths = jnp.asarray(np.random.default_rng(1).integers(1, w * page + 1, b).astype(np.int32))
     scale = (128 + 64) ** -0.5
-    kernel = jax.jit(lambda: mla_attention.mla_paged_decode(q_latent, q_rope, cache, 1, table, lengths, scale=scale,
+    kernel = jit(smoke)(lambda: mla_attention.mla_paged_decode(q_latent, q_rope, cache, 1, table, lengths, scale=scale,
                                                             interpret=interpret))
-    reference = jax.jit(lambda: mla_attention.mla_partial_reference(
+    reference = jit(smoke)(lambda: mla_attention.mla_partial_reference(
         q_latent[:, None], q_rope[:, None], cache, 1, table, (lengths - 1)[:, None], scale=scale))
     got = mla_attention.combine_partials(*kernel())
     want = mla_attention.combine_partials(*[x[:, 0] for x in reference()])
@@ -163,8 +163,8 @@ def kimi_kernels_check(smoke: bool, repeats: int) -> list[dict]:
     sizes = jnp.asarray(np.bincount(np.random.default_rng(3).integers(0, experts, tokens * 8), minlength=experts)
                         .astype(np.int32))
     xs = jax.random.normal(jax.random.fold_in(key, 3), (tokens * 8, hidden), jnp.float32).astype(jnp.bfloat16)
-    grouped = jax.jit(lambda: int4_experts.ragged_dot_int4(xs, packed, scales, sizes, impl=impl))
-    xla = jax.jit(lambda: int4_experts.ragged_dot_int4(xs, packed, scales, sizes, impl="xla"))
+    grouped = jit(smoke)(lambda: int4_experts.ragged_dot_int4(xs, packed, scales, sizes, impl=impl))
+    xla = jit(smoke)(lambda: int4_experts.ragged_dot_int4(xs, packed, scales, sizes, impl="xla"))
     a, bb = np.asarray(grouped()), np.asarray(xla())
     rows.append({"kernel": "ragged_dot_int4", "agree": bool(np.allclose(a, bb, rtol=2e-2, atol=2e-2 * np.abs(bb).max())),
                  "kernel_ms": 1e3 * median_seconds(lambda: grouped().block_until_ready(), repeats),

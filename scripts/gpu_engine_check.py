@@ -16,6 +16,7 @@ mode), so that the tests keep this file from rotting.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import jax
@@ -28,6 +29,7 @@ from jfire.engine import Engine, EngineConfig
 from jfire.kernels.paged_attention import paged_attention, paged_attention_reference
 from jfire.models.llama import LlamaConfig
 from jfire.models.params import init_params
+from jfire.programs import QUICK_COMPILE
 
 LLAMA3_8B = LlamaConfig(architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                         num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=8192,
@@ -60,6 +62,12 @@ SMOKE = Sizes(TINY_LLAMA, "float32", "pallas-interpret", decode_tokens=6, wide_b
               prefill_budget=32, kv_cache_gb=0.01, bandwidth_bytes=16 << 20)
 
 
+def jit(smoke: bool):
+    """jax.jit; for the smoke run's tiny shapes with XLA's backend optimisation off, since it
+    checks the code paths, not their speed (drawing the tiny model's weights: 0.5 s, not 2.9)."""
+    return functools.partial(jax.jit, compiler_options=QUICK_COMPILE if smoke else None)
+
+
 def read_bandwidth(nbytes: int, repeats: int) -> float:
     """Bytes per second of a reduction reading `nbytes` of bf16 once (median of repeats)."""
     x = jnp.ones((nbytes // 2,), jnp.bfloat16)
@@ -76,7 +84,8 @@ def read_bandwidth(nbytes: int, repeats: int) -> float:
 def synthetic_model(sizes: Sizes) -> LoadedModel:
     """The model's every parameter drawn on the device (normal(0, 0.02), unit norms)."""
     cfg = sizes.config
-    params = jax.jit(lambda key: init_params(cfg.param_specs(), key, jnp.dtype(sizes.dtype)))(jax.random.key(0))
+    draw = jit(sizes is SMOKE)(lambda key: init_params(cfg.param_specs(), key, jnp.dtype(sizes.dtype)))
+    params = draw(jax.random.key(0))
     jax.block_until_ready(params)
     return LoadedModel(config=cfg, params=params, tokenizer=None, name="llama3-8b-shaped", dtype=sizes.dtype)
 
@@ -95,8 +104,8 @@ def attention_kernel_check(sizes: Sizes, interpret: bool) -> dict:
     q = jax.random.normal(jax.random.fold_in(key, 2), (b, cfg.num_heads, cfg.head_dim), jnp.float32).astype(dtype)
     table = jnp.asarray(np.random.default_rng(0).permutation(pages)[: b * w].reshape(b, w).astype(np.int32))
     lengths = jnp.asarray(np.random.default_rng(1).integers(1, w * page + 1, b).astype(np.int32))
-    got = jax.jit(lambda: paged_attention(q, k_pages, v_pages, jnp.int32(1), table, lengths, interpret=interpret))()
-    want = jax.jit(lambda: paged_attention_reference(q[:, None], k_pages, v_pages, jnp.int32(1), table,
+    got = jit(interpret)(lambda: paged_attention(q, k_pages, v_pages, jnp.int32(1), table, lengths, interpret=interpret))()
+    want = jit(interpret)(lambda: paged_attention_reference(q[:, None], k_pages, v_pages, jnp.int32(1), table,
                                                      (lengths - 1)[:, None])[:, 0])()
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     error = float(np.abs(got - want).max())
@@ -129,7 +138,7 @@ def engine_check(smoke: bool, repeats: int) -> dict:
     result.update(weights_gb=weight_bytes / 1e9, weights_s=time.perf_counter() - t0)
     config = EngineConfig(max_batch=sizes.wide_batch, prefill_budget=sizes.prefill_budget,
                           max_model_len=sizes.context, kv_cache_bytes=int(sizes.kv_cache_gb * (1 << 30)),
-                          attention=sizes.attention)
+                          attention=sizes.attention, quick_compile=smoke)  # the smoke run checks paths, not speed
     t0 = time.perf_counter()
     with Engine(model, config) as engine:
         result["serving_s"] = time.perf_counter() - t0  # essential programs compiled
