@@ -32,33 +32,45 @@ def pytest_configure(config):
     enable_compilation_cache(os.environ["JFIRE_COMPILE_CACHE"])
 
 
-# The suite runs on two parallel workers (pytest -n 2 --dist loadscope in pyproject.toml), each
-# module on one worker, handed out in collection order as workers free up. The slowest modules
-# (measured) go first so that no worker is left running a long one alone at the end; the rest
-# keep their order.
+# The suite runs on two parallel workers (pytest -n 2 --dist loadscope --no-loadscope-reorder in
+# pyproject.toml), each module on one worker, handed out in collection order as workers free up
+# (xdist's own reordering, by number of tests, would put 40 quick sampling tests before a
+# 2-minute module). The slowest modules go first, longest first (summed from
+# `pytest --durations=0` on a fresh clone), so that no worker is left running a long one alone
+# at the end; the rest keep their order.
 SLOWEST_FIRST = [
-    "tests/serve/test_agent_api.py",
     "tests/test_lockstep_groups.py",
+    "tests/serve/test_agent_api.py",
+    "tests/test_engine_moe.py",
     "tests/test_mesh_suite.py",
-    "tests/models/test_hf_parity.py",
+    "tests/reliability/test_disagg_faults.py",
     "tests/disagg/test_disagg_1p1d.py",
     "tests/reliability/test_serve_faults.py",
-    "tests/test_engine_moe.py",
-    "tests/reliability/test_disagg_faults.py",
+    "tests/models/test_hf_parity.py",
+    "tests/disagg/test_disagg_meshes.py",
+    "tests/disagg/test_disagg_groups.py",
     "tests/test_default_model.py",
     "tests/serve/test_openai_api.py",
-    "tests/disagg/test_disagg_groups.py",
-    "tests/disagg/test_disagg_meshes.py",
-    "tests/test_engine.py",
     "tests/disagg/test_disagg_moe.py",
+    "tests/test_engine.py",
     "tests/test_cli.py",
-    "tests/test_cache.py",
     "tests/test_plan.py",
-    "tests/test_cli_mesh.py",
     "tests/test_batch_mode.py",
+    "tests/test_compression_scripts.py",
+    "tests/kernels/test_paged_attention.py",
+    "tests/test_cache.py",
+    "tests/test_compile_cache.py",
+    "tests/test_cli_mesh.py",
     "tests/disagg/test_deployment.py",
     "tests/checkpoint/test_compressed_default_model.py",
     "tests/checkpoint/test_compressed_checkpoint.py",
+    "tests/kernels/test_bf16_decode.py",
+    "tests/test_bench_compare.py",
+    "tests/serve/test_limits_and_fuzz.py",
+    "tests/test_engine_preemption.py",
+    "tests/test_lockstep_beats.py",
+    "tests/serve/test_shutdown.py",
+    "tests/kernels/test_mla_attention.py",
 ]
 
 
@@ -127,17 +139,35 @@ def colocated_reference(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def default_hf_reference():
+def default_hf_reference(tmp_path_factory):
     """(tokenizer, model): transformers loading the default model's GGUF in float32, the
-    independent reference for its tokens, logits and logprobs."""
+    independent reference for its tokens, logits and logprobs. transformers' GGUF loader takes
+    ~20 s (most of it parsing the file's metadata in Python), so the first worker to need it
+    writes what it loaded down (the same float32 tensors, config and tokenizer) and the other
+    reads that back in ~3 s."""
+    import safetensors.torch
     import torch
     import transformers
+    from filelock import FileLock
 
     from jfire.checkpoint.default_model import GGUF_NAME, default_gguf_path
 
-    path = default_gguf_path()
-    tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=GGUF_NAME)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=GGUF_NAME, dtype=torch.float32)
+    saved = run_directory(tmp_path_factory) / "default-hf-reference"
+    with FileLock(f"{saved}.lock"):
+        if not (saved / "model.safetensors").exists():
+            path = default_gguf_path()
+            tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=GGUF_NAME)
+            model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=GGUF_NAME,
+                                                                      dtype=torch.float32)
+            saved.mkdir(exist_ok=True)  # (a run stopped half-way through writing it)
+            tok.save_pretrained(saved)
+            model.config.to_json_file(saved / "config.json")
+            safetensors.torch.save_model(model, str(saved / "model.safetensors"))  # last: the mark of a whole copy
+            return tok, model.eval()
+    tok = transformers.AutoTokenizer.from_pretrained(saved)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(saved),
+                                                          dtype=torch.float32)
+    safetensors.torch.load_model(model, str(saved / "model.safetensors"))  # strict: every tensor, no extra
     return tok, model.eval()
 
 
