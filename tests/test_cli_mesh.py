@@ -9,7 +9,9 @@ import sys
 
 
 def generate(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "jfire.cli", "generate", "--json", "--compile-cache", "off", *args],
+    """`jfire generate` of a tiny model: compiled quickly (--quick-compile), as it runs a few tokens."""
+    return subprocess.run([sys.executable, "-m", "jfire.cli", "generate", "--json", "--compile-cache", "off",
+                           "--quick-compile", *args],
                           capture_output=True, text=True, timeout=600)
 
 
