@@ -4,10 +4,13 @@ same logits at every position."""
 
 from __future__ import annotations
 
+import inspect
+
 import jax
 import numpy as np
 import pytest
 import torch
+import transformers
 
 from jfire.checkpoint.default_model import default_gguf_path
 from jfire.checkpoint.load import load_model
@@ -15,6 +18,9 @@ from jfire.engine import Engine, EngineConfig
 from jfire.sampling import SamplingParams
 
 STEPS = 32
+# transformers 5.25 renamed the forward's `past_key_values` (and the output's) to `cache`; the
+# old name goes in 5.40. Either version runs the same cached loop.
+CACHE = "cache" if "cache" in inspect.signature(transformers.LlamaForCausalLM.forward).parameters else "past_key_values"
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +41,7 @@ def hf_greedy(model, prompt_ids: list[int], steps: int) -> list[int]:
         for _ in range(steps):
             token = int(result.logits[0, -1].argmax())
             out.append(token)
-            result = model(torch.tensor([[token]]), past_key_values=result.past_key_values, use_cache=True)
+            result = model(torch.tensor([[token]]), **{CACHE: getattr(result, CACHE)}, use_cache=True)
     return out
 
 
