@@ -147,8 +147,8 @@ def kimi_kernels_check(smoke: bool, repeats: int) -> list[dict]:
     table = jnp.asarray(np.random.default_rng(0).permutation(pages)[: b * w].reshape(b, w).astype(np.int32))
     lengths = jnp.asarray(np.random.default_rng(1).integers(1, w * page + 1, b).astype(np.int32))
     scale = (128 + 64) ** -0.5
-    kernel = jit(smoke)(lambda: mla_attention.mla_paged_decode(q_latent, q_rope, cache, 1, table, lengths, scale=scale,
-                                                            interpret=interpret))
+    kernel = jit(smoke)(lambda: mla_attention.mla_paged_decode(q_latent, q_rope, cache, 1, table, lengths,
+                                                               scale=scale, interpret=interpret))
     reference = jit(smoke)(lambda: mla_attention.mla_partial_reference(
         q_latent[:, None], q_rope[:, None], cache, 1, table, (lengths - 1)[:, None], scale=scale))
     got = mla_attention.combine_partials(*kernel())

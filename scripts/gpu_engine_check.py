@@ -104,9 +104,10 @@ def attention_kernel_check(sizes: Sizes, interpret: bool) -> dict:
     q = jax.random.normal(jax.random.fold_in(key, 2), (b, cfg.num_heads, cfg.head_dim), jnp.float32).astype(dtype)
     table = jnp.asarray(np.random.default_rng(0).permutation(pages)[: b * w].reshape(b, w).astype(np.int32))
     lengths = jnp.asarray(np.random.default_rng(1).integers(1, w * page + 1, b).astype(np.int32))
-    got = jit(interpret)(lambda: paged_attention(q, k_pages, v_pages, jnp.int32(1), table, lengths, interpret=interpret))()
+    got = jit(interpret)(lambda: paged_attention(q, k_pages, v_pages, jnp.int32(1), table, lengths,
+                                                 interpret=interpret))()
     want = jit(interpret)(lambda: paged_attention_reference(q[:, None], k_pages, v_pages, jnp.int32(1), table,
-                                                     (lengths - 1)[:, None])[:, 0])()
+                                                            (lengths - 1)[:, None])[:, 0])()
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     error = float(np.abs(got - want).max())
     return {"kernel": "paged_attention", "max_abs_error": error, "agree": bool(np.allclose(got, want, rtol=2e-2, atol=2e-2))}
