@@ -101,16 +101,24 @@ def group_stats(deployment, name: str) -> dict:
     return httpx.get(health["groups"][name]["control"] + "/stats", timeout=5).json()
 
 
+def kv_bytes_moved(deployment) -> tuple[dict, dict, int]:
+    """(bytes sent by each prefill process, bytes pulled by each decode process, bytes the
+    decode group received) so far."""
+    prefill, decode = group_stats(deployment, "prefill-0"), group_stats(deployment, "decode-0")
+    return prefill["kv_bytes_sent_by_process"], decode["kv_bytes_pulled_by_process"], decode["kv_transfer_bytes"]
+
+
 def test_groups_spanning_processes_equal_one_device_and_move_only_their_own_blocks(deployment, reference):
+    # Counted from here: the module's other tests may have run first (and restarted the decode group).
+    sent_before, pulled_before, received_before = kv_bytes_moved(deployment)
     for prompt, expected in zip(PROMPTS, reference):
         assert complete(deployment.url, prompt) == expected
     cache = sum(-(-len(p["prompt_ids"]) // 16) for p in PROMPTS) * PAGE_BYTES  # the prompts' whole pages
-    sent = group_stats(deployment, "prefill-0")["kv_bytes_sent_by_process"]
-    pulled = group_stats(deployment, "decode-0")["kv_bytes_pulled_by_process"]
+    sent, pulled, received = kv_bytes_moved(deployment)
     # Prefill processes 1 and 2 each hold half the heads; decode processes 3 and 4 half the layers.
-    assert sent == {"1": cache // 2, "2": cache // 2}
-    assert pulled == {"3": cache // 2, "4": cache // 2}
-    assert group_stats(deployment, "decode-0")["kv_transfer_bytes"] == cache
+    assert {p: n - sent_before.get(p, 0) for p, n in sent.items()} == {"1": cache // 2, "2": cache // 2}
+    assert {p: n - pulled_before.get(p, 0) for p, n in pulled.items()} == {"3": cache // 2, "4": cache // 2}
+    assert received - received_before == cache
 
 
 def test_killing_a_follower_takes_its_group_down_and_back(deployment, reference):
