@@ -42,6 +42,12 @@ PROMPTS = [{"prompt_ids": [1, 5, 9, 200, 31], "max_tokens": 8},
            {"prompt_ids": [3, 100, 400, 2, 9, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28,
                            29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40], "max_tokens": 10}]
 JFIRE = [sys.executable, "-m", "jfire.cli"]
+# A leader whose group has failed exits after 1 s for the errors to reach the clients, uvicorn's
+# graceful shutdown (up to 5 s) and the engine's, which first lets a background compilation in
+# progress finish: under 10 s on a quiet machine, over 10 s once beside a busy loop on these 2
+# cores. The tests bound that generously: what they check is that it exits by itself, with an
+# error (and, for a follower lost while idle, why: its log says).
+EXIT_ALLOWANCE_S = 60
 MODELS_DIR: dict[str, str] = {}  # model name -> its checkpoint (the `models` fixture fills it)
 REPO = Path(__file__).resolve().parents[1]
 
@@ -202,7 +208,7 @@ def test_killing_the_follower_ends_the_stream_and_the_group(models, one_device, 
         assert time.monotonic() - killed < 10
         assert received < 120
         assert "group spanning processes" in str(failure.value)
-        group[0].wait(timeout=10)
+        group[0].wait(timeout=EXIT_ALLOWANCE_S)  # the leader exits by itself
         assert group[0].returncode not in (0, None)
     finally:
         for p in group:
@@ -218,9 +224,7 @@ def test_killing_the_follower_ends_the_stream_and_the_group(models, one_device, 
         # follower's beats (tests/test_lockstep_beats.py) or JAX's own heartbeat (10 s both).
         # (A group stopped with SIGTERM exits 0: tests/disagg/test_disagg_groups.py.)
         group[1].kill()
-        killed = time.monotonic()
-        group[0].wait(timeout=lockstep.FOLLOWER_TIMEOUT_S + 30)
-        assert time.monotonic() - killed < lockstep.FOLLOWER_TIMEOUT_S + 10
+        group[0].wait(timeout=lockstep.FOLLOWER_TIMEOUT_S + EXIT_ALLOWANCE_S)
         assert group[0].returncode not in (0, None)
         log = (tmp_path / "launched0.log").read_text()
         assert "process 1 of the group stopped: no sign of life" in log or "stopped sending heartbeats" in log
