@@ -84,22 +84,28 @@ def _load_or_compile(path: Path, devices: list, lower, options: dict | None) -> 
     return exe
 
 
-# A compiler option at XLA's default value: it changes nothing in the program, only the key of
-# JAX's in-memory executables (see `_compiled_afresh`).
-_AFRESH = {"xla_embed_ir_in_executable": False}
+# Compiler options at XLA's default values: they change nothing in the program, only the keys
+# of JAX's executables, in memory and in its persistent cache (see `_compiled_afresh`).
+_AFRESH = {"xla_embed_ir_in_executable": False, "xla_dump_hlo_as_text": False}
 
 
 def _compiled_afresh(lowered: jax.stages.Lowered, options: dict | None = None) -> jax.stages.Compiled:
-    """Compiled by XLA, not loaded from JAX's persistent cache: XLA:CPU serializes an executable
-    it loaded from that cache without some of its kernels (the copy loaded later fails with
-    "Function ... not found"), so an executable to be kept is always compiled afresh. The
-    setting is per thread: other threads' compilations still use JAX's cache."""
+    """Compiled by XLA, never loaded from JAX's persistent cache: XLA:CPU serializes an
+    executable it loaded from that cache without some of its kernels (the copy loaded later
+    fails with "Function ... not found"), so an executable to be kept is always compiled afresh.
+
+    JAX decides once per process whether its persistent cache is in use, so it cannot be turned
+    off for one compilation; instead the store's compilations get keys of their own (the
+    default-valued options above) and are never written to JAX's cache (a minimum compile time
+    no compilation reaches, set for this thread only). A program stored by other jfire code but
+    lowered to the same module (a change elsewhere in the source) is then compiled again, not
+    read back from an earlier start's entry."""
     from jax._src import config
 
     # JAX also keeps compiled executables in memory, keyed by the lowered module and the compiler
     # options: a program this process already compiled (or loaded from JAX's cache) would come
-    # back as that same executable. An option set to its default value makes the key its own.
-    with config.enable_compilation_cache(False):
+    # back as that same executable; the options make the key its own there too.
+    with config.enable_compilation_cache(False), config.persistent_cache_min_compile_time_secs(float("inf")):
         return lowered.compile(compiler_options={**_AFRESH, **(options or {})})
 
 
@@ -202,11 +208,11 @@ def _program_key(fn, args: tuple, static: dict, devices: list, options: dict | N
 
 @functools.cache
 def source_digest() -> str:
-    """The digest of jfire's sources (Python, and the C++ kernels programs call): a program
+    """The digest of jfire's sources (Python, and the C++ kernels and headers programs call): a program
     stored by other code is never loaded."""
     package = Path(jfire.__file__).parent
     h = hashlib.sha256()
-    for path in sorted([*package.rglob("*.py"), *package.rglob("*.cc")]):
+    for path in sorted([*package.rglob("*.py"), *package.rglob("*.cc"), *package.rglob("*.h")]):
         h.update(str(path.relative_to(package)).encode())
         h.update(b"\0")
         h.update(path.read_bytes())

@@ -108,6 +108,9 @@ from jfire import compile_cache
 from jfire.engine import enable_compilation_cache
 
 enable_compilation_cache(sys.argv[1])
+if len(sys.argv) > 3:  # another version of jfire's code, which lowers h to the same module
+    compile_cache.source_digest = lambda: sys.argv[3]
+    jax.jit(lambda a: a + 1)(jnp.zeros(2))  # as in an engine, JAX's cache is in use by then
 if sys.argv[2] == "load":
     def refuse(lowered, options=None):
         raise RuntimeError("compiled instead of loaded")
@@ -200,6 +203,24 @@ def test_a_program_first_run_through_jit_is_stored_whole(tmp_path):
     second = run("jit then store")  # jit loads from JAX's cache; the program store then stores
     assert second["own executable"] and second["program"] == second["jit"]
     assert run("load")["program"] == second["jit"]
+
+
+def test_a_program_stored_by_other_code_is_compiled_again_not_read_from_jaxs_cache(tmp_path):
+    """After an upgrade of jfire's code every stored program's key changes, but a program the
+    change did not touch lowers to the same module: its compilation must not be an executable
+    an earlier start left in JAX's persistent cache (stored again, it would miss kernels), and
+    what the new code stores computes what the old code's did."""
+    def run(mode, digest):
+        done = subprocess.run([sys.executable, "-c", JIT_THEN_STORE, str(tmp_path), mode, digest], cwd=REPO,
+                              env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    old = run("load", "old code")  # compiles and stores under the old code's key
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("jit_h")], "the store wrote to JAX's cache"
+    new = run("load", "new code")  # compiles again for the new code's key
+    assert run("load", "new code")["program"] == new["program"] == old["program"]
 
 
 def test_a_program_key_covers_the_source_arguments_options_and_devices(monkeypatch):
