@@ -9,26 +9,29 @@
 // A row's result is the same whatever the number of rows in the call (every path sums the
 // contraction in the same order, with fused multiply-adds), so a sequence decodes the same
 // tokens alone or batched. Both split their work into one chunk per thread of XLA's intra-op
-// pool. The calling thread claims chunks too, and waits only for chunks another thread has
-// already claimed, so a call never waits on a task queued behind a busy pool (XLA runs
-// independent thunks concurrently on that same pool). Chunks of w are read front to back, once.
+// pool (cpu_parallel.h). Chunks of w are read front to back, once.
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 #include <vector>
 
+#include "cpu_parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
+using jfire_cpu::RunChunks;
+
 // y[r, c0:c1] = sum over k0 <= kk < k1 of x[r, kk] * w[kk, c0:c1], for r < m; x is [m, k] and
 // w [k, n], row-major. Columns are tiled so the m rows of accumulators stay in L1 while w
-// streams past: the form for one or a few rows, where reading w is all the work.
+// streams past: the form for one or a few rows, where reading w is all the work. kStreamRows
+// rows of w are read side by side: with 8 streams the 30 layers' products of the default model
+// reached 25-27 GB/s at one row against 22-26 with 4 (alternating runs, the same bits).
+constexpr int64_t kStreamRows = 8;
+
 void AccumulateRows(const float* __restrict x, const float* __restrict w, float* __restrict y, int64_t m,
                     int64_t k, int64_t n, int64_t k0, int64_t k1, int64_t c_begin, int64_t c_end) {
   const int64_t tile = std::max<int64_t>(64, (24 * 1024 / 4) / m / 16 * 16);
@@ -36,24 +39,18 @@ void AccumulateRows(const float* __restrict x, const float* __restrict w, float*
     const int64_t len = std::min(tile, c_end - c0);
     for (int64_t r = 0; r < m; ++r) std::memset(y + r * n + c0, 0, len * sizeof(float));
     int64_t kk = k0;
-    for (; kk + 4 <= k1; kk += 4) {
+    for (; kk + kStreamRows <= k1; kk += kStreamRows) {
       const float* w0 = w + kk * n + c0;
-      const float* w1 = w0 + n;
-      const float* w2 = w1 + n;
-      const float* w3 = w2 + n;
       for (int64_t r = 0; r < m; ++r) {
         const float* xr = x + r * k + kk;
-        const float a0 = xr[0], a1 = xr[1], a2 = xr[2], a3 = xr[3];
         float* yr = y + r * n + c0;
         // One fused multiply-add per row of w, in order: the summation order of the register
         // blocks, so a row's result does not depend on how many rows share the call.
 #pragma GCC ivdep
         for (int64_t j = 0; j < len; ++j) {
           float acc = yr[j];
-          acc += a0 * w0[j];
-          acc += a1 * w1[j];
-          acc += a2 * w2[j];
-          acc += a3 * w3[j];
+#pragma GCC unroll 8
+          for (int64_t i = 0; i < kStreamRows; ++i) acc += xr[i] * w0[i * n + j];
           yr[j] = acc;
         }
       }
@@ -145,26 +142,6 @@ void DotRows(const float* __restrict x, const float* __restrict w, float* __rest
       for (int64_t i = 0; i < k; ++i) acc += xr[i] * wj[i];
       y[r * n + j] = acc;
     }
-  }
-}
-
-// Runs work(c) for c < chunks on the pool and the calling thread; returns when all are done.
-template <typename Work>
-void RunChunks(ffi::ThreadPool& pool, int64_t chunks, Work work) {
-  struct State {
-    std::atomic<int64_t> next{0};
-    std::atomic<int64_t> done{0};
-  };
-  auto state = std::make_shared<State>();
-  auto claim = [state, chunks, work]() {
-    for (int64_t c; (c = state->next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
-      work(c);
-      state->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  for (int64_t t = 1; t < chunks; ++t) pool.Schedule(decltype(claim)(claim));
-  claim();
-  while (state->done.load(std::memory_order_acquire) < chunks) {
   }
 }
 

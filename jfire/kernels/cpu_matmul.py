@@ -1,4 +1,5 @@
-"""Float32 matrix products for XLA:CPU that read the weights where they lie (`cpu_matmul.cc`).
+"""Float32 matrix products for XLA:CPU that read the weights where they lie (`cpu_matmul.cc`),
+and the build of jfire's CPU kernels (these and `cpu_attention.cc`) into one library.
 
 Why: the models keep each run of layers as one stacked array and scan over it. Inside the
 scan XLA:CPU copies every layer's weight slice out of the stack before its dot, and at decode
@@ -33,13 +34,15 @@ import jax.numpy as jnp
 
 log = logging.getLogger("jfire.kernels")
 
-SOURCE = Path(__file__).with_name("cpu_matmul.cc")
+KERNELS_DIR = Path(__file__).parent
+SOURCES = tuple(KERNELS_DIR / name for name in ("cpu_matmul.cc", "cpu_attention.cc"))
+HEADERS = (KERNELS_DIR / "cpu_parallel.h",)
 BUILD_DIR = Path(__file__).with_name("_build")
 # -march=native: the library is built on (and keyed by) the CPU that runs it.
 # -ffp-contract=fast: a * b + c as one fused multiply-add everywhere (ISO C++ mode would
 # contract only some), so every path rounds the same way.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd", "-w")
-TARGETS = ("jfire_stacked_matmul", "jfire_matmul_nt")
+TARGETS = ("jfire_stacked_matmul", "jfire_matmul_nt", "jfire_paged_attention")
 MAX_ROWS = 64  # rows (tokens) per product up to which the kernels beat a slice copy plus XLA's dot
 # The head (`matmul_nt`) is a dot product per vocabulary row, for a few rows only: at 16 rows it
 # took 42 ms of a decode step, and handing those rows back to XLA's blocked GEMM took the step
@@ -72,9 +75,10 @@ def _cpu_flags() -> str:
 
 
 def library_path() -> Path:
-    """Where the library for this source, these flags and this CPU is (or would be) built."""
-    key = hashlib.sha256(SOURCE.read_bytes() + repr(FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
-    return BUILD_DIR / f"cpu_matmul-{key}.so"
+    """Where the library for these sources, these flags and this CPU is (or would be) built."""
+    code = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
+    key = hashlib.sha256(code + repr(FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
+    return BUILD_DIR / f"cpu_kernels-{key}.so"
 
 
 def build(quiet: bool = False) -> Path:
@@ -90,11 +94,11 @@ def build(quiet: bool = False) -> Path:
     # Built under a temporary name and renamed: processes building at once each finish whole.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
-    cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+    cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{KERNELS_DIR}", *map(str, SOURCES), "-o", tmp]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
         os.unlink(tmp)
-        raise RuntimeError(f"building {SOURCE.name} failed: {done.stderr.strip()[-2000:]}")
+        raise RuntimeError(f"building {', '.join(p.name for p in SOURCES)} failed: {done.stderr.strip()[-2000:]}")
     os.replace(tmp, path)
     if not quiet:
         log.info("built %s", path)

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jfire.errors import JfireError
-from jfire.kernels.paged_attention import paged_attention_reference
+from jfire.kernels.cpu_attention import paged_attention
 from jfire.models.blocks import (RopeScaling, pre_norm_decoder, gqa_mesh_problems, kv_cache_specs, repeat_kv_heads, apply_rope, cache_slots, layer_matmul, layer_matmuls, lm_head, rms_norm,
                                  rope_angles, rope_inv_freq, rope_params, write_heads)
 from jfire.models.family import CacheSpec, Family, MeshShape, segments_of, scan_layers
@@ -327,7 +327,7 @@ def run_segment(cfg: LlamaConfig, segment, stack: dict, x, positions, pages: dic
     """
     cos, sin = rope_angles(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
     page, slot = cache_slots(positions, page_table, pages["k"].shape[2], pages["k"].shape[3])
-    attend = attention_impl or paged_attention_reference
+    attend = attention_impl or paged_attention  # on the CPU kernel where it applies, else the reference
     moe = segment.kind == "moe"
 
     def layer(carry, p, j):

@@ -1,0 +1,193 @@
+// Attention of a few query tokens per row over the paged KV cache, for XLA:CPU (see
+// cpu_attention.py).
+//
+//   jfire_paged_attention: out[b, t, h, d] = softmax(q k^T / sqrt(d)) v for each query token,
+//     over the keys and values of its row's pages in the stacked cache
+//     pages [layers, kv_heads, num_pages, page_size, d] at one layer (a device scalar).
+//
+// XLA's form of this loop gathers each block of pages into a contiguous copy, transposes it,
+// and runs a dozen small kernels per block; here every key is read where it lies, once.
+//
+// The work is split into fixed segments of kSegment positions of one (query token, kv head)
+// pair, so a long context keeps both threads busy at batch 1; the segments' partial softmaxes
+// are merged in position order. The split depends only on the positions, never on the batch,
+// so a row's result is the same bits alone or batched.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "cpu_parallel.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kSegment = 256;  // positions per unit of work
+
+// One segment's partial softmax for the g query heads of one kv head: running max m, sum of
+// exp(score - m) l, and the exp-weighted sum of values acc [g, d].
+struct Partial {
+  float* m;
+  float* l;
+  float* acc;
+};
+
+// Keys lo..hi (inclusive) of one row's pages for query heads q [g, d]; kp/vp point at this
+// layer's and kv head's pages [num_pages, page_size, d]. False if the table names a page
+// outside the pool.
+bool AttendSegment(const float* __restrict q, int64_t g, int64_t d, const float* __restrict kp,
+                   const float* __restrict vp, const int32_t* table, int64_t num_pages, int64_t page_size,
+                   int64_t lo, int64_t hi, float scale, Partial out) {
+  const int64_t n = hi - lo + 1;
+  std::vector<float> scores(g * n);
+  std::vector<const float*> values(n);
+  for (int64_t s = lo; s <= hi; ++s) {
+    const int32_t page = table[s / page_size];
+    if (page < 0 || page >= num_pages) return false;
+    const int64_t at = (static_cast<int64_t>(page) * page_size + s % page_size) * d;
+    const float* key = kp + at;
+    values[s - lo] = vp + at;
+    for (int64_t i = 0; i < g; ++i) {
+      const float* qi = q + i * d;
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t e = 0; e < d; ++e) dot += qi[e] * key[e];
+      scores[i * n + s - lo] = dot * scale;
+    }
+  }
+  for (int64_t i = 0; i < g; ++i) {
+    float* si = scores.data() + i * n;
+    float m = si[0];
+    for (int64_t j = 1; j < n; ++j) m = std::max(m, si[j]);
+    float l = 0.0f;
+    for (int64_t j = 0; j < n; ++j) {
+      si[j] = std::exp(si[j] - m);
+      l += si[j];
+    }
+    out.m[i] = m;
+    out.l[i] = l;
+    float* acc = out.acc + i * d;
+    std::memset(acc, 0, d * sizeof(float));
+    for (int64_t j = 0; j < n; ++j) {
+      const float p = si[j];
+      const float* v = values[j];
+#pragma omp simd
+      for (int64_t e = 0; e < d; ++e) acc[e] += p * v[e];
+    }
+  }
+  return true;
+}
+
+ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
+                          ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> layer_buf,
+                          ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> positions,
+                          ffi::ResultBuffer<ffi::F32> out, int64_t sliding_window, float scale) {
+  const auto qd = q.dimensions(), pd = k_pages.dimensions(), td = page_table.dimensions(),
+             posd = positions.dimensions();
+  const auto vd = v_pages.dimensions();
+  if (qd.size() != 4 || pd.size() != 5 || td.size() != 2 || posd.size() != 2 || vd.size() != 5 ||
+      !std::equal(pd.begin(), pd.end(), vd.begin()) ||
+      posd[0] != qd[0] || posd[1] != qd[1] || td[0] != qd[0] || pd[4] != qd[3] || qd[2] % pd[1] != 0) {
+    return ffi::Error::InvalidArgument("jfire_paged_attention takes q [b, t, h, d], k and v pages [layers, kv_heads, "
+                                       "num_pages, page_size, d], layer, page_table [b, w] and positions [b, t]");
+  }
+  const int64_t b = qd[0], t = qd[1], h = qd[2], d = qd[3];
+  const int64_t layers = pd[0], kvh = pd[1], num_pages = pd[2], page_size = pd[3], width = td[1];
+  const int64_t g = h / kvh;
+  const int32_t layer = layer_buf.typed_data()[0];
+  if (layer < 0 || layer >= layers) return ffi::Error::InvalidArgument("jfire_paged_attention: layer out of range");
+  const int64_t head_pages = num_pages * page_size * d;  // floats of one layer's one kv head
+  const float* kbase = k_pages.typed_data() + static_cast<int64_t>(layer) * kvh * head_pages;
+  const float* vbase = v_pages.typed_data() + static_cast<int64_t>(layer) * kvh * head_pages;
+  const float* qp = q.typed_data();
+  const int32_t* tp = page_table.typed_data();
+  const int32_t* pos = positions.typed_data();
+  float* op = out->typed_data();
+
+  // The units of work: (query token, kv head, segment), each with its place in the partials.
+  struct Unit {
+    int64_t token, head, lo, hi, partial;
+  };
+  struct Pair {  // one (query token, kv head): its units are partials [first, first + count)
+    int64_t token, head, first, count;
+  };
+  std::vector<Unit> units;
+  std::vector<Pair> pairs;
+  for (int64_t token = 0; token < b * t; ++token) {
+    const int64_t p = pos[token];
+    if (p < 0) {  // padding sees nothing: zeros, as the reference gives
+      std::memset(op + token * h * d, 0, h * d * sizeof(float));
+      continue;
+    }
+    if (p >= width * page_size) return ffi::Error::InvalidArgument("jfire_paged_attention: a position is past its page table");
+    const int64_t lo = sliding_window > 0 ? std::max<int64_t>(0, p - sliding_window + 1) : 0;
+    for (int64_t head = 0; head < kvh; ++head) {
+      const int64_t first = static_cast<int64_t>(units.size());
+      for (int64_t s = lo / kSegment * kSegment; s <= p; s += kSegment) {
+        units.push_back({token, head, std::max(s, lo), std::min(p, s + kSegment - 1), static_cast<int64_t>(units.size())});
+      }
+      pairs.push_back({token, head, first, static_cast<int64_t>(units.size()) - first});
+    }
+  }
+  const int64_t stride = g * (d + 2);  // floats of one partial: m [g], l [g], acc [g, d]
+  std::vector<float> partials(units.size() * stride);
+  std::atomic<bool> bad_page{false};
+  const Unit* us = units.data();
+  float* parts = partials.data();
+  auto work = [=, &bad_page](int64_t c) {
+    const Unit& u = us[c];
+    const int64_t row = u.token / t;
+    float* part = parts + u.partial * stride;
+    if (!AttendSegment(qp + (u.token * h + u.head * g) * d, g, d, kbase + u.head * head_pages,
+                       vbase + u.head * head_pages, tp + row * width, num_pages, page_size, u.lo, u.hi, scale,
+                       {part, part + g, part + 2 * g})) {
+      bad_page.store(true, std::memory_order_relaxed);
+    }
+  };
+  const int64_t count = static_cast<int64_t>(units.size());
+  jfire_cpu::RunChunks(pool, count, work, std::min<int64_t>(pool.num_threads(), count));
+  if (bad_page.load()) return ffi::Error::InvalidArgument("jfire_paged_attention: a page table names a page outside the pool");
+
+  // Merge each pair's segments in position order.
+  for (const Pair& pr : pairs) {
+    for (int64_t i = 0; i < g; ++i) {
+      float m = parts[pr.first * stride + i];
+      for (int64_t u = 1; u < pr.count; ++u) m = std::max(m, parts[(pr.first + u) * stride + i]);
+      float l = 0.0f;
+      float* o = op + (pr.token * h + pr.head * g + i) * d;
+      std::memset(o, 0, d * sizeof(float));
+      for (int64_t u = 0; u < pr.count; ++u) {
+        const float* part = parts + (pr.first + u) * stride;
+        const float w = std::exp(part[i] - m);
+        l += part[g + i] * w;
+        const float* acc = part + 2 * g + i * d;
+#pragma omp simd
+        for (int64_t e = 0; e < d; ++e) o[e] += acc[e] * w;
+      }
+      const float inv = 1.0f / l;
+#pragma omp simd
+      for (int64_t e = 0; e < d; ++e) o[e] *= inv;
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jfire_paged_attention, PagedAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("sliding_window")
+                                  .Attr<float>("scale"));

@@ -1,0 +1,47 @@
+// Splitting a CPU kernel's work over XLA's intra-op thread pool (cpu_matmul.cc, cpu_attention.cc).
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jfire_cpu {
+
+// Runs work(c) for every c < chunks on `workers` threads (the calling thread and workers - 1
+// others), each claiming the next unclaimed chunk until none is left; returns when all are
+// done. The others are tasks on XLA's pool; the calling thread claims chunks too and waits only
+// for chunks another thread has already claimed, so a call never waits on a task queued behind
+// a busy pool (XLA runs independent thunks concurrently on that same pool).
+template <typename Work>
+void RunChunks(xla::ffi::ThreadPool& pool, int64_t chunks, Work work, int64_t workers) {
+  if (workers <= 1 || chunks <= 1) {
+    for (int64_t c = 0; c < chunks; ++c) work(c);
+    return;
+  }
+  struct State {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+  };
+  auto state = std::make_shared<State>();
+  auto claim = [state, chunks, work]() {
+    for (int64_t c; (c = state->next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
+      work(c);
+      state->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int64_t t = 1; t < std::min(workers, chunks); ++t) pool.Schedule(decltype(claim)(claim));
+  claim();
+  while (state->done.load(std::memory_order_acquire) < chunks) {
+  }
+}
+
+// One chunk per worker.
+template <typename Work>
+void RunChunks(xla::ffi::ThreadPool& pool, int64_t chunks, Work work) {
+  RunChunks(pool, chunks, work, chunks);
+}
+
+}  // namespace jfire_cpu
