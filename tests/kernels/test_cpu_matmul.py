@@ -87,9 +87,9 @@ def test_stacked_matmul_inside_a_layer_scan():
 
 
 def test_the_engine_programs_call_the_kernels_only_where_they_apply(default_checkpoint):
-    """A float32 decode program with cpu_matmul=True calls both kernels (every layer product
-    and the tied head); the same program without it, and a prefill of more rows than the
-    kernels take, call none."""
+    """A float32 decode program with cpu_matmul=True calls the kernels (every layer product,
+    the tied head, the decode attention); the same program without it, and a prefill of more
+    rows than the kernels take, call none."""
     from jfire.checkpoint.load import load_model
     from jfire.kv_cache import init_pages
     from jfire.programs import decode, prefill
@@ -106,13 +106,14 @@ def test_the_engine_programs_call_the_kernels_only_where_they_apply(default_chec
                             neutral_rows(1, cfg.vocab_size), pen, cfg=cfg, cpu_matmul=flag).as_text()
 
     on, off = decode_text(True), decode_text(False)
-    assert "jfire_stacked_matmul" in on and "jfire_matmul_nt" in on
-    assert "jfire_stacked_matmul" not in off and "jfire_matmul_nt" not in off
+    kernels = ("jfire_stacked_matmul", "jfire_matmul_nt", "jfire_paged_attention")
+    assert all(name in on for name in kernels)
+    assert not any(name in off for name in kernels)
     t = cpu_matmul.MAX_ROWS * 2
     big = prefill.lower(params, pages, np.zeros((1, t), i32), np.zeros((1, t), i32), np.zeros((1, 8), i32),
                         np.zeros(1, i32), neutral_rows(1, cfg.vocab_size), pen, np.full((1, t), -1, i32),
                         cfg=cfg, cpu_matmul=True).as_text()
-    assert "jfire_stacked_matmul" not in big
+    assert "jfire_stacked_matmul" not in big and "jfire_paged_attention" not in big  # (its head: one row)
 
 
 @pytest.mark.parametrize("k,n", [(576, 1536), (1536, 576), (130, 70)])
