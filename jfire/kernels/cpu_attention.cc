@@ -37,6 +37,23 @@ struct Partial {
   float* acc;
 };
 
+// exp(x) for the softmax's x <= 0, within about 2 ulp of std::exp: Cephes' expf (x = n ln 2 + r,
+// a degree-6 polynomial in r, times 2^n), written so the compiler vectorizes it; std::exp is a
+// call per element, which took as long as the scores' dot products.
+inline float ExpNonPositive(float x) {
+  x = std::max(x, -87.0f);  // exp(-87) is still a normal float; the weights below it are ~0
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / ln 2)
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;            // ln 2 in two parts
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  return p * __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
+}
+
 // Keys lo..hi (inclusive) of one row's pages for query heads q [g, d]; kp/vp point at this
 // layer's and kv head's pages [num_pages, page_size, d]. False if the table names a page
 // outside the pool.
@@ -65,8 +82,9 @@ bool AttendSegment(const float* __restrict q, int64_t g, int64_t d, const float*
     float m = si[0];
     for (int64_t j = 1; j < n; ++j) m = std::max(m, si[j]);
     float l = 0.0f;
+#pragma omp simd reduction(+ : l)
     for (int64_t j = 0; j < n; ++j) {
-      si[j] = std::exp(si[j] - m);
+      si[j] = ExpNonPositive(si[j] - m);
       l += si[j];
     }
     out.m[i] = m;
