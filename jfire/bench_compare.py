@@ -10,8 +10,9 @@ over the rounds. A program that prints figures, not a test.
   original Q4_1 file runs too, for reference: it reads 1/6 of the bytes per token.
 - transformers loads the same GGUF in float32 (as the test suite's reference does).
 - The roofline: batch-1 decode reads every weight once per token, so tokens/s can be at most
-  this machine's memory bandwidth (measured here: a large array reduction) over the model's
-  bytes. Each engine's decode rate is also given as a fraction of it.
+  this machine's memory bandwidth (measured here: a large array reduction, once every round
+  beside the engines, and the median taken) over the model's bytes. Each engine's decode rate
+  is also given as a fraction of it.
 
 Measured per engine, per round (`measure_engine` in the child process):
   startup_s    launch of the process to its first generated token (a one-token request);
@@ -228,17 +229,22 @@ def run_compare(rounds: int, output: str, chart: str, engines=ENGINES) -> dict:
     cache = str(work / "xla-cache")
     # Every weight once, in float32 (the tied embedding is read once, by the output layer).
     model_bytes = sum(4 * int(np.prod(spec.shape)) for spec in load_config_and_tokenizer("default")[0].param_specs())
-    bandwidth = memory_bandwidth_gbs()
-    roofline = bandwidth * 1e9 / model_bytes
-    print(f"memory bandwidth {bandwidth:.1f} GB/s; float32 model {model_bytes / 1e6:.0f} MB -> batch-1 decode roofline "
-          f"{roofline:.1f} tokens/s", flush=True)
     args = {"jfire": cache, "llama.cpp F32": str(f32), "llama.cpp Q4_1": str(q4), "transformers": ""}
     runs: dict[str, list[dict]] = {e: [] for e in engines}
+    bandwidths = []
     for r in range(rounds):
+        # The bandwidth moves with the neighbours on the host as much as the engines' rates do
+        # (29-47 GB/s on one day here): measured once a round, beside them, and the median taken.
+        bandwidths.append(memory_bandwidth_gbs())
+        print(f"round {r + 1} memory bandwidth: {bandwidths[-1]:.1f} GB/s", flush=True)
         for engine in engines:
             figures = _run_child(engine, args[engine])
             runs[engine].append(figures)
             print(f"round {r + 1} {engine}: " + ", ".join(f"{k} {v:.3g}" for k, v in figures.items()), flush=True)
+    bandwidth = statistics.median(bandwidths)
+    roofline = bandwidth * 1e9 / model_bytes
+    print(f"memory bandwidth {bandwidth:.1f} GB/s (median of the rounds); float32 model {model_bytes / 1e6:.0f} MB "
+          f"-> batch-1 decode roofline {roofline:.1f} tokens/s", flush=True)
     summary = {}
     for engine, rs in runs.items():
         s = {k: statistics.median(x[k] for x in rs) for k in rs[0]}
@@ -247,7 +253,8 @@ def run_compare(rounds: int, output: str, chart: str, engines=ENGINES) -> dict:
             s["startup_cold_s"] = rs[0]["startup_s"]
         s["roofline_fraction"] = s["decode_tps"] / roofline
         summary[engine] = s
-    results = {"machine": _machine(), "bandwidth_gbs": bandwidth, "model_bytes": model_bytes,
+    results = {"machine": _machine(), "bandwidth_gbs": bandwidth, "bandwidth_runs_gbs": bandwidths,
+               "model_bytes": model_bytes,
                "roofline_decode_tps": roofline, "rounds": rounds, "runs": runs, "median": summary}
     print(format_compare(results))
     with open(output, "w") as f:
