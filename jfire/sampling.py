@@ -183,7 +183,7 @@ def sample(logits, steps, rows: RowSampling, state: PenaltyState) -> tuple[Sampl
     logits = jax.lax.cond(jnp.any((rows.frequency != 0) | (rows.presence != 0) | (rows.repetition != 1)),
                           _penalize, lambda lg, *_: lg, logits, rows, state)
     logits = jnp.where(_unpack_mask(rows.allowed, logits.shape[-1]), logits, -jnp.inf)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = greedy_ids(logits)
 
     def stochastic():
         return jax.vmap(_sample_row)(logits, rows.seeds, steps, rows.temperature, rows.top_k, rows.top_p)
@@ -193,6 +193,19 @@ def sample(logits, steps, rows: RowSampling, state: PenaltyState) -> tuple[Sampl
     logprob, top_ids, top_logprobs = jax.lax.cond(jnp.any(rows.logprobs), _logprobs, _no_logprobs, logits, ids)
     state = state._replace(generated=state.generated.at[rows.slot, ids].add(1))
     return SampleOut(ids, logprob, top_ids, top_logprobs), state
+
+
+def greedy_ids(logits):
+    """jnp.argmax over the last axis (the first maximum; the first NaN if any), as int32. Written
+    as a max and then a min over the indices that hold it: XLA:CPU runs argmax's reduction of
+    (value, index) pairs element by element: 2.0-3.7 ms for 16 rows of the default model's 49,152
+    logits against 0.54-0.57 ms for these vectorized reductions (0.37 against 0.2 ms for one).
+    XLA:CPU's max may skip NaNs, so a row with one picks its first NaN explicitly."""
+    nan = jnp.isnan(logits)
+    top = logits.max(axis=-1, keepdims=True)  # (XLA:CPU's max may skip NaNs)
+    hit = jnp.where(nan.any(axis=-1, keepdims=True), nan, logits == top)
+    index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    return jnp.min(jnp.where(hit, index, logits.shape[-1] - 1), axis=-1)
 
 
 def _penalize(logits, rows: RowSampling, state: PenaltyState):

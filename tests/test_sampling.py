@@ -292,3 +292,20 @@ def test_sampling_params_accepts_boundary_values(kwargs):
     assert 0 <= params.resolved_seed() < 2**32
     if "seed" in kwargs:
         assert params.resolved_seed() == kwargs["seed"]
+
+
+def test_greedy_ids_is_argmax_with_ties_infinities_and_nans():
+    """The engine's greedy pick equals numpy's argmax: the first maximum, the first NaN."""
+    from jfire.sampling import greedy_ids
+
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((9, 1000)).astype(np.float32)
+    logits[1, [7, 500]] = 50.0  # a tie: the first wins
+    logits[2] = -np.inf  # every token masked
+    logits[3, [20, 900]] = np.nan
+    logits[4, -1] = np.inf
+    logits[5, :] = 1.0
+    logits[6, 0] = np.nan
+    got = np.asarray(jax.jit(greedy_ids)(logits))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, np.argmax(logits, axis=-1))
