@@ -54,6 +54,67 @@ inline float ExpNonPositive(float x) {
   return p * __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
 }
 
+#if defined(__AVX512F__)
+typedef float Vec __attribute__((vector_size(64)));
+#else
+typedef float Vec __attribute__((vector_size(32)));
+#endif
+constexpr int64_t kLanes = sizeof(Vec) / sizeof(float);
+constexpr int64_t kAccumulators = 24;  // vector registers the weighted sums may hold
+
+// acc[i] = sum over j of p[i, j] * values[j] for G heads, VD vectors of kLanes floats a value:
+// the sums stay in registers and each value is read once for all G heads. The same order of
+// fused multiply-adds as one head at a time.
+template <int64_t G, int64_t VD>
+void WeighValues(const float* __restrict p, int64_t n, const float* const* values, float* __restrict acc) {
+  Vec a[G][VD] = {};
+  for (int64_t j = 0; j < n; ++j) {
+    Vec v[VD];
+    for (int64_t c = 0; c < VD; ++c) std::memcpy(&v[c], values[j] + c * kLanes, sizeof(Vec));
+    for (int64_t i = 0; i < G; ++i) {
+      const float w = p[i * n + j];
+      for (int64_t c = 0; c < VD; ++c) a[i][c] += w * v[c];
+    }
+  }
+  for (int64_t i = 0; i < G; ++i)
+    for (int64_t c = 0; c < VD; ++c) std::memcpy(acc + (i * VD + c) * kLanes, &a[i][c], sizeof(Vec));
+}
+
+template <int64_t VD>
+void WeighHeads(const float* p, int64_t g, int64_t n, const float* const* values, float* acc) {
+  constexpr int64_t per = std::max<int64_t>(1, std::min<int64_t>(6, kAccumulators / VD));
+  for (int64_t i0 = 0; i0 < g; i0 += per) {
+    const float* pi = p + i0 * n;
+    float* ai = acc + i0 * VD * kLanes;
+    switch (std::min(per, g - i0)) {
+      case 1: WeighValues<1, VD>(pi, n, values, ai); break;
+      case 2: if constexpr (per >= 2) WeighValues<2, VD>(pi, n, values, ai); break;
+      case 3: if constexpr (per >= 3) WeighValues<3, VD>(pi, n, values, ai); break;
+      case 4: if constexpr (per >= 4) WeighValues<4, VD>(pi, n, values, ai); break;
+      case 5: if constexpr (per >= 5) WeighValues<5, VD>(pi, n, values, ai); break;
+      case 6: if constexpr (per >= 6) WeighValues<6, VD>(pi, n, values, ai); break;
+    }
+  }
+}
+
+// acc [g, d] = p [g, n] weighting values[0..n) of d floats: in registers for the head sizes
+// of the models jfire serves, in memory otherwise.
+void Weigh(const float* p, int64_t g, int64_t n, int64_t d, const float* const* values, float* acc) {
+  if (d == 4 * kLanes) return WeighHeads<4>(p, g, n, values, acc);
+  if (d == 8 * kLanes) return WeighHeads<8>(p, g, n, values, acc);
+  if (d == 16 * kLanes) return WeighHeads<16>(p, g, n, values, acc);
+  for (int64_t i = 0; i < g; ++i) {
+    float* a = acc + i * d;
+    std::memset(a, 0, d * sizeof(float));
+    for (int64_t j = 0; j < n; ++j) {
+      const float w = p[i * n + j];
+      const float* v = values[j];
+#pragma omp simd
+      for (int64_t e = 0; e < d; ++e) a[e] += w * v[e];
+    }
+  }
+}
+
 // Keys lo..hi (inclusive) of one row's pages for query heads q [g, d]; kp/vp point at this
 // layer's and kv head's pages [num_pages, page_size, d]. False if the table names a page
 // outside the pool.
@@ -63,18 +124,22 @@ bool AttendSegment(const float* __restrict q, int64_t g, int64_t d, const float*
   const int64_t n = hi - lo + 1;
   std::vector<float> scores(g * n);
   std::vector<const float*> values(n);
-  for (int64_t s = lo; s <= hi; ++s) {
-    const int32_t page = table[s / page_size];
+  for (int64_t index = lo / page_size; index <= hi / page_size; ++index) {  // page by page: no division a key
+    const int32_t page = table[index];
     if (page < 0 || page >= num_pages) return false;
-    const int64_t at = (static_cast<int64_t>(page) * page_size + s % page_size) * d;
-    const float* key = kp + at;
-    values[s - lo] = vp + at;
-    for (int64_t i = 0; i < g; ++i) {
-      const float* qi = q + i * d;
-      float dot = 0.0f;
+    const int64_t first = index * page_size, s0 = std::max(lo, first), s1 = std::min(hi, first + page_size - 1);
+    const int64_t base = static_cast<int64_t>(page) * page_size * d;
+    for (int64_t s = s0; s <= s1; ++s) {
+      const int64_t at = base + (s - first) * d;
+      const float* key = kp + at;
+      values[s - lo] = vp + at;
+      for (int64_t i = 0; i < g; ++i) {
+        const float* qi = q + i * d;
+        float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-      for (int64_t e = 0; e < d; ++e) dot += qi[e] * key[e];
-      scores[i * n + s - lo] = dot * scale;
+        for (int64_t e = 0; e < d; ++e) dot += qi[e] * key[e];
+        scores[i * n + s - lo] = dot * scale;
+      }
     }
   }
   for (int64_t i = 0; i < g; ++i) {
@@ -89,15 +154,8 @@ bool AttendSegment(const float* __restrict q, int64_t g, int64_t d, const float*
     }
     out.m[i] = m;
     out.l[i] = l;
-    float* acc = out.acc + i * d;
-    std::memset(acc, 0, d * sizeof(float));
-    for (int64_t j = 0; j < n; ++j) {
-      const float p = si[j];
-      const float* v = values[j];
-#pragma omp simd
-      for (int64_t e = 0; e < d; ++e) acc[e] += p * v[e];
-    }
   }
+  Weigh(scores.data(), g, n, d, values.data(), out.acc);
   return true;
 }
 
