@@ -202,7 +202,7 @@ def greedy_ids(logits):
     logits against 0.54-0.57 ms for these vectorized reductions (0.37 against 0.2 ms for one).
     XLA:CPU's max may skip NaNs, so a row with one picks its first NaN explicitly."""
     nan = jnp.isnan(logits)
-    top = logits.max(axis=-1, keepdims=True)  # (XLA:CPU's max may skip NaNs)
+    top = logits.max(axis=-1, keepdims=True)
     hit = jnp.where(nan.any(axis=-1, keepdims=True), nan, logits == top)
     index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
     return jnp.min(jnp.where(hit, index, logits.shape[-1] - 1), axis=-1)

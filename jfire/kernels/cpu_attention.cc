@@ -20,7 +20,7 @@
 #include <cstring>
 #include <vector>
 
-#include "cpu_parallel.h"
+#include "cpu_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -37,9 +37,9 @@ struct Partial {
   float* acc;
 };
 
-// exp(x) for the softmax's x <= 0, within about 2 ulp of std::exp: Cephes' expf (x = n ln 2 + r,
-// a degree-6 polynomial in r, times 2^n), written so the compiler vectorizes it; std::exp is a
-// call per element, which took as long as the scores' dot products.
+// exp(x) for the softmax's x <= 0: Cephes' expf (x = n ln 2 + r, a degree-6 polynomial in r,
+// times 2^n; a few ulp, by its authors' measure), written so the compiler vectorizes it;
+// std::exp is a call per element, which took as long as the scores' dot products.
 inline float ExpNonPositive(float x) {
   x = std::max(x, -87.0f);  // exp(-87) is still a normal float; the weights below it are ~0
   const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / ln 2)
@@ -54,12 +54,8 @@ inline float ExpNonPositive(float x) {
   return p * __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
 }
 
-#if defined(__AVX512F__)
-typedef float Vec __attribute__((vector_size(64)));
-#else
-typedef float Vec __attribute__((vector_size(32)));
-#endif
-constexpr int64_t kLanes = sizeof(Vec) / sizeof(float);
+using jfire_cpu::kLanes;
+using jfire_cpu::Vec;
 constexpr int64_t kAccumulators = 24;  // vector registers the weighted sums may hold
 
 // acc[i] = sum over j of p[i, j] * values[j] for G heads, VD vectors of kLanes floats a value:
@@ -185,12 +181,12 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   const int32_t* pos = positions.typed_data();
   float* op = out->typed_data();
 
-  // The units of work: (query token, kv head, segment), each with its place in the partials.
+  // The units of work: (query token, kv head, segment); unit c writes partial c.
   struct Unit {
-    int64_t token, head, lo, hi, partial;
+    int64_t token, head, lo, hi;
   };
-  struct Pair {  // one (query token, kv head): its units are partials [first, first + count)
-    int64_t token, head, first, count;
+  struct Pair {  // one (query token, kv head): units [first, first + count), in position order
+    int64_t first, count;
   };
   std::vector<Unit> units;
   std::vector<Pair> pairs;
@@ -205,9 +201,9 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
     for (int64_t head = 0; head < kvh; ++head) {
       const int64_t first = static_cast<int64_t>(units.size());
       for (int64_t s = lo / kSegment * kSegment; s <= p; s += kSegment) {
-        units.push_back({token, head, std::max(s, lo), std::min(p, s + kSegment - 1), static_cast<int64_t>(units.size())});
+        units.push_back({token, head, std::max(s, lo), std::min(p, s + kSegment - 1)});
       }
-      pairs.push_back({token, head, first, static_cast<int64_t>(units.size()) - first});
+      pairs.push_back({first, static_cast<int64_t>(units.size()) - first});
     }
   }
   const int64_t stride = g * (d + 2);  // floats of one partial: m [g], l [g], acc [g, d]
@@ -218,7 +214,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   auto work = [=, &bad_page](int64_t c) {
     const Unit& u = us[c];
     const int64_t row = u.token / t;
-    float* part = parts + u.partial * stride;
+    float* part = parts + c * stride;
     if (!AttendSegment(qp + (u.token * h + u.head * g) * d, g, d, kbase + u.head * head_pages,
                        vbase + u.head * head_pages, tp + row * width, num_pages, page_size, u.lo, u.hi, scale,
                        {part, part + g, part + 2 * g})) {
@@ -231,11 +227,12 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
 
   // Merge each pair's segments in position order.
   for (const Pair& pr : pairs) {
+    const Unit& first_unit = units[pr.first];  // the pair's token and kv head
     for (int64_t i = 0; i < g; ++i) {
       float m = parts[pr.first * stride + i];
       for (int64_t u = 1; u < pr.count; ++u) m = std::max(m, parts[(pr.first + u) * stride + i]);
       float l = 0.0f;
-      float* o = op + (pr.token * h + pr.head * g + i) * d;
+      float* o = op + (first_unit.token * h + first_unit.head * g + i) * d;
       std::memset(o, 0, d * sizeof(float));
       for (int64_t u = 0; u < pr.count; ++u) {
         const float* part = parts + (pr.first + u) * stride;

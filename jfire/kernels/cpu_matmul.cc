@@ -9,21 +9,23 @@
 // A row's result is the same whatever the number of rows in the call (every path sums the
 // contraction in the same order, with fused multiply-adds), so a sequence decodes the same
 // tokens alone or batched. Both split their work into one chunk per thread of XLA's intra-op
-// pool (cpu_parallel.h). Chunks of w are read front to back, once.
+// pool (cpu_kernels.h). Chunks of w are read front to back, once.
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
-#include "cpu_parallel.h"
+#include "cpu_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
+using jfire_cpu::kLanes;
 using jfire_cpu::RunChunks;
+using jfire_cpu::Vec;
 
 // y[r, c0:c1] = sum over k0 <= kk < k1 of x[r, kk] * w[kk, c0:c1], for r < m; x is [m, k] and
 // w [k, n], row-major. Columns are tiled so the m rows of accumulators stay in L1 while w
@@ -67,17 +69,14 @@ void AccumulateRows(const float* __restrict x, const float* __restrict w, float*
   }
 }
 
-// One vector register of floats, and the register block of rows x vectors of columns that
-// keeps its accumulators in registers: 4 x 4 of the 32 AVX-512 registers, 6 x 2 of the 16
+// The register block of rows x vectors of columns that keeps its accumulators in registers: 4 x 4 of the 32 AVX-512 registers, 6 x 2 of the 16
 // AVX2 ones (two registers for w and one for the broadcast x are left over).
 #if defined(__AVX512F__)
-typedef float Vec __attribute__((vector_size(64)));
 constexpr int64_t kBlockRows = 4, kBlockVecs = 4;
 #else
-typedef float Vec __attribute__((vector_size(32)));
 constexpr int64_t kBlockRows = 6, kBlockVecs = 2;
 #endif
-constexpr int64_t kLanes = sizeof(Vec) / sizeof(float), kBlockCols = kLanes * kBlockVecs;
+constexpr int64_t kBlockCols = kLanes * kBlockVecs;
 
 // y[0:R, 0:kBlockCols] = x[0:R, k0:k1] @ w[k0:k1, 0:kBlockCols], the accumulators held in
 // registers: per row of w, kBlockVecs loads feed R * kBlockVecs fused multiply-adds (the

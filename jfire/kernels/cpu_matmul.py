@@ -36,7 +36,7 @@ log = logging.getLogger("jfire.kernels")
 
 KERNELS_DIR = Path(__file__).parent
 SOURCES = tuple(KERNELS_DIR / name for name in ("cpu_matmul.cc", "cpu_attention.cc"))
-HEADERS = (KERNELS_DIR / "cpu_parallel.h",)
+HEADERS = (KERNELS_DIR / "cpu_kernels.h",)
 BUILD_DIR = Path(__file__).with_name("_build")
 # -march=native: the library is built on (and keyed by) the CPU that runs it.
 # -ffp-contract=fast: a * b + c as one fused multiply-add everywhere (ISO C++ mode would

@@ -1,4 +1,5 @@
-// Splitting a CPU kernel's work over XLA's intra-op thread pool (cpu_matmul.cc, cpu_attention.cc).
+// What jfire's CPU kernels (cpu_matmul.cc, cpu_attention.cc) share: one vector register's type,
+// and the split of a kernel's work over XLA's intra-op thread pool.
 #pragma once
 
 #include <algorithm>
@@ -9,6 +10,14 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace jfire_cpu {
+
+// One vector register of floats on the CPU the library is built for (-march=native).
+#if defined(__AVX512F__)
+typedef float Vec __attribute__((vector_size(64)));
+#else
+typedef float Vec __attribute__((vector_size(32)));
+#endif
+constexpr int64_t kLanes = sizeof(Vec) / sizeof(float);
 
 // Runs work(c) for every c < chunks on `workers` threads (the calling thread and workers - 1
 // others), each claiming the next unclaimed chunk until none is left; returns when all are
