@@ -94,18 +94,19 @@ def _compiled_afresh(lowered: jax.stages.Lowered, options: dict | None = None) -
     executable it loaded from that cache without some of its kernels (the copy loaded later
     fails with "Function ... not found"), so an executable to be kept is always compiled afresh.
 
-    JAX decides once per process whether its persistent cache is in use, so it cannot be turned
-    off for one compilation; instead the store's compilations get keys of their own (the
+    JAX decides once per process whether its persistent cache is in use (turning it off around
+    the process's first compilation would turn it off for every later one), so it cannot be
+    turned off for one compilation; instead the store's compilations get keys of their own (the
     default-valued options above) and are never written to JAX's cache (a minimum compile time
-    no compilation reaches, set for this thread only). A program stored by other jfire code but
-    lowered to the same module (a change elsewhere in the source) is then compiled again, not
-    read back from an earlier start's entry."""
+    no compilation reaches, set for this thread only), so no read of them can hit. A program
+    stored by other jfire code but lowered to the same module (a change elsewhere in the source)
+    is then compiled again, not read back from an earlier start's entry."""
     from jax._src import config
 
     # JAX also keeps compiled executables in memory, keyed by the lowered module and the compiler
     # options: a program this process already compiled (or loaded from JAX's cache) would come
     # back as that same executable; the options make the key its own there too.
-    with config.enable_compilation_cache(False), config.persistent_cache_min_compile_time_secs(float("inf")):
+    with config.persistent_cache_min_compile_time_secs(float("inf")):
         return lowered.compile(compiler_options={**_AFRESH, **(options or {})})
 
 
