@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -111,6 +112,77 @@ void Weigh(const float* p, int64_t g, int64_t n, int64_t d, const float* const* 
   }
 }
 
+// Lane i of Fold<H>'s halves: pairs of vectors become one, lane groups of H floats from the
+// first in the lower half and from the second in the upper; Lo takes each group's first H
+// lanes, Hi its next H.
+typedef int32_t Lanes __attribute__((vector_size(sizeof(Vec))));
+constexpr int32_t FoldLane(int64_t h, bool upper, int64_t i) {
+  const int64_t half = kLanes / 2, t = i % half;
+  return static_cast<int32_t>((i < half ? 0 : kLanes) + (t / h) * 2 * h + t % h + (upper ? h : 0));
+}
+template <int64_t H, bool Upper, size_t... I>
+constexpr Lanes FoldMask(std::index_sequence<I...>) {
+  return Lanes{FoldLane(H, Upper, I)...};
+}
+
+// Sums each of v[0..2H)'s lanes (H = kLanes / 2 at the top) into one vector whose lane j is the
+// sum of v[j]: each level adds the two halves of every lane group, halving the vectors and
+// the lanes each sum still spans. A vector's sum takes the same path whatever the others hold.
+template <int64_t H>
+inline Vec Fold(Vec* v) {
+  constexpr Lanes lower = FoldMask<H, false>(std::make_index_sequence<kLanes>());
+  constexpr Lanes upper = FoldMask<H, true>(std::make_index_sequence<kLanes>());
+  for (int64_t p = 0; p < H; ++p) v[p] = __builtin_shuffle(v[2 * p], v[2 * p + 1], lower) + __builtin_shuffle(v[2 * p], v[2 * p + 1], upper);
+  if constexpr (H > 1) return Fold<H / 2>(v);
+  return v[0];
+}
+
+// scores[i * n + j] = scale * q_i . key_j for the g heads q [g, d] and `count` keys d floats
+// apart: each key's dot product is its own chain of fused multiply-adds over the vectors of d,
+// kLanes keys' chains are summed at once by Fold (a horizontal sum per key cost more than
+// its products).
+template <int64_t VD>
+void ScoreVectors(const float* __restrict q, int64_t g, const float* __restrict keys, int64_t count, float scale,
+                  float* __restrict scores, int64_t n) {
+  constexpr int64_t d = VD * kLanes;
+  for (int64_t j0 = 0; j0 < count; j0 += kLanes) {
+    const int64_t block = std::min(kLanes, count - j0);
+    for (int64_t i = 0; i < g; ++i) {
+      Vec qv[VD];
+      for (int64_t c = 0; c < VD; ++c) std::memcpy(&qv[c], q + i * d + c * kLanes, sizeof(Vec));
+      Vec acc[kLanes];
+      for (int64_t j = 0; j < kLanes; ++j) {
+        acc[j] = Vec{};
+        if (j >= block) continue;
+        const float* key = keys + (j0 + j) * d;
+        for (int64_t c = 0; c < VD; ++c) {
+          Vec kv;
+          std::memcpy(&kv, key + c * kLanes, sizeof(Vec));
+          acc[j] += qv[c] * kv;
+        }
+      }
+      const Vec sums = Fold<kLanes / 2>(acc) * scale;
+      std::memcpy(scores + i * n + j0, &sums, block * sizeof(float));
+    }
+  }
+}
+
+void Score(const float* q, int64_t g, int64_t d, const float* keys, int64_t count, float scale, float* scores,
+           int64_t n) {
+  if (d == 4 * kLanes) return ScoreVectors<4>(q, g, keys, count, scale, scores, n);
+  if (d == 8 * kLanes) return ScoreVectors<8>(q, g, keys, count, scale, scores, n);
+  for (int64_t j = 0; j < count; ++j) {
+    const float* key = keys + j * d;
+    for (int64_t i = 0; i < g; ++i) {
+      const float* qi = q + i * d;
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t e = 0; e < d; ++e) dot += qi[e] * key[e];
+      scores[i * n + j] = dot * scale;
+    }
+  }
+}
+
 // Keys lo..hi (inclusive) of one row's pages for query heads q [g, d]; kp/vp point at this
 // layer's and kv head's pages [num_pages, page_size, d]. False if the table names a page
 // outside the pool.
@@ -125,18 +197,8 @@ bool AttendSegment(const float* __restrict q, int64_t g, int64_t d, const float*
     if (page < 0 || page >= num_pages) return false;
     const int64_t first = index * page_size, s0 = std::max(lo, first), s1 = std::min(hi, first + page_size - 1);
     const int64_t base = static_cast<int64_t>(page) * page_size * d;
-    for (int64_t s = s0; s <= s1; ++s) {
-      const int64_t at = base + (s - first) * d;
-      const float* key = kp + at;
-      values[s - lo] = vp + at;
-      for (int64_t i = 0; i < g; ++i) {
-        const float* qi = q + i * d;
-        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t e = 0; e < d; ++e) dot += qi[e] * key[e];
-        scores[i * n + s - lo] = dot * scale;
-      }
-    }
+    for (int64_t s = s0; s <= s1; ++s) values[s - lo] = vp + base + (s - first) * d;
+    Score(q, g, d, kp + base + (s0 - first) * d, s1 - s0 + 1, scale, scores.data() + (s0 - lo), n);
   }
   for (int64_t i = 0; i < g; ++i) {
     float* si = scores.data() + i * n;

@@ -21,16 +21,16 @@ def kernels():
     assert cpu_matmul.available(), "the CPU kernels did not build (see the warning above)"
 
 
-def case(lengths, t=1, heads=6, seed=0):
+def case(lengths, t=1, heads=6, seed=0, head_dim=HEAD_DIM, page_size=PAGE_SIZE):
     """Pages filled with noise, each row's pages a random permutation of the pool, the query
     tokens at the rows' last t positions (a length of 0 makes a padding row)."""
     rng = np.random.default_rng(seed)
-    shape = (LAYERS, KV_HEADS, PAGES, PAGE_SIZE, HEAD_DIM)
+    shape = (LAYERS, KV_HEADS, PAGES, page_size, head_dim)
     k, v = (rng.standard_normal(shape, dtype=np.float32) for _ in range(2))
     width = PAGES // len(lengths)
     table = rng.permutation(PAGES)[:width * len(lengths)].reshape(len(lengths), width).astype(np.int32)
     positions = np.array([[n - t + i if n else -1 for i in range(t)] for n in lengths], np.int32)
-    q = rng.standard_normal((len(lengths), t, heads, HEAD_DIM), dtype=np.float32)
+    q = rng.standard_normal((len(lengths), t, heads, head_dim), dtype=np.float32)
     return q, k, v, table, positions
 
 
@@ -60,6 +60,15 @@ def test_matches_the_reference(lengths, window):
         got, want = both(q, k, v, table, positions, layer, window)
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
     assert not np.any(got[np.asarray(lengths) == 0]), "a padding row gets zeros"
+
+
+@pytest.mark.parametrize("head_dim,page_size", [(128, 16), (64, 8), (64, 32), (48, 16)])
+def test_other_head_sizes_and_pages(head_dim, page_size):
+    """Head sizes of 4 and 8 vectors have their own score loops, others the general one; pages
+    shorter and longer than the score loop's blocks of keys."""
+    q, k, v, table, positions = case([300, 37, 1], head_dim=head_dim, page_size=page_size)
+    got, want = both(q, k, v, table, positions, 1)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
 
 
 def test_a_few_query_tokens_per_row_are_causal():
