@@ -36,6 +36,10 @@ class EngineCollector:
         "kv_transfer_bytes": ("jfire_kv_transfer_bytes", "KV cache bytes pulled from prefill into decode groups"),
         "kv_transfers": ("jfire_kv_transfers", "Requests whose KV cache moved from prefill to decode"),
         "kv_handoffs": ("jfire_kv_handoffs", "Requests whose prefill group published their KV cache to the frontend"),
+        "transfers_failed": ("jfire_kv_transfers_failed", "KV transfers that failed (not arrived in time, "
+                             "refused, or arrived with other bytes than were sent)"),
+        "transfers_corrupted": ("jfire_kv_transfers_corrupted", "KV transfers that arrived with other bytes than "
+                                "were sent (their checksum differs): a sender stopped mid-transfer, or a bug"),
     }
 
     def __init__(self, stats: Callable[[], dict]):

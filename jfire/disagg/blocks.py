@@ -152,17 +152,15 @@ def assemble(plan: BlockPlan, pulled: dict[int, list], num_pages: int) -> list[j
 
 
 class BlockPulls:
-    """This process's pulls of one transfer, one per sending process, each on its own thread
-    with its own deadline (kv_transfer.Pull); polled like a single Pull."""
+    """This process's pulls of one transfer, one per sending process, each with its own
+    deadline (kv_transfer.Pull, run by the process's Puller); polled like a single Pull."""
 
-    def __init__(self, server, layout, transfer: dict, timeout_s: float):
-        from jfire.disagg.kv_transfer import Pull
-
+    def __init__(self, puller, layout, transfer: dict, timeout_s: float):
         me = jax.process_index()
         self.plan = BlockPlan(layout, transfer["sender"], describe(layout))
         self.num_pages = transfer["num_pages"]
-        self.pulls = {p: Pull(server, transfer["addresses"][str(p)], pair_uuid(transfer["uuid"], p, me),
-                              self.plan.structs(p, me, self.num_pages), timeout_s)
+        self.pulls = {p: puller.pull(transfer["addresses"][str(p)], pair_uuid(transfer["uuid"], p, me),
+                                     self.plan.structs(p, me, self.num_pages), timeout_s)
                       for p, q in sorted(self.plan.pairs()) if q == me}
 
     @property

@@ -16,13 +16,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import sys
 import time
 
 import jax
 
 from jfire.disagg import blocks, cluster
-from jfire.disagg.kv_transfer import (KVLayout, Pull, TransferPrograms, drain, new_uuid, placeholder, pull_threads,
-                                      transfer_widths)
+from jfire.disagg.kv_transfer import KVLayout, Puller, TransferPrograms, new_uuid, placeholder, transfer_widths
 from jfire.engine import Engine, RequestHandle, RequestOutput, _Live
 from jfire.errors import JfireError
 from jfire.sampling import SamplingParams
@@ -59,6 +59,7 @@ class PrefillEngine(Engine):
         self.layout = _layout(self)
         self.gather = _transfer_programs(self, "gather")
         self.server, self.store, self.group = server, store, group
+        self.puller = Puller(server)  # drains only: pulls of our own transfers nobody took
         self.transfer_timeout_s = transfer_timeout_s
         self.transfer_addresses: dict[str, str] = {}  # a group spanning processes: process -> its transfer server
         self._shards: dict[str, int] = {}  # request id -> the wire split its decode group asked for
@@ -74,6 +75,10 @@ class PrefillEngine(Engine):
         self.use_compilation_cache()  # the transfer programs load from it too
         self.gather.compile_all()
         return super().start(compile_progress, run_loop=run_loop)
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self.puller.shutdown()
 
     def validate(self, prompt_ids, sampling: SamplingParams) -> None:
         # Only the prompt runs here; the decode group checks the whole request.
@@ -98,7 +103,7 @@ class PrefillEngine(Engine):
         shards = self.layout.usable_shards(self._shards.pop(seq.request_id, 1))
         receiver = self._receivers.pop(seq.request_id, None)
         uuid = new_uuid()
-        transfer = {"uuid": uuid, "num_pages": len(pages), "group": self.group,
+        transfer = {"uuid": uuid, "num_pages": len(pages), "group": self.group, "pages": pages,
                     "bytes": len(pages) * self.layout.page_nbytes}
         deadline = time.monotonic() + self.transfer_timeout_s
         if receiver is not None:  # groups spanning processes: every process sends its own blocks
@@ -144,8 +149,8 @@ class PrefillEngine(Engine):
         if kind == "release":
             for uuid, pieces in self._sent.pop(key, []):
                 if inputs:
-                    drain(self.server, uuid, [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-                                              for x in pieces], self.transfer_timeout_s)
+                    self.puller.drain(uuid, [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                                             for x in pieces], self.transfer_timeout_s)
             return None
         return super()._apply(kind, key, inputs)
 
@@ -178,7 +183,7 @@ class PrefillEngine(Engine):
         if published.structs is None:  # sent in blocks, by every process of the group
             self._device_call("release", uuid, drain_it)
         elif drain_it:
-            drain(self.server, uuid, published.structs, self.transfer_timeout_s)
+            self.puller.drain(uuid, published.structs, self.transfer_timeout_s)
 
     def _renew(self, now: float) -> None:
         """A decode group still waiting for pages for a request wants its cache kept."""
@@ -244,6 +249,7 @@ class DecodeEngine(Engine):
         self.layout = _layout(self)
         self.insert = _transfer_programs(self, "insert")
         self.server, self.store, self.group = server, store, group
+        self.puller = Puller(server)
         self._block_pulls: dict[int, blocks.BlockPulls] = {}  # this process's pulls, per transfer uuid
         self.pulled_bytes = 0  # KV bytes this process pulled (blocks of a group spanning processes)
         self.transfer_timeout_s = transfer_timeout_s
@@ -257,12 +263,16 @@ class DecodeEngine(Engine):
         self.insert.compile_all()
         return super().start(compile_progress, run_loop=run_loop)
 
+    def shutdown(self) -> None:
+        super().shutdown()
+        self.puller.shutdown()
+
     def _apply(self, kind, key, inputs):
         """Also, on every process of the group, for a transfer sent in blocks: "pull" (start
         this process's pulls), "insert" (wait for them and write the pages; returns the
         checksum of what arrived) and "forget" (drop them)."""
         if kind == "pull":
-            self._block_pulls[key] = blocks.BlockPulls(self.server, self.layout, inputs, self.transfer_timeout_s)
+            self._block_pulls[key] = blocks.BlockPulls(self.puller, self.layout, inputs, self.transfer_timeout_s)
             return None
         if kind == "insert":
             pulls = self._block_pulls.pop(key)
@@ -361,7 +371,7 @@ class DecodeEngine(Engine):
                 incoming.pull = self._block_pulls[t["uuid"]]
             else:
                 structs = self.layout.wire_structs(t["num_pages"], t["shards"])
-                incoming.pull = Pull(self.server, t["address"], t["uuid"], structs, self.transfer_timeout_s)
+                incoming.pull = self.puller.pull(t["address"], t["uuid"], structs, self.transfer_timeout_s)
             self._pulling[seq.request_id] = incoming
 
     def _keep_waiting_caches(self) -> None:
@@ -394,9 +404,7 @@ class DecodeEngine(Engine):
         arrays = incoming.pull.arrays
         self.pages, arrived_checksum = self.insert.insert(self.pages, arrays, incoming.pages[: t["num_pages"]])
         if "checksum" in t and arrived_checksum != t["checksum"]:
-            self._fail(incoming, f"the KV cache from prefill group {t.get('group')!r} arrived corrupted (checksum "
-                                 f"{arrived_checksum:#010x}, sent {t['checksum']:#010x}): its process may have stopped "
-                                 "mid-transfer; the request was dropped")
+            self._corrupted(incoming, arrived_checksum)
             return
         self.kv_transfer_bytes += sum(a.nbytes for a in arrays)
         self.transfer_counts["pulled"] += 1
@@ -409,17 +417,15 @@ class DecodeEngine(Engine):
         """Every process of the group writes its blocks (followers wait for their own pulls);
         the checksum, a sum over all of them, is read once they all have, then acknowledged."""
         t, seq = incoming.transfer, incoming.live.seq
-        if incoming.cancelled:
+        if incoming.cancelled:  # pulled, so acknowledged as such (a drain would find nothing to take)
             self._device_call("forget", t["uuid"], None)
-            self.store.key_value_set(cluster.ack_key(t["group"], t["uuid"]), cluster.DROPPED)
+            self.store.key_value_set(cluster.ack_key(t["group"], t["uuid"]), cluster.PULLED)
             self._fail(incoming, None)
             return
         arrived = self._device_call("insert", t["uuid"], incoming.pages[: t["num_pages"]])
         self.store.key_value_set(cluster.ack_key(t["group"], t["uuid"]), cluster.PULLED)
         if arrived != t["checksum"]:
-            self._fail(incoming, f"the KV cache from prefill group {t.get('group')!r} arrived corrupted (checksum "
-                                 f"{arrived:#010x}, sent {t['checksum']:#010x}): a process of either group may have "
-                                 "stopped mid-transfer; the request was dropped")
+            self._corrupted(incoming, arrived)
             return
         self.kv_transfer_bytes += t["bytes"]
         self.transfer_counts["pulled"] += 1
@@ -427,6 +433,20 @@ class DecodeEngine(Engine):
         self.scheduler.add_running(seq)
         self._live[seq.request_id] = incoming.live
         self._append(incoming.live, incoming.first_token, incoming.first_logprobs)
+
+    def _corrupted(self, incoming: _Incoming, arrived: int) -> None:
+        """A transfer whose bytes differ from those sent: a sender killed mid-transfer can cause
+        it, nothing else should. Counted, logged with what it involved, and the request failed."""
+        t, seq = incoming.transfer, incoming.live.seq
+        self.transfer_counts["corrupted"] += 1
+        print(f"jfire: {self.group}: the KV cache of request {seq.request_id} (transfer {t['uuid']}) from prefill "
+              f"group {t.get('group')!r} arrived with other bytes than were sent: checksum {arrived:#010x}, sent "
+              f"{t['checksum']:#010x}; {t['num_pages']} pages, prefill pages {t.get('pages')}, decode pages "
+              f"{incoming.pages[: t['num_pages']]}", file=sys.stderr, flush=True)
+        self._fail(incoming, f"the KV cache from prefill group {t.get('group')!r} arrived with other bytes than were "
+                             f"sent (checksum {arrived:#010x}, sent {t['checksum']:#010x}): a process stopped "
+                             "mid-transfer, or a fault in the transfer (logged by the decode group); the request "
+                             "was dropped")
 
     def _fail(self, incoming: _Incoming, error: str | None) -> None:
         """Ends a request that never joined the batch: cancelled (error None) or failed."""
@@ -449,5 +469,6 @@ class DecodeEngine(Engine):
         self._stats = {**self._stats, "waiting": self._stats["waiting"] + len(self._admitting),
                        "transferring": len(self._pulling), "kv_transfer_bytes": self.kv_transfer_bytes,
                        "kv_transfers": self.transfer_counts["pulled"],
-                       "transfers_failed": self.transfer_counts["failed"], "pull_threads": pull_threads(),
+                       "transfers_failed": self.transfer_counts["failed"],
+                       "transfers_corrupted": self.transfer_counts["corrupted"], "pull_threads": self.puller.in_flight,
                        "compiled_programs": self.programs.num_compiled + self.insert.num_compiled}

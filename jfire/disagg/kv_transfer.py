@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import queue
 import secrets
 import socket
 import threading
@@ -237,11 +238,27 @@ class TransferPrograms:
         return pages, checksum(sums, len(page_ids))
 
 
-# -- the decode side's pull, with its own deadline -------------------------------------------
+# -- pulls: a fixed pool of threads, each pull with its own deadline -------------------------
+
+
+def fetch(server, address: str, uuid: int, structs: list, timeout=None) -> list[jax.Array]:
+    """Pulls one published list of arrays and waits until every byte has arrived.
+
+    The connection is held until then, not just until pull() returns (which is before the
+    data arrives): when a receiving connection closes, jaxlib's transfer server (0.10.2) hands
+    the sender's staging buffers back for reuse even while zero-copy sends from them are still
+    queued on the socket, so another pull's copy overwrites the tail of this one in flight and
+    the receiver gets some other transfer's bytes (scripts/repro_transfer_teardown.py shows it
+    with jaxlib alone; docs/disaggregation.md has the details)."""
+    connection = server.connect(address)
+    arrays = connection.pull(uuid, structs) if timeout is None else connection.pull(uuid, structs, timeout=timeout)
+    jax.block_until_ready(arrays)
+    del connection  # only now may the sender reuse what it staged this pull in
+    return arrays
 
 
 class Pull:
-    """One pull running on its own thread, polled by the engine against its own deadline.
+    """One pull, run by a Puller's thread, polled by the engine against its own deadline.
     The transfer server's pull has no deadline of its own that works across processes, so
     each way it could wait for ever is closed separately:
       - the sender is already gone: a pull from an address nobody listens on retries for
@@ -251,24 +268,19 @@ class Pull:
         past the deadline the decode side leaves word in the cluster store (`abandon`), and
         the sender publishes zeros under that id, which ends the pull."""
 
-    def __init__(self, server, address: str, uuid: int, structs: list, timeout_s: float):
+    def __init__(self, timeout_s: float):
         self.deadline = time.monotonic() + timeout_s
         self.arrays: list | None = None
         self.error: str | None = None
         self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(server, address, uuid, structs),
-                                        name=f"{PULL_THREAD}{uuid}", daemon=True)
-        self._thread.start()
 
-    def _run(self, server, address, uuid, structs) -> None:
+    def run(self, server, address: str, uuid: int, structs: list) -> None:
         try:
             problem = unreachable(address)
             if problem:
                 self.error = f"its transfer server at {address} is not answering ({problem}); the process has stopped"
             else:
-                arrays = server.connect(address).pull(uuid, structs)
-                jax.block_until_ready(arrays)
-                self.arrays = arrays
+                self.arrays = fetch(server, address, uuid, structs)
         except Exception as e:  # noqa: BLE001 - the transfer server raises runtime errors
             self.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         self._done.set()
@@ -282,12 +294,66 @@ class Pull:
         return not self.done and time.monotonic() > self.deadline
 
 
-PULL_THREAD = "jfire-pull-"
+PULL_WORKERS = 4  # pulls at once per process; more wait their turn (within their deadline)
 
 
-def pull_threads() -> int:
-    """Pull threads still running in this process (each ends by its deadline at the latest)."""
-    return sum(t.name.startswith(PULL_THREAD) for t in threading.enumerate())
+class Puller:
+    """One process's pulls (and drains) on a fixed pool of threads, shared by all its
+    transfers: a thread per transfer made the process grow without bound (each new thread
+    took memory from another of glibc's per-thread arenas, which it kept). The threads are
+    daemons: a pull still blocked when the process exits must not keep it alive."""
+
+    def __init__(self, server, workers: int = PULL_WORKERS):
+        self.server, self.workers = server, workers
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        for i in range(workers):
+            threading.Thread(target=self._serve, name=f"jfire-pull-{i}", daemon=True).start()
+
+    @property
+    def in_flight(self) -> int:
+        """Pulls and drains queued or running (each ends by its deadline at the latest)."""
+        with self._lock:
+            return self._in_flight
+
+    def _serve(self) -> None:
+        while (job := self._work.get()) is not None:
+            try:
+                job()
+            finally:
+                with self._lock:
+                    self._in_flight -= 1
+
+    def _submit(self, job) -> None:
+        with self._lock:
+            self._in_flight += 1
+        self._work.put(job)
+
+    def pull(self, address: str, uuid: int, structs: list, timeout_s: float) -> Pull:
+        pull = Pull(timeout_s)
+        self._submit(lambda: pull.run(self.server, address, uuid, structs))
+        return pull
+
+    def drain(self, uuid: int, structs: list, timeout_s: float) -> None:
+        """Pulls an expired or dropped, never-pulled transfer from ourselves, so the transfer
+        server drops its reference to the arrays too (bounded: if the decode side took it
+        after all, this pull would otherwise wait for ever; a pull from this process's own
+        server honours an aware-datetime timeout)."""
+        until = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=timeout_s)
+
+        def run():
+            try:
+                fetch(self.server, self.server.address(), uuid, structs, timeout=until)
+            except Exception:  # noqa: BLE001 - "Pull expired": someone else took it, which is fine
+                pass
+
+        self._submit(run)
+
+    def shutdown(self) -> None:
+        """Ends the threads once the work queued before this is done."""
+        for _ in range(self.workers):
+            self._work.put(None)
 
 
 def unreachable(address: str, timeout_s: float = 2.0) -> str | None:
@@ -298,22 +364,6 @@ def unreachable(address: str, timeout_s: float = 2.0) -> str | None:
     except OSError as e:
         return e.strerror or type(e).__name__
     return None
-
-
-def drain(server, uuid: int, structs: list, timeout_s: float) -> None:
-    """Pulls an expired, never-pulled transfer from ourselves, so the transfer server drops
-    its reference to the arrays too (in the background, and bounded: if the decode side took
-    it after all, this pull would otherwise wait for ever; a pull from this process's own
-    server honours an aware-datetime timeout)."""
-    until = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=timeout_s)
-
-    def run():
-        try:
-            jax.block_until_ready(server.connect(server.address()).pull(uuid, structs, timeout=until))
-        except Exception:  # noqa: BLE001 - "Pull expired": someone else took it, which is fine
-            pass
-
-    threading.Thread(target=run, name=f"{PULL_THREAD}drain-{uuid}", daemon=True).start()
 
 
 def placeholder(layout: KVLayout, num_pages: int, shards: int) -> list[jax.Array]:
