@@ -72,6 +72,7 @@ class RemoteEngine:
         self._http = httpx.Client(timeout=httpx.Timeout(10.0, read=600.0), limits=httpx.Limits(max_connections=512))
         self._lock = threading.Lock()
         self._cancelled: set[str] = set()
+        self._prefilling: dict[str, _GroupState] = {}  # request id -> the prefill group running its prompt
         self._counts = collections.Counter()
         self._ids = itertools.count()
         self._stop = threading.Event()
@@ -200,8 +201,20 @@ class RemoteEngine:
         return handle
 
     def cancel(self, request_id: str) -> None:
+        """Ends a request wherever it is: a prefill group still holding it (queued or running
+        its prompt) is told at once; a decode group's stream is left, which cancels it there."""
         with self._lock:
             self._cancelled.add(request_id)
+            group = self._prefilling.get(request_id)
+        if group is not None:  # called from the server's event loop: the call goes out on a thread
+            threading.Thread(target=self._cancel_prefill, args=(group, request_id), name="jfire-cancel",
+                             daemon=True).start()
+
+    def _cancel_prefill(self, group: _GroupState, request_id: str) -> None:
+        try:
+            self._http.post(group.info["control"] + "/cancel", json={"request_id": request_id}, timeout=5.0)
+        except httpx.HTTPError:
+            pass  # the group is down: its requests end with it
 
     def generate(self, requests):
         return [h.result() for h in [self.submit(ids, sp) for ids, sp in requests]]
@@ -228,7 +241,15 @@ class RemoteEngine:
             prefill.in_flight += 1
             decode.in_flight += 1
         try:
-            first = self._prefill(prefill, decode, request_id, prompt_ids, sampling)
+            with self._lock:
+                self._prefilling[request_id] = prefill
+            try:
+                first = self._prefill(prefill, decode, request_id, prompt_ids, sampling)
+            finally:
+                with self._lock:
+                    self._prefilling.pop(request_id, None)
+            if isinstance(first, str) and self._take_cancel(request_id):
+                return emit(RequestOutput(request_id, [], "", finished=True, finish_reason="cancelled"))
             if isinstance(first, str):
                 return fail(first)
             if self._take_cancel(request_id):

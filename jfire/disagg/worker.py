@@ -6,6 +6,7 @@ when streaming):
                  -> {first_token, transfer, prompt_tokens, prefix_hit_tokens}
   POST /decode   {request_id, prompt_ids, first_token, sampling, transfer}
                  -> NDJSON outputs until finished
+  POST /cancel   {request_id}: ends it here, queued or running (the frontend's client left)
   GET  /stats    the engine's stats;  GET /health
 A client that goes away cancels its request, which frees its pages.
 """
@@ -13,6 +14,7 @@ A client that goes away cancels its request, which frees its pages.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import json
 import os
@@ -33,6 +35,8 @@ from jfire.engine import EngineConfig, RequestOutput
 from jfire.errors import JfireError
 from jfire.sampling import SamplingParams
 
+CANCELLED_KEPT = 1024
+
 
 def output_to_json(out: RequestOutput) -> dict:
     return {k: v for k, v in dataclasses.asdict(out).items() if v is not None}
@@ -40,6 +44,9 @@ def output_to_json(out: RequestOutput) -> dict:
 
 def create_control_app(engine, process: Process) -> FastAPI:
     app = FastAPI(title=f"jfire {process.label}")
+    # Ids cancelled here, most recent last: a /cancel can overtake its own /prefill (two
+    # connections), which then must not run. Bounded: only the last few matter.
+    cancelled: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     def error(status: int, message: str) -> JSONResponse:
         return JSONResponse({"error": message}, status_code=status)
@@ -75,11 +82,22 @@ def create_control_app(engine, process: Process) -> FastAPI:
     async def stats():
         return {"group": process.group.name, "role": process.role, "pid": os.getpid(), **engine.stats()}
 
+    @app.post("/cancel")
+    async def cancel(body: dict):
+        request_id = body["request_id"]
+        cancelled[request_id] = None
+        while len(cancelled) > CANCELLED_KEPT:
+            cancelled.popitem(last=False)
+        engine.cancel(request_id)
+        return {"cancelled": request_id}
+
     @app.post("/prefill")
     async def prefill(body: dict, request: Request):
         if process.role != "prefill":
             return error(404, f"{process.label} is a {process.role} group; send prefill requests to a prefill group")
         request_id = body["request_id"]
+        if request_id in cancelled:
+            return error(499, "cancelled before it arrived")
         outputs, on_output = attach(request_id)
         try:
             engine.submit(body["prompt_ids"], SamplingParams.from_json(body["sampling"]), request_id=request_id,
@@ -93,6 +111,8 @@ def create_control_app(engine, process: Process) -> FastAPI:
                 return error(499, "client went away")
             if out.finished:
                 break
+        if out.finish_reason == "cancelled":
+            return error(499, "cancelled")
         if out.finish_reason != "prefilled":
             return error(500, out.error or f"the prefill ended with {out.finish_reason!r}")
         return {"first_token": out.token_ids[0], "transfer": out.transfer, "prompt_tokens": out.prompt_tokens,

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import subprocess
+import sys
 import time
 
 import httpx
@@ -136,6 +138,39 @@ def test_a_pull_from_a_sender_that_is_gone_fails_at_once(deployment):
     stats = deployment.stats("decode")
     assert stats["pages_used"] == 0 and stats["transfers_failed"] == failed_before + 1
     assert wait_for(lambda: deployment.stats("decode")["pull_threads"] == 0, 20, "the pull thread to end")
+
+
+# A client with six long prompts in flight at once, killed while they wait for prefill.
+QUEUEING_CLIENT = """
+import sys, threading, httpx
+def ask(i):
+    prompt = [1000 + 37 * i + j for j in range(380)]  # 24 of the group's 29 pages: one prompt at a time
+    httpx.post(sys.argv[1] + "/v1/completions", json={"model": "default", "prompt": prompt, "max_tokens": 4},
+               timeout=300)
+for i in range(6):
+    threading.Thread(target=ask, args=(i,)).start()
+"""
+
+
+def test_a_client_killed_with_prompts_queued_is_dropped_by_the_prefill_group_within_a_second(deployment):
+    # A step is short once every program is compiled (the first ones may still be compiling
+    # after start-up, and a step waiting for one would hold the cancellation up).
+    wait_for(lambda: not deployment.stats("prefill")["compiling"], 300, "the prefill group's programs")
+    published_before = deployment.stats("prefill")["transfers_published"]
+    client = subprocess.Popen([sys.executable, "-c", QUEUEING_CLIENT, deployment.url])
+    try:
+        held = lambda s: s["running"] + s["waiting"]  # noqa: E731
+        wait_for(lambda: held(deployment.stats("prefill")) == 6, 60, "six prompts at the prefill group")
+    finally:
+        client.kill()
+    killed = time.monotonic()
+    wait_for(lambda: held(deployment.stats("prefill")) == 0, 30, "the prefill group to drop them")
+    dropped_after_s = time.monotonic() - killed
+    assert dropped_after_s < 1.0, f"the prefill group held the departed client's prompts {dropped_after_s:.2f} s"
+    # At most the prompt running when the client died was published; nothing stays held.
+    assert deployment.stats("prefill")["transfers_published"] - published_before <= 1
+    assert wait_for(lambda: deployment.stats("prefill")["pages_used"] == 0, TRANSFER_TIMEOUT_S + 10, "pages freed")
+    client.wait()
 
 
 # The agents' options through the split deployment against the same requests served colocated
