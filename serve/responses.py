@@ -170,7 +170,7 @@ class Responder:
                     "logprobs": self._completion_logprobs(token_ids, entries, 0)}
         message = {"role": "assistant", "content": text}
         if self.plan.tool_format is not None:
-            content, calls = self.plan.tool_format.parse(text)
+            content, calls = self.plan.tool_format.parse(text, cut=finish == "length")
             if calls:
                 message["content"] = content or None
                 message["tool_calls"] = [{"id": call.id, "type": "function",
@@ -204,7 +204,7 @@ class Responder:
         else:
             events = c.tool_stream.feed(out.text) if out.text else []
             if out.finished:
-                events += c.tool_stream.finish()
+                events += c.tool_stream.finish(cut=out.finish_reason == "length")
             c.called |= any("content" not in e for e in events)
             deltas += [e if "content" in e else {"tool_calls": [e]} for e in events]
             if finish == "stop" and c.called:

@@ -23,7 +23,9 @@ The formats, as the models write them:
 
 Text outside calls is content. Whitespace before a call, between calls, and after the last call
 at the end of the output is framing, not content. A call that is malformed (bad JSON, unknown
-structure, unterminated) stays in the content verbatim. JSON formats must write "name" first,
+structure, unterminated) stays in the content verbatim, except a call cut short by max_tokens
+once its name is known: it stays a call, its arguments exactly as far as the model wrote them
+(never closed or completed), with finish_reason "length", as OpenAI returns it. JSON formats must write "name" first,
 as the models do: that is what lets the name stream before the arguments.
 
 The default is hermes: the default model (SmolLM2) has no tool support in its chat template, so

@@ -66,11 +66,13 @@ class ToolCallFormat:
 
     # -- public --
 
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        """(content, calls) of a whole completion; malformed calls stay in the content."""
+    def parse(self, text: str, *, cut: bool = False) -> tuple[str, list[ToolCall]]:
+        """(content, calls) of a whole completion; malformed calls stay in the content. `cut`:
+        the completion was cut short (max_tokens), and a call it ends in whose name is known
+        stays a call, its arguments as written so far (ToolCallStream.finish)."""
         stream = ToolCallStream(self, eager=False)
         content, calls = [], []
-        for event in stream.feed(text) + stream.finish():
+        for event in stream.feed(text) + stream.finish(cut=cut):
             if "content" in event:
                 content.append(event["content"])
             elif "id" in event:

@@ -53,11 +53,14 @@ class ToolCallStream:
         self._text += delta
         return self._run(final=False)
 
-    def finish(self) -> list[dict]:
-        """End of output: what was held back; an unterminated or malformed call is content."""
-        return self._run(final=True)
+    def finish(self, *, cut: bool = False) -> list[dict]:
+        """End of output: what was held back; an unterminated or malformed call is content.
+        `cut`: the output was cut short (max_tokens), so a call whose name is known stays a call
+        with the arguments as far as they were written (nothing added to close them, as OpenAI
+        returns a call cut by max_tokens), and the rest of its block is framing, not content."""
+        return self._run(final=True, cut=cut)
 
-    def _run(self, final: bool) -> list[dict]:
+    def _run(self, final: bool, cut: bool = False) -> list[dict]:
         while True:
             try:
                 if not self._step(final):
@@ -65,7 +68,10 @@ class ToolCallStream:
             except _NeedMore:
                 break
             except _Mismatch:
-                self._fail()
+                if cut and self._step in (self._arguments, self._tail):
+                    self._keep_cut_call()
+                else:
+                    self._fail()
         events, self._events = self._events, []
         return events
 
@@ -114,6 +120,13 @@ class ToolCallStream:
         else:
             self._step, self._search_from, self._after_block = self._content, c.pos, True
         return True
+
+    def _keep_cut_call(self) -> None:
+        """The output ended inside a call whose name is known: it stands as written so far."""
+        self._events += self._pending
+        self._pending, self._committed, self._calls = [], False, self._calls + 1
+        self._content_from = self._search_from = len(self._text)
+        self._step, self._after_block = self._content, True
 
     def _fail(self) -> None:
         if self._committed:

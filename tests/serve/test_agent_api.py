@@ -190,6 +190,26 @@ def test_forced_tool_calls_validate_plain_and_streamed(client, choice):
     assert all(c["id"] for c in streamed)
 
 
+def test_a_forced_call_cut_by_max_tokens_says_so_with_its_arguments_as_generated(client):
+    kwargs = dict(messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, temperature=0)
+    whole = client.chat.completions.create(model="default", max_tokens=80, **kwargs)
+    full = whole.choices[0].message.tool_calls[0].function
+    # Six tokens short: inside the arguments or the call's closing text.
+    cut_at = whole.usage.completion_tokens - 6
+    r = client.chat.completions.create(model="default", max_tokens=cut_at, logprobs=True, **kwargs)
+    generated = b"".join(bytes(e.bytes) for e in r.choices[0].logprobs.content).decode()
+    assert r.choices[0].finish_reason == "length"
+    assert r.choices[0].message.content is None
+    [call] = r.choices[0].message.tool_calls
+    assert call.function.name == full.name
+    # Exactly what the model wrote: part of the whole call's arguments, nothing closed or added.
+    assert full.arguments.startswith(call.function.arguments) and call.function.arguments in generated
+    assert len(call.function.arguments) > len("{")
+    streamed, finish = streamed_calls(client, max_tokens=cut_at, **kwargs)
+    assert finish == "length"
+    assert [(c["name"], c["arguments"]) for c in streamed] == [(call.function.name, call.function.arguments)]
+
+
 def test_a_conversation_with_tool_results_completes(client):
     call = {"id": "call_1", "type": "function",
             "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris", "unit": "celsius"})}}

@@ -98,10 +98,10 @@ def _collect(events):
     return content, [tuple(call) for call in calls.values()]
 
 
-def _stream(fmt, pieces):
+def _stream(fmt, pieces, cut=False):
     parser = fmt.stream_parser()
     events = [e for piece in pieces for e in parser.feed(piece)]
-    return events + parser.finish()
+    return events + parser.finish(cut=cut)
 
 
 def _call(name, **arguments):
@@ -167,15 +167,37 @@ def test_a_malformed_call_after_good_ones_leaves_them_calls():
 
 
 def test_streaming_keeps_a_call_whose_name_went_out():
-    """Output cut short (max_tokens) inside a call's arguments: the stream already sent the name
-    and has to keep it a call, with the arguments so far, as OpenAI does; parse() of the same
+    """Output that ends inside a call's arguments without being cut (a stop): the stream already
+    sent the name and has to keep it a call, with the arguments so far; parse() of the same
     text, which sees the whole, keeps it as content."""
     text = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'
     assert HERMES.parse(text) == (text, [])
     content, calls = _collect(_stream(HERMES, list(text)))
     assert content == "Checking." and [call[1:] for call in calls] == [("get_weather", '{"city": "Pa')]
-    content, calls = _collect(_stream(LLAMA4, list("[get_weather(city='Paris', days=")))
-    assert content == " days=" and [call[1:] for call in calls] == [("get_weather", '{"city": "Paris"}')]
+
+
+CUT_CALLS = [  # output cut by max_tokens inside a call: (format, text, content, [(name, arguments as written)])
+    (HERMES, 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa',
+     "Checking.", [("get_weather", '{"city": "Pa')]),
+    (HERMES, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 7}}\n</tool_',
+     "", [("get_weather", '{"city": "Oslo", "days": 7}')]),
+    (HERMES, '<tool_call>\n{"name": "get_', '<tool_call>\n{"name": "get_', []),  # no name yet: as written
+    (LLAMA4, "[get_weather(city='Paris', days=", "", [("get_weather", '{"city": "Paris"')]),
+    (KIMI, "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+           '{"city": "Bei', "", [("get_weather", '{"city": "Bei')]),
+]
+
+
+@pytest.mark.parametrize("fmt,text,content,expected", CUT_CALLS, ids=_ids(CUT_CALLS))
+def test_a_call_cut_by_max_tokens_stays_a_call_as_written_in_both_modes(fmt, text, content, expected):
+    """Whole and streamed responses agree: the call is kept with its arguments as far as the
+    model wrote them (never closed or completed for it), and what is left of its block is not
+    content."""
+    got_content, calls = fmt.parse(text, cut=True)
+    assert (got_content, [(c.name, c.arguments) for c in calls]) == (content, expected)
+    for pieces in ([text], list(text)):
+        got_content, calls = _collect(_stream(fmt, pieces, cut=True))
+        assert (got_content, [call[1:] for call in calls]) == (content, expected), pieces
 
 
 def test_streaming_sends_content_and_the_name_before_the_call_is_complete():
