@@ -91,7 +91,12 @@ class PrefillEngine(Engine):
         self._shards[request_id] = shards
         if receiver is not None:
             self._receivers[request_id] = receiver
-        return super().submit(prompt_ids, sampling, request_id=request_id, on_output=on_output)
+        try:
+            return super().submit(prompt_ids, sampling, request_id=request_id, on_output=on_output)
+        except Exception:  # refused: nothing of it may stay behind
+            self._shards.pop(request_id, None)
+            self._receivers.pop(request_id, None)
+            raise
 
     def _append(self, live: _Live, token: int, logprobs: list | None = None) -> None:
         """The prompt is done: publish its KV and end the request here with the first token

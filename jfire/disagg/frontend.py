@@ -71,7 +71,8 @@ class RemoteEngine:
         self.error: BaseException | None = None
         self._http = httpx.Client(timeout=httpx.Timeout(10.0, read=600.0), limits=httpx.Limits(max_connections=512))
         self._lock = threading.Lock()
-        self._cancelled: set[str] = set()
+        self._active: set[str] = set()  # requests submitted and not yet ended
+        self._cancelled: set[str] = set()  # of those, the ones a client gave up on
         self._prefilling: dict[str, _GroupState] = {}  # request id -> the prefill group running its prompt
         self._counts = collections.Counter()
         self._ids = itertools.count()
@@ -196,6 +197,8 @@ class RemoteEngine:
         sampling = SamplingParams(**{**sampling.__dict__, "seed": sampling.resolved_seed()})
         handle = RequestHandle(self, request_id, prompt_ids, self.model.tokenizer is not None)
         emit = on_output or handle.outputs.put
+        with self._lock:
+            self._active.add(request_id)
         threading.Thread(target=self._run, args=(request_id, prompt_ids, sampling, emit, affinity),
                          name=f"jfire-{request_id}", daemon=True).start()
         return handle
@@ -204,6 +207,8 @@ class RemoteEngine:
         """Ends a request wherever it is: a prefill group still holding it (queued or running
         its prompt) is told at once; a decode group's stream is left, which cancels it there."""
         with self._lock:
+            if request_id not in self._active:  # ended already: nothing to cancel, nothing to remember
+                return
             self._cancelled.add(request_id)
             group = self._prefilling.get(request_id)
         if group is not None:  # called from the server's event loop: the call goes out on a thread
@@ -265,6 +270,7 @@ class RemoteEngine:
                 prefill.in_flight -= 1
                 decode.in_flight -= 1
                 self._cancelled.discard(request_id)
+                self._active.discard(request_id)
 
     def _take_cancel(self, request_id: str) -> bool:
         with self._lock:
