@@ -435,9 +435,11 @@ def cmd_serve(args) -> int:
     from concurrent.futures import ThreadPoolExecutor
 
     from jfire.checkpoint.load import load_model
+    from jfire.memory import trim_freed_memory_periodically
 
     if not 0 <= args.port < 65536:
         raise JfireError(f"--port must be in 0..65535, got {args.port}")
+    trim_freed_memory_periodically()  # a long-running server gives back what it freed
     if args.max_queue < 1:
         raise JfireError(f"--max-queue must be >= 1, got {args.max_queue}")
     config = dataclasses.replace(engine_config(args, single=False), max_waiting=args.max_queue)

@@ -418,6 +418,8 @@ def report(tally: Tally, samples: list[dict], rss_series: dict, before: dict, co
         processes[name] = {
             "rss_mb": [round(p["rss_mb"], 1) for _, p in series], "fds": [p["fds"] for _, p in series],
             "threads": [p["threads"] for _, p in series], "t": [round(t, 1) for t, _ in series],
+            "rss_every_sample": [[round(t, 1), round(v, 1)] for t, v in sorted(
+                (t, p["rss_mb"]) for t, p in rss_series.get(name, []) + series)],
             "rss_fit_after_warmup": fit(times, rss),
             "rss_minima_fit_after_warmup": fit(*minima(times, rss)),
         }

@@ -217,6 +217,9 @@ def _stop_all(children: list[tuple[Process, subprocess.Popen]]) -> None:
 def run_one(deployment: Deployment, process_id: int, coordinator: str, options: Options, engine_config,
             api_key: str | None, served_name: str) -> int:
     """Runs one process of the deployment in this process."""
+    from jfire.memory import trim_freed_memory_periodically
+
+    trim_freed_memory_periodically()  # a long-running server gives back what it freed
     process = deployment.process(process_id)
     if process.group is None:
         _run_frontend(deployment, coordinator, options, engine_config, api_key, served_name)
