@@ -10,6 +10,7 @@ around) and decode-0, one CPU device each."""
 
 from __future__ import annotations
 
+import collections
 import os
 import random
 import signal
@@ -20,6 +21,8 @@ import httpx
 import openai
 import pytest
 
+from jfire import soak
+from tests import limits
 from tests.disagg.clients import PROMPTS, ask, assert_same_as_colocated, client, key_for
 from tests.disagg.deployment_process import REPO, launch, metric, wait_for
 from tests.reliability.tally import TALLY
@@ -100,6 +103,45 @@ def assert_correct_and_nothing_held(deployment, colocated_reference) -> None:
     except AssertionError:
         TALLY.leaked_pages += sum(stats(groups[name])["pages_used"] for name in GROUPS)
         raise
+
+
+SOAK_S = 60  # the short soak's load; the long one (12 minutes) is scripts/soak.py, a benchmark
+
+
+def test_a_short_soak_of_mixed_traffic_with_no_fault_loses_nothing(deployment):
+    """Before any fault: a minute of mixed agent traffic (jfire.soak: 4-8 clients, streams,
+    schemas, tool calls, n=2, logprobs, repeated and context-filling prompts, clients leaving
+    mid-stream, malformed requests) gets no 5xx, no stream error event and no failed transfer;
+    the greedy probe never changes; once idle every group holds no page, no pending transfer and
+    no running pull, and no process has more threads than before the load."""
+    all_up(deployment)
+    pool_tokens = stats(health(deployment)["groups"]["decode-0"])["pages_total"] * 16
+    config = soak.SoakConfig(duration_s=SOAK_S, context=min(limits.CONTEXT, pool_tokens), clients_period_s=10,
+                             sample_s=10, probe_s=5, warmup_s=0, seed=41, request_timeout_s=120,
+                             idle_timeout_s=TRANSFER_TIMEOUT_S + 30)
+    result = soak.run(soak.Deployment(deployment.url, launcher_pid=deployment.process.pid), config,
+                      log=lambda line: None)
+    by_outcome = collections.Counter()
+    for outcomes in result["by_kind"].values():
+        by_outcome.update(outcomes)
+    TALLY.add({"sent": result["requests"] + result["probes"], "completed": by_outcome["ok"] + result["probes"],
+               "faults": by_outcome["left"] + by_outcome["refused"], "failed_cleanly": by_outcome["refused"]})
+    summary = {k: result[k] for k in ("5xx_by_cause", "stream_errors_by_cause", "client_errors_by_cause",
+                                      "wrong_refusals_by_cause", "by_kind")}
+    assert result["requests"] >= 10 and by_outcome["ok"] >= 5, summary  # it did load the deployment
+    assert (result["5xx"], result["stream_errors"], result["client_errors"], result["wrong_refusals"]) == (0, 0, 0, 0), \
+        summary
+    before = result["before"]["counters"]
+    failed = {name: (c.get("transfers_failed", 0) - before[name].get("transfers_failed", 0),
+                     c.get("transfers_corrupted", 0) - before[name].get("transfers_corrupted", 0))
+              for name, c in result["idle"].items()}
+    assert all(f == (0, 0) for f in failed.values()), failed
+    assert len(result["probe_outputs"]) == 1 and result["probes"] >= 3, result["probe_outputs"]
+    for name, held in result["idle"].items():
+        assert (held.get("pages_used", 0), held.get("transfers_pending", 0), held.get("pull_threads", 0)) == (0, 0, 0), \
+            (name, held)
+    for name, p in result["processes"].items():
+        assert p["threads"][-1] <= result["before"]["processes"][name]["threads"], (name, p["threads"])
 
 
 def test_killing_decode_mid_stream_fails_clearly_and_it_comes_back(deployment, colocated_reference):
