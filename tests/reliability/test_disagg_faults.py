@@ -113,7 +113,7 @@ def test_a_short_soak_of_mixed_traffic_with_no_fault_loses_nothing(deployment):
     schemas, tool calls, n=2, logprobs, repeated and context-filling prompts, clients leaving
     mid-stream, malformed requests) gets no 5xx, no stream error event and no failed transfer;
     the greedy probe never changes; once idle every group holds no page, no pending transfer and
-    no running pull, and no process has more threads than before the load."""
+    no running pull, and no process keeps a thread per request or transfer."""
     all_up(deployment)
     pool_tokens = stats(health(deployment)["groups"]["decode-0"])["pages_total"] * 16
     config = soak.SoakConfig(duration_s=SOAK_S, context=min(limits.CONTEXT, pool_tokens), clients_period_s=10,
@@ -140,8 +140,13 @@ def test_a_short_soak_of_mixed_traffic_with_no_fault_loses_nothing(deployment):
     for name, held in result["idle"].items():
         assert (held.get("pages_used", 0), held.get("transfers_pending", 0), held.get("pull_threads", 0)) == (0, 0, 0), \
             (name, held)
+    # Threads: none per request or transfer. The frontend's HTTP service renders prompts on
+    # asyncio's default executor, which starts up to min(32, cores + 4) threads as the load
+    # needs them and keeps them; every other thread of every process is there from the start.
+    executor = min(32, (os.cpu_count() or 1) + 4)
     for name, p in result["processes"].items():
-        assert p["threads"][-1] <= result["before"]["processes"][name]["threads"], (name, p["threads"])
+        allowed = result["before"]["processes"][name]["threads"] + (executor if name == "frontend" else 0)
+        assert p["threads"][-1] <= allowed, (name, p["threads"])
 
 
 def test_killing_decode_mid_stream_fails_clearly_and_it_comes_back(deployment, colocated_reference):
