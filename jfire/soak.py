@@ -293,7 +293,7 @@ class Deployment:
                          if line.startswith("jfire_kv_pages_used "))
             return {"serve": {"pages_used": int(value)}}
         keys = ("pages_used", "transfers_pending", "pull_threads", "transfers_failed", "transfers_corrupted",
-                "kv_transfers", "transfers_published", "transfers_expired")
+                "kv_transfers", "transfers_published", "transfers_expired", "compiled_programs")
         out = {}
         for name, g in self.groups().items():
             stats = self.http.get(g["control"] + "/stats").json()
