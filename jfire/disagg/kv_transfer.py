@@ -251,7 +251,7 @@ def fetch(server, address: str, uuid: int, structs: list, timeout=None) -> list[
     the receiver gets some other transfer's bytes (scripts/repro_transfer_teardown.py shows it
     with jaxlib alone; docs/disaggregation.md has the details)."""
     connection = server.connect(address)
-    arrays = connection.pull(uuid, structs) if timeout is None else connection.pull(uuid, structs, timeout=timeout)
+    arrays = connection.pull(uuid, structs, timeout=timeout)  # None: no timeout (pull() takes it so)
     jax.block_until_ready(arrays)
     del connection  # only now may the sender reuse what it staged this pull in
     return arrays
