@@ -24,6 +24,7 @@ from jfire.engine import Engine, EngineStopped, QueueFull, RequestOutput
 from jfire.errors import JfireError
 from jfire.grammar import GrammarError
 from jfire.sampling import SamplingParams
+from serve.access_log import AccessLog
 from serve.chat import OutputPlan, PromptError, render_chat, response_grammar
 from serve.metrics import ServerMetrics
 from serve.responses import Responder
@@ -57,6 +58,7 @@ class ServerState:
     max_body_bytes: int = 16 << 20  # larger request bodies get a 413 before they are read
     draining: bool = False  # shutting down: no new requests, in-flight ones finish
     drained: bool = False  # draining, and no request is in flight any more
+    access_log: bool = True  # one line on stderr per request (serve/access_log.py)
 
     def __post_init__(self):
         if self.metrics is None:
@@ -72,6 +74,8 @@ def create_app(state: ServerState) -> FastAPI:
     if state.api_key:
         app.add_middleware(_BearerAuth, state=state)
     app.add_middleware(_RequestCounter, state=state)
+    if state.access_log:
+        app.add_middleware(AccessLog)
 
     @app.get("/health")
     async def health():
@@ -252,6 +256,7 @@ async def _serve(state: ServerState, request: Request, body: SamplingFields, pro
         _raise_submit_error(e, body, chat, plan)
     responder = Responder(state, request, engine, request_id, choice_ids, outputs, body.model, chat, plan,
                           logprobs=logprobs, echo=echo, prompt_ids=prompt_ids)
+    request.state.responder = responder  # for the access log's line, written when the response has gone
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(responder.sse(include_usage), media_type="text/event-stream",

@@ -88,6 +88,17 @@ class Responder:
                 self.state.metrics.tpot.observe((time.perf_counter() - self.first) / (out.completion_tokens - 1))
             return choice, out
 
+    def access_fields(self) -> dict:
+        """What the access log says of this request (serve/access_log.py)."""
+        usage = self._usage()
+        finish = ",".join(sorted({c.last.finish_reason if c.finished else "cancelled" for c in self.choices.values()}))
+        fields = {"prompt_tokens": usage["prompt_tokens"] or len(self.prompt_ids),
+                  "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+                  "completion_tokens": usage["completion_tokens"], "finish": finish}
+        if self.first is not None:
+            fields["ttft"] = f"{self.first - self.start:.3f}s"
+        return {**fields, "id": self.request_id}
+
     def cancel_unfinished(self) -> None:
         for choice in self.choices.values():
             if not choice.finished:

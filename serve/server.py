@@ -3,6 +3,7 @@ compile the engine's programs in the background, then serve."""
 
 from __future__ import annotations
 
+import socket
 import sys
 import threading
 import time
@@ -61,15 +62,17 @@ def drain(state: ServerState, grace_s: float) -> None:
     state.drained = True
 
 
-def run(model, config: EngineConfig, *, host: str, port: int, api_key: str | None, model_name: str,
-        max_body_bytes: int = 16 << 20, shutdown_grace_s: float = 30.0, lead=None) -> int:
-    """Serves until SIGTERM/SIGINT (exit status 0) or until the engine fails for good (1: its
-    requests have ended with an error, /health says so, and a supervisor should restart it).
-    `lead(engine)`, in a group spanning processes, connects the engine to its followers."""
+def run(model, config: EngineConfig, *, sock: socket.socket, host: str, api_key: str | None, model_name: str,
+        max_body_bytes: int = 16 << 20, shutdown_grace_s: float = 30.0, lead=None, access_log: bool = True) -> int:
+    """Serves on `sock` (bound to host, serve/listen.py) until SIGTERM/SIGINT (exit status 0) or
+    until the engine fails for good (1: its requests have ended with an error, /health says so,
+    and a supervisor should restart it). `lead(engine)`, in a group spanning processes,
+    connects the engine to its followers."""
     engine = Engine(model, config)
     if lead is not None:
         lead(engine)
-    state = ServerState(engine=engine, model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes)
+    state = ServerState(engine=engine, model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes,
+                        access_log=access_log)
     app = create_app(state)
 
     def compile_then_start():
@@ -87,12 +90,13 @@ def run(model, config: EngineConfig, *, host: str, port: int, api_key: str | Non
                   file=sys.stderr, flush=True)
 
     threading.Thread(target=compile_then_start, name="jfire-compile", daemon=True).start()
+    port = sock.getsockname()[1]
     print(f"jfire: serving {model_name!r} on http://{host}:{port} (compiling programs; /health says when ready)",
           file=sys.stderr, flush=True)
     try:
         # The responses of finished requests are written within uvicorn's own 5 s.
-        server = GracefulServer(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                               timeout_graceful_shutdown=5), state, shutdown_grace_s)
+        server = GracefulServer(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5), state,
+                                shutdown_grace_s)
 
         def engine_failed(error: BaseException) -> None:
             print(f"jfire: error: the engine failed ({type(error).__name__}: {error}); in-flight requests have "
@@ -100,7 +104,7 @@ def run(model, config: EngineConfig, *, host: str, port: int, api_key: str | Non
             threading.Timer(1.0, lambda: setattr(server, "should_exit", True)).start()  # let the errors go out
 
         engine.on_fatal = engine_failed
-        server.run()
+        server.run(sockets=[sock])
     finally:
         engine.shutdown()
     return 1 if engine.error is not None else 0

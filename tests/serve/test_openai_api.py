@@ -251,3 +251,52 @@ def test_metrics_count_requests_latency_and_tokens(server, client):
     assert metric(server, "jfire_generation_tokens_total") >= 8
     assert metric(server, "jfire_kv_pages_total") == metric(server, "jfire_kv_pages_used") + metric(
         server, "jfire_kv_pages_free")
+
+
+def access_lines(server) -> list[str]:
+    return [line for line in server.log.read_text().splitlines() if line.startswith("jfire: access: ")]
+
+
+def access_line_of(server, request_id: str) -> dict:
+    """The fields of the access line ending with id=request_id (written once the response has gone)."""
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        for line in access_lines(server):
+            if line.endswith(f" id={request_id}"):
+                head, _, rest = line.partition('" ')
+                status, *fields = rest.split()
+                return {"request": head.split('"')[1], "status": int(status),
+                        **dict(f.split("=", 1) for f in fields)}
+        time.sleep(0.1)
+    raise AssertionError(f"no access line for {request_id}:\n" + "\n".join(access_lines(server)[-10:]))
+
+
+def test_the_access_log_has_one_line_per_request(server):
+    """The README's curl example, sent to this server, and a stream and a bad request: one line
+    each with what the responses themselves say; /health (polled while starting) has none."""
+    from tests.test_readme import ALL
+
+    curl = next(c for _, c, _ in ALL if c.startswith("curl "))
+    curl = curl.replace("http://127.0.0.1:8000", server.url) + f" -H 'Authorization: Bearer {API_KEY}'"
+    answer = json.loads(subprocess.run(["bash", "-c", curl], capture_output=True, text=True, check=True).stdout)
+    line = access_line_of(server, answer["id"])
+    assert line["request"] == "POST /v1/chat/completions" and line["status"] == 200
+    assert int(line["prompt_tokens"]) == answer["usage"]["prompt_tokens"]
+    assert int(line["completion_tokens"]) == answer["usage"]["completion_tokens"]
+    assert line["finish"] == answer["choices"][0]["finish_reason"]
+    assert 0 < float(line["ttft"].rstrip("s")) <= float(line["total"].rstrip("s"))
+
+    body = {"model": "default", "prompt": "The sea", "max_tokens": 5, "stream": True, "n": 2, "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=auth(), timeout=120) as r:
+        chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    line = access_line_of(server, chunks[0]["id"])
+    assert line["request"] == "POST /v1/completions" and line["status"] == 200
+    assert line["completion_tokens"] == "10" and line["finish"] == "length"
+
+    refused_before = sum('"POST /v1/completions" 400 ' in x for x in access_lines(server))
+    bad = httpx.post(server.url + "/v1/completions", json={"model": "default", "prompt": "x", "temperature": -1},
+                     headers=auth(), timeout=30)
+    assert bad.status_code == 400
+    time.sleep(0.5)
+    assert sum('"POST /v1/completions" 400 ' in x for x in access_lines(server)) == refused_before + 1
+    assert server.health_seen and not any("/health" in x or "/metrics" in x for x in access_lines(server))

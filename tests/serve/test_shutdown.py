@@ -15,7 +15,7 @@ from tests.limits import SERVE_LIMITS
 from tests.serve.server_process import start_server
 
 GRACE_S = 8
-SERVER_ARGS = [*SERVE_LIMITS, "--shutdown-grace", str(GRACE_S)]
+SERVER_ARGS = [*SERVE_LIMITS, "--shutdown-grace", str(GRACE_S), "--no-access-log"]
 
 
 def stream(url: str, max_tokens: int, events: list, started: threading.Event) -> None:
@@ -53,6 +53,7 @@ def test_sigterm_drains_then_exits_cleanly(default_checkpoint, tmp_path):
         if server.process.poll() is None:
             server.process.kill()
     assert code == 0, server.log.read_text()[-3000:]
+    assert "jfire: access:" not in server.log.read_text()  # --no-access-log
     # The short request ran to its end...
     assert short[-1] == "[DONE]"
     finish = [json.loads(e)["choices"][0]["finish_reason"] for e in short[:-1]]
