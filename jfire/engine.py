@@ -297,6 +297,11 @@ class Engine:
         if self.config.compilation_cache_dir:
             enable_compilation_cache(self.config.compilation_cache_dir)
 
+    def side_programs(self) -> list:
+        """Programs a role compiles besides the model's (the KV transfer's gather or insert),
+        first, inside start()'s clock and progress."""
+        return []
+
     def start(self, compile_progress: Callable[[int, int], None] | None = None, *, run_loop: bool = True) -> "Engine":
         """Compiles the programs ahead of time, then starts the engine thread: every bucket
         first, or with `serve_while_compiling` only the essential ones, the rest in the
@@ -307,9 +312,17 @@ class Engine:
             self.step_channel.post_config(self)
         self.use_compilation_cache()
         background = self.config.aot and self.config.serve_while_compiling
+        shapes = self.programs.essential_shapes() if background else None
+        # Progress counts what is compiled before serving: the side programs, then the model's.
+        side = self.side_programs()
+        num_side = sum(len(p.widths) for p in side)
+        total = num_side + ((len(shapes) if background else self.programs.num_total) if self.config.aot else 0)
+        for i, programs in enumerate(side):
+            before = sum(len(p.widths) for p in side[:i])
+            programs.compile_all(progress=compile_progress and (lambda done: compile_progress(before + done, total)))
         if self.config.aot:
-            shapes = self.programs.essential_shapes() if background else None
-            self.programs.compile_all(workers=self.config.compile_workers, progress=compile_progress, shapes=shapes)
+            progress = compile_progress and (lambda done, _: compile_progress(num_side + done, total))
+            self.programs.compile_all(workers=self.config.compile_workers, progress=progress, shapes=shapes)
         # The penalty-slot update is the one program outside the buckets: compile it now (by
         # running it on the scratch slot), never when a request first asks for penalties.
         # Every process of a group runs start() itself, so this call is not sent to followers.

@@ -71,10 +71,8 @@ class PrefillEngine(Engine):
         self._last_ack_poll = self._last_control_poll = 0.0
         self.transfer_counts = collections.Counter()
 
-    def start(self, compile_progress=None, *, run_loop: bool = True):
-        self.use_compilation_cache()  # the transfer programs load from it too
-        self.gather.compile_all()
-        return super().start(compile_progress, run_loop=run_loop)
+    def side_programs(self) -> list:
+        return [self.gather]
 
     def shutdown(self) -> None:
         super().shutdown()
@@ -263,10 +261,8 @@ class DecodeEngine(Engine):
         self.kv_transfer_bytes = 0
         self.transfer_counts = collections.Counter()
 
-    def start(self, compile_progress=None, *, run_loop: bool = True):
-        self.use_compilation_cache()  # the transfer programs load from it too
-        self.insert.compile_all()
-        return super().start(compile_progress, run_loop=run_loop)
+    def side_programs(self) -> list:
+        return [self.insert]
 
     def shutdown(self) -> None:
         super().shutdown()

@@ -68,6 +68,7 @@ class RemoteEngine:
         self.max_waiting = max_waiting
         self.groups = {g.name: _GroupState(g.name, g.role) for g in deployment.groups}
         self.ready = threading.Event()
+        self.stopping = False  # drained: the launcher is stopping the groups
         self.error: BaseException | None = None
         self._http = httpx.Client(timeout=httpx.Timeout(10.0, read=600.0), limits=httpx.Limits(max_connections=512))
         self._lock = threading.Lock()
@@ -138,7 +139,7 @@ class RemoteEngine:
         return True
 
     def _mark_down(self, state: _GroupState, problem: str) -> None:
-        if state.alive:
+        if state.alive and not self.stopping:  # groups stopping after a drain are not news
             print(f"jfire: frontend: group {state.name!r} is down: {problem}", file=sys.stderr, flush=True)
         state.alive, state.problem = False, problem
 

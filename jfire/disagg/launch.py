@@ -21,7 +21,10 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
+from jfire import mesh as meshes
+from jfire import quiet
 from jfire.disagg.deployment import Deployment, Process
 from jfire.errors import JfireError
 
@@ -39,12 +42,15 @@ class Options:
     engine_args: tuple[str, ...] = ()  # --kv-cache-gb etc., passed through to the groups' engines
     shutdown_grace: float = 30.0  # seconds in-flight requests get to finish when the launch stops
     max_restarts: int = 3  # times each group process is restarted if it dies after start-up
+    access_log: bool = True  # the frontend's line per request (serve/access_log.py)
 
     def argv(self) -> list[str]:
         out = ["--model", self.model, "--dtype", self.dtype, "--host", self.host,
                "--shutdown-grace", f"{self.shutdown_grace:g}"]
         if self.port is not None:
             out += ["--port", str(self.port)]
+        if not self.access_log:
+            out += ["--no-access-log"]
         return out + list(self.engine_args)
 
 
@@ -81,12 +87,26 @@ def _port_free(port: int, host: str = "127.0.0.1") -> bool:
             return False
 
 
+def check_model(deployment: Deployment, model: str) -> Path:
+    """The model's path, once its config reads and every group's mesh fits it (else JfireError)."""
+    from jfire.checkpoint.load import load_config_and_tokenizer, resolve_model_path
+
+    path = resolve_model_path(model)[0]
+    config = load_config_and_tokenizer(str(path))[0]
+    for group in deployment.groups:
+        try:
+            meshes.check_fits(group.mesh, config, group.mesh.size)
+        except JfireError as e:
+            raise JfireError(f"group {group.name!r} of deployment {deployment.name!r}: {e}") from None
+    return path
+
+
 def launch_local(deployment: Deployment, deployment_arg: str, options: Options) -> int:
     """Runs every process of the deployment here until Ctrl-C (or the frontend exits)."""
-    from jfire.checkpoint.load import resolve_model_path
-
-    # Convert the default model once, before several processes would race to.
-    options = dataclasses.replace(options, model=str(resolve_model_path(options.model)[0]))
+    launched_at = time.time()  # the groups' ready lines say how long after it they were ready
+    # Convert the default model once, before several processes would race to, and refuse a
+    # model that is missing or that a group's mesh cannot take before any process starts.
+    options = dataclasses.replace(options, model=str(check_model(deployment, options.model)))
     port = deployment.coordinator_port
     if port == 0:
         port = free_port()
@@ -104,11 +124,16 @@ def launch_local(deployment: Deployment, deployment_arg: str, options: Options) 
         nonlocal stopping
         stopping = True
 
-    def start(process: Process) -> subprocess.Popen:
+    def start(process: Process, started_at: float) -> subprocess.Popen:
         argv = [sys.executable, "-m", "jfire.cli", *process_argv(deployment_arg, process.process_id, coordinator,
                                                                   options)]
         # A session of its own: Ctrl-C reaches only this launcher, which stops them in order.
-        child = subprocess.Popen(argv, env=process_env(process), start_new_session=True)
+        env = {**process_env(process), "JFIRE_LAUNCHED_AT": f"{started_at:.3f}"}
+        # Its output comes through here, less the listed noise of JAX and Gloo (quiet.py).
+        child = subprocess.Popen(argv, env=env, start_new_session=True, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE)
+        quiet.relay(child.stdout, sys.stdout.buffer)
+        quiet.relay(child.stderr, sys.stderr.buffer)
         print(f"jfire: launch: process {process.process_id} {process.label} ({process.devices} devices): "
               f"pid {child.pid}", file=sys.stderr, flush=True)
         return child
@@ -118,12 +143,15 @@ def launch_local(deployment: Deployment, deployment_arg: str, options: Options) 
     left_down: set[int] = set()  # processes that died once too often
     try:
         for process in deployment.processes:
-            children.append((process, start(process)))
+            children.append((process, start(process, launched_at)))
         ready, failed = False, False
         frontend_url = f"http://{'127.0.0.1' if options.host in ('0.0.0.0', '::') else options.host}:{frontend_port}"
         while not stopping:
             time.sleep(0.2)
-            ready = ready or _healthy(frontend_url)
+            if not ready and _healthy(frontend_url):
+                ready = True
+                print(f"jfire: launch: {deployment.name}: ready, {time.time() - launched_at:.1f} s after launch "
+                      f"(http://{options.host}:{frontend_port})", file=sys.stderr, flush=True)
             for i, (process, child) in enumerate(children):
                 code = child.poll()
                 if code is None or stopping or process.process_id in left_down:
@@ -148,7 +176,7 @@ def launch_local(deployment: Deployment, deployment_arg: str, options: Options) 
                     print(f"jfire: launch: restarting {process.group.name if len(members) > 1 else process.label} "
                           f"(restart {restarts[first]} of {options.max_restarts})", file=sys.stderr, flush=True)
                     for j in members:
-                        children[j] = (children[j][0], start(children[j][0]))
+                        children[j] = (children[j][0], start(children[j][0], time.time()))
                 else:
                     print(f"jfire: launch: {process.label} is left down (restarted {options.max_restarts} times "
                           "already); the frontend routes around it", file=sys.stderr, flush=True)
@@ -242,30 +270,29 @@ def _run_frontend(deployment: Deployment, coordinator: str, options: Options, en
     from jfire.checkpoint.load import load_config_and_tokenizer
     from jfire.disagg import cluster
     from jfire.disagg.frontend import RemoteEngine
+    from serve import listen
     from serve.app import ServerState, create_app
 
     port = options.port if options.port is not None else deployment.frontend_port
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((options.host, port))
-    except OSError as e:
-        raise JfireError(f"the frontend cannot listen on {options.host}:{port}: {e.strerror}; "
-                         "pick another --port") from None
+    sock = listen.bind(options.host, port, "the frontend")
     store = cluster.join(coordinator, len(deployment.processes), 0)
     config, tokenizer, _ = load_config_and_tokenizer(options.model)
     engine = RemoteEngine(deployment, store, config, tokenizer, max_model_len=engine_config.max_model_len,
                           max_waiting=engine_config.max_waiting)
     engine.start()
-    state = ServerState(engine=engine, model_name=served_name, api_key=api_key)
+    state = ServerState(engine=engine, model_name=served_name, api_key=api_key, access_log=options.access_log)
     app = create_app(state)
 
     def start_draining(*_):  # the launcher's signal that the deployment is stopping
         from serve.server import drain
 
+        def drain_then_stop():
+            drain(state, options.shutdown_grace)
+            engine.stopping = True  # the groups stop next: expected, not reported
+
         if not state.draining:
             state.draining = True
-            threading.Thread(target=drain, args=(state, options.shutdown_grace), name="jfire-drain", daemon=True).start()
+            threading.Thread(target=drain_then_stop, name="jfire-drain", daemon=True).start()
 
     signal.signal(signal.SIGUSR1, start_draining)
     print(f"jfire: frontend: serving {served_name!r} on http://{options.host}:{sock.getsockname()[1]} "

@@ -21,6 +21,7 @@ import os
 import socket
 import sys
 import threading
+import time
 
 import jax
 import uvicorn
@@ -155,6 +156,22 @@ def create_control_app(engine, process: Process) -> FastAPI:
     return app
 
 
+def _progress_printer(label: str, every_s: float = 2.0):
+    """compile_progress for a group's engine: a line at most every `every_s` seconds, so a cold
+    start says what it is doing and a warm one (programs loaded from the cache) stays quiet."""
+    start = last = time.monotonic()
+
+    def progress(done: int, total: int) -> None:
+        nonlocal last
+        now = time.monotonic()
+        if now - last >= every_s and done < total:
+            last = now
+            print(f"jfire: {label}: compiled {done}/{total} programs ({now - start:.0f} s)", file=sys.stderr,
+                  flush=True)
+
+    return progress
+
+
 def run(deployment: Deployment, process: Process, *, model: str, dtype: str, coordinator: str, bind_host: str,
         advertise_host: str, config: EngineConfig) -> None:
     """Runs one group process until it is told to stop (SIGTERM / Ctrl-C)."""
@@ -211,7 +228,7 @@ def run(deployment: Deployment, process: Process, *, model: str, dtype: str, coo
 
     def compile_then_register():
         try:
-            engine.start()
+            engine.start(compile_progress=_progress_printer(process.label))
             for member in members[1:]:
                 address = store.blocking_key_value_get(cluster.transfer_key(engine.step_channel.group, member),
                                                        600_000)
@@ -227,9 +244,11 @@ def run(deployment: Deployment, process: Process, *, model: str, dtype: str, coo
             "kv_shards": engine.layout.preferred_shards(), "pages_total": engine.pool.num_pages,
             "processes": len(members), "kv_layout": blocks.describe(engine.layout),
             "startup_s": engine.startup_s})
+        launched_at = os.environ.get("JFIRE_LAUNCHED_AT")  # set by `jfire launch` on this machine
+        since = f", {time.time() - float(launched_at):.1f} s after launch" if launched_at else ""
         print(f"jfire: {process.label}: ready ({group.role}, mesh {group.mesh.name}, "
-              f"{engine.stats()['compiled_programs']} programs in {engine.startup_s:.1f} s); control {control}, "
-              f"KV transfer {transfer_address}", file=sys.stderr, flush=True)
+              f"{engine.stats()['compiled_programs']} programs compiled in {engine.startup_s:.1f} s{since}); "
+              f"control {control}, KV transfer {transfer_address}", file=sys.stderr, flush=True)
 
     threading.Thread(target=compile_then_register, name="jfire-compile", daemon=True).start()
     app = create_control_app(engine, process)

@@ -76,6 +76,16 @@ def launch(deployment: Path, log: Path, timeout: float = 900, extra: tuple[str, 
     raise RuntimeError(f"deployment not ready after {timeout} s:\n{log.read_text()}")
 
 
+def assert_quiet(log: Path) -> None:
+    """A launch's output (through its clean stop) holds none of the noise jfire.quiet drops, in
+    any form, and no group reported down once the launch was draining."""
+    lines = log.read_text().splitlines()
+    noisy = [x for x in lines if "Using experimental recoverable task feature" in x or x.startswith("[Gloo] Rank")]
+    assert not noisy, noisy[:5]
+    drained = next((i for i, x in enumerate(lines) if x.startswith("jfire: launch: draining")), len(lines))
+    assert not [x for x in lines[drained:] if " is down: " in x], lines[drained:]
+
+
 def wait_for(predicate, timeout: float, what: str):
     """Polls until predicate() is truthy and returns its value; fails after timeout seconds."""
     deadline = time.time() + timeout

@@ -17,7 +17,7 @@ import pytest
 
 from jfire.disagg.launch import free_port
 from tests.disagg.clients import PROMPTS, assert_same_as_colocated
-from tests.disagg.deployment_process import deployment_file, expected_kv_bytes, launch, metric, wait_for
+from tests.disagg.deployment_process import assert_quiet, deployment_file, expected_kv_bytes, launch, metric, wait_for
 from tests.limits import serve_engine_config
 
 TRANSFER_TIMEOUT_S = 4
@@ -30,6 +30,7 @@ def deployment(tmp_path_factory):
     yield running
     code = running.stop()
     assert code == 0, running.log.read_text()[-3000:]
+    assert_quiet(running.log)
 
 
 def test_outputs_equal_colocated_and_kv_bytes_match_the_cache(deployment, colocated_reference):

@@ -23,7 +23,7 @@ import pytest
 from jfire.checkpoint import store
 from jfire.models.llama import LlamaConfig
 from jfire.models.params import init_params
-from tests.disagg.deployment_process import REPO, launch, wait_for
+from tests.disagg.deployment_process import REPO, assert_quiet, launch, wait_for
 from tests.limits import DEPLOYMENT_LIMITS
 
 # 16 heads over tp=4, 8 layers over pp=2.
@@ -84,6 +84,7 @@ def deployment(model, tmp_path_factory):
     yield running
     code = running.stop()
     assert code == 0, running.log.read_text()[-3000:]
+    assert_quiet(running.log)  # four processes joined gloo groups, each restarted group again
 
 
 def complete(url: str, prompt: dict, **extra) -> list[int]:
