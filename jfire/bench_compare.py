@@ -219,7 +219,7 @@ def _run_child(engine: str, arg: str) -> dict:
 # -- the comparison ------------------------------------------------------------------------
 
 
-def run_compare(rounds: int, output: str, chart: str, engines=ENGINES) -> dict:
+def run_compare(rounds: int, output: str | None, chart: str | None, engines=ENGINES) -> dict:
     from jfire.checkpoint.default_model import default_gguf_path
     from jfire.checkpoint.load import load_config_and_tokenizer
 
@@ -257,9 +257,10 @@ def run_compare(rounds: int, output: str, chart: str, engines=ENGINES) -> dict:
                "model_bytes": model_bytes,
                "roofline_decode_tps": roofline, "rounds": rounds, "runs": runs, "median": summary}
     print(format_compare(results))
-    with open(output, "w") as f:
-        json.dump(results, f, indent=2)
-    print(f"wrote {output}")
+    if output:
+        with open(output, "w") as f:
+            json.dump(results, f, indent=2)
+        print(f"wrote {output}")
     if chart:
         plot_compare(results, chart)
         print(f"wrote {chart}")

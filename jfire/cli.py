@@ -9,6 +9,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -16,8 +17,22 @@ from pathlib import Path
 from jfire.errors import JfireError
 
 
+class _DefaultsInHelp(argparse.HelpFormatter):
+    """Every option's default in its --help line, unless the line already says it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default in (None, False, [], argparse.SUPPRESS) or re.search(r"\(default\b|\bdefault[:)]", text):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse that reports a usage mistake as one line (and exits 2), like every other error."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _DefaultsInHelp)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         raise JfireError(f"{message} (see '{self.prog} --help')")
@@ -58,14 +73,11 @@ def _join_group(args) -> None:
         raise JfireError("--coordinator needs --num-processes N and --process-id I (0 for the leader)")
     if args.mesh in (None, "", "single"):
         raise JfireError("a group spanning processes needs --mesh (e.g. pp=2,tp=4 over 2 processes of 4 devices)")
-    from jfire import lockstep
+    from jfire import lockstep, quiet
 
-    # Gloo writes notes about its connections to the C stdout: send those to stderr, so that
-    # stdout carries jfire's output only (JSON lines a script reads).
-    sys.stdout.flush()
-    kept = os.dup(1)
-    os.dup2(2, 1)
-    sys.stdout = os.fdopen(kept, "w", buffering=1)
+    # Gloo writes notes about its connections to the C stdout: send that to stderr (less those
+    # notes), so that stdout carries jfire's output only (JSON lines a script reads).
+    quiet.stdout_to_stderr_filtered()
     lockstep.join(coordinator, args.num_processes, args.process_id)
 
 
@@ -141,11 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3 (works without a tokenizer)")
     source.add_argument("--chat", help="a user message, rendered with the model's chat template")
     g.add_argument("--system", help="system message for --chat")
-    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
     g.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1 is off)")
     g.add_argument("--top-k", type=int, default=0, help="0 (the default) is off")
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--seed", type=int, default=None, help="makes sampling reproducible (default: a random seed)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     g.add_argument("--max-context", type=int, default=None,
@@ -155,13 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(g)
     _add_group_args(g)
 
-    b = sub.add_parser("bench", help="throughput, TTFT/TPOT and start-up benchmark (prints a table, writes JSON)")
+    b = sub.add_parser("bench", help="throughput, TTFT/TPOT and start-up benchmark (prints a table; --output writes JSON)")
     _add_model_args(b)
     _add_engine_args(b)
     b.add_argument("--concurrency", default="1,4,16,64", help="comma-separated concurrency levels")
-    b.add_argument("--prompt-len", type=int, default=128)
-    b.add_argument("--output-len", type=int, default=128)
-    b.add_argument("--output", default="bench.json", help="JSON results file (default bench.json)")
+    b.add_argument("--prompt-len", type=int, default=128, help="tokens of each random prompt")
+    b.add_argument("--output-len", type=int, default=128, help="tokens each request generates (EOS ignored)")
+    b.add_argument("--output", default=None, help="also write the results as JSON to this file")
     b.add_argument("--skip-startup", action="store_true", help="do not measure cold/warm start-up")
     b.add_argument("--run-ahead-ab", action="store_true",
                    help="run each concurrency level twice, alternately without and with running ahead")
@@ -169,13 +181,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the default model through jfire, llama.cpp (F32 and Q4_1 GGUF) and transformers, side by side "
                         "in alternating rounds: a table, --output JSON and --chart PNG (needs the 'bench' extra)")
     b.add_argument("--rounds", type=int, default=3, help="with --compare: rounds of every engine (default 3)")
-    b.add_argument("--chart", default="bench-compare.png", help="with --compare: PNG chart (default bench-compare.png)")
+    b.add_argument("--chart", default=None, help="with --compare: also draw the figures as a PNG chart to this file")
 
     v = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     _add_model_args(v)
     _add_engine_args(v)
-    v.add_argument("--host", default="127.0.0.1")
-    v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0: every interface)")
+    v.add_argument("--port", type=int, default=8000, help="HTTP port")
     v.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: $JFIRE_API_KEY)")
     v.add_argument("--max-queue", type=int, default=1024, help="waiting requests before new ones get 429")
@@ -186,12 +198,15 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-context", type=int, default=None,
                    help="cap the context below the model's own (default: the model's, at most 4096)")
     v.add_argument("--served-model-name", default=None, help="the model id clients send (default: from --model)")
+    v.add_argument("--no-access-log", dest="access_log", action="store_false",
+                   help="no line on stderr per request (method, path, status, tokens, TTFT, time, request id)")
     _add_group_args(v)
 
     n = sub.add_parser("launch", help="start a disaggregated deployment (frontend, prefill and decode groups)")
     n.add_argument("deployment", help="a deployment .toml file or a name in meshes/ (e.g. local-1p1d)")
     n.add_argument("--model", default="default", help="as for serve (every group loads the same model)")
-    n.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    n.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="dtype of weights and activations")
     _add_engine_args(n)
     n.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 on a cluster)")
     n.add_argument("--port", type=int, default=None, help="the frontend's port (default: the deployment's)")
@@ -199,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--max-queue", type=int, default=1024, help="requests in flight before new ones get 429")
     n.add_argument("--max-context", type=int, default=None, help="as for serve")
     n.add_argument("--served-model-name", default=None, help="the model id clients send (default: from --model)")
+    n.add_argument("--no-access-log", dest="access_log", action="store_false", help="as for serve")
     n.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="on Ctrl-C/SIGTERM, seconds in-flight requests get to finish before the groups stop (default 30)")
     n.add_argument("--max-restarts", type=int, default=3,
@@ -219,15 +235,15 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("compress-report", help="how far lossless bf16 compression shrinks some weights, checked bit for bit")
     r.add_argument("path", help="a .safetensors file, a HF directory, a .gguf file, a jfire checkpoint or 'default'")
     r.add_argument("--decoder", default="reference", choices=["reference", "pallas", "pallas-interpret"],
-                   help="decoder for the round-trip check (default: the plain-jnp reference)")
+                   help="decoder for the round-trip check (default: reference, the plain-jnp one)")
     r.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
     pl = sub.add_parser("plan", help="memory per device of a model on a mesh (weights, workspace, KV cache room), "
                                      "from its config alone",
                         description="Plans a model's memory on a mesh without reading weights or touching an "
                                     "accelerator; exits 1 when the model does not fit.")
-    pl.add_argument("--model", required=True,
-                    help="a model directory (config.json is enough), a jfire checkpoint or a .gguf file")
+    pl.add_argument("--model", default="default",
+                    help="a model directory (config.json is enough), a jfire checkpoint, a .gguf file or 'default'")
     pl.add_argument("--mesh", required=True,
                     help="a meshes/ name, a .toml file, or inline like 'pp=1,tp=2' (then give --device-memory-gib)")
     pl.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
@@ -423,22 +439,23 @@ def _bench_compare(args) -> int:
     if missing:
         raise JfireError(f"--compare needs {', '.join(missing)}: install the bench extra "
                          "(.venv/bin/pip install -e '.[bench]'; llama-cpp-python compiles from source)")
-    output = args.output if args.output != "bench.json" else "bench-compare.json"
-    bench_compare.run_compare(args.rounds, output, args.chart)
+    bench_compare.run_compare(args.rounds, args.output, args.chart)
     return 0
 
 
 def cmd_serve(args) -> int:
-    import dataclasses
-    import os
+    from serve import listen
 
+    leads = args.coordinator is None or args.process_id == 0
+    # Bound first: a busy port is one line and exit 2 before anything loads or compiles.
+    sock = listen.bind(args.host, args.port, "jfire serve") if leads else None
+
+    import dataclasses
     from concurrent.futures import ThreadPoolExecutor
 
     from jfire.checkpoint.load import load_model
     from jfire.memory import trim_freed_memory_periodically
 
-    if not 0 <= args.port < 65536:
-        raise JfireError(f"--port must be in 0..65535, got {args.port}")
     trim_freed_memory_periodically()  # a long-running server gives back what it freed
     if args.max_queue < 1:
         raise JfireError(f"--max-queue must be >= 1, got {args.max_queue}")
@@ -456,11 +473,11 @@ def cmd_serve(args) -> int:
         from serve import server
 
         model = loading.result()
-    if args.coordinator is not None and args.process_id != 0:
+    if not leads:
         from jfire.engine import Engine
 
         return _lead_or_follow(args, Engine(model, config))
-    return server.run(model, config, host=args.host, port=args.port, api_key=api_key,
+    return server.run(model, config, sock=sock, host=args.host, api_key=api_key, access_log=args.access_log,
                       lead=lambda engine: _lead_or_follow(args, engine),
                       max_body_bytes=int(args.max_body_mb * (1 << 20)), shutdown_grace_s=args.shutdown_grace,
                       model_name=args.served_model_name or server.served_name(args.model))
@@ -494,7 +511,8 @@ def cmd_launch(args) -> int:
     options = launch.Options(model=args.model, dtype=args.dtype, host=args.host, port=args.port,
                              engine_args=tuple(str(x) for flag, v in passed if v is not None for x in (flag, v))
                              + tuple(switches),
-                             shutdown_grace=args.shutdown_grace, max_restarts=args.max_restarts)
+                             shutdown_grace=args.shutdown_grace, max_restarts=args.max_restarts,
+                             access_log=args.access_log)
     if args.process_id is None:
         if args.coordinator:
             raise JfireError("--coordinator goes with --process-id (one process of a multi-host launch)")
@@ -517,8 +535,9 @@ def cmd_plan(args) -> int:
 
     jax.config.update("jax_platforms", "cpu")
     from jfire import plan
+    from jfire.checkpoint.load import resolve_model_path
 
-    result = plan.plan(args.model, spec, dtype=args.dtype, compile=not args.no_compile,
+    result = plan.plan(str(resolve_model_path(args.model)[0]), spec, dtype=args.dtype, compile=not args.no_compile,
                        device_memory_gib=args.device_memory_gib,
                        limits=plan.Limits(max_batch=args.max_batch, prefill_budget=args.prefill_budget,
                                           max_context=args.max_context))

@@ -154,7 +154,10 @@ def problems(spec: MeshSpec, cfg: Family, num_devices: int) -> list[str]:
     """Why this mesh cannot run this model on num_devices devices (empty: it can)."""
     found = []
     if spec.size > num_devices:
-        found.append(f"it needs {spec.size} devices (dp*pp*tp*ep) but {num_devices} are present")
+        hint = ""
+        if jax.default_backend() == "cpu":  # the usual case: a mesh tried on a machine without accelerators
+            hint = f" (without accelerators, --cpu-devices {spec.size} exposes {spec.size} CPU devices)"
+        found.append(f"it needs {spec.size} devices (dp*pp*tp*ep) but {num_devices} are present{hint}")
     if spec.dp > 1:
         # Rows are not split over dp yet: each replica would repeat the whole batch's work.
         found.append(f"dp={spec.dp} is not supported yet (every replica would repeat the same work); run "

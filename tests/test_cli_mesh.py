@@ -15,11 +15,13 @@ def generate(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
-def test_generate_on_a_mesh_file_equals_one_device(tiny_hf_dir):
+def test_generate_on_a_mesh_file_equals_one_device(tiny_hf_dir, tmp_path):
     model = str(tiny_hf_dir("llama2"))  # 2 layers, 4 heads, 2 KV heads
+    mesh = tmp_path / "pp2-tp4.toml"
+    mesh.write_text('name = "pp2-tp4"\n\n[mesh]\npp = 2\ntp = 4\n\n[pipeline]\nmicrobatches = 2\n')
     args = ["--model", model, "--prompt-ids", "5,6,7,8,9", "--max-tokens", "8"]
     single = generate(*args)
-    meshed = generate(*args, "--cpu-devices", "8", "--mesh", "cpu-pp2-tp4")
+    meshed = generate(*args, "--cpu-devices", "8", "--mesh", str(mesh))
     assert single.returncode == 0 and meshed.returncode == 0, single.stderr + meshed.stderr
     assert json.loads(meshed.stdout)["token_ids"] == json.loads(single.stdout)["token_ids"]
 

@@ -188,12 +188,15 @@ def test_more_stages_than_layers_is_refused():
 def test_shipped_mesh_files_parse_and_the_cpu_ones_fit():
     files = meshes.mesh_files()
     names = {f.stem for f in files}
-    assert {"single", "cpu-pp2-tp4", "cpu-pp4-tp2", "h200x2-llama4-scout", "h100x8-kimi-k2"} <= names
+    assert {"single", "cpu-pp2-tp3", "cpu-pp3-tp3", "h200x2-llama4-scout", "h100x8-kimi-k2"} <= names
     assert "local-1p1d" not in names  # a deployment file, beside the mesh files
     for f in files:
         spec = meshes.resolve(str(f))
         assert spec.size == spec.dp * spec.pp * spec.tp * spec.ep
-    for name in ("cpu-pp2-tp4", "cpu-pp4-tp2"):
-        meshes.check_fits(meshes.resolve(name), CFG, 8)
+    from jfire.checkpoint.load import load_config_and_tokenizer
+
+    default = load_config_and_tokenizer("default")[0]  # the CPU meshes are for the default model
+    for name, devices in (("cpu-pp2-tp3", 6), ("cpu-pp3-tp3", 9)):
+        meshes.check_fits(meshes.resolve(name), default, devices)
     assert meshes.resolve("h100x8-kimi-k2").devices_per_host == 8
     assert meshes.resolve("pp=2,tp=4") == meshes.MeshSpec(name="pp=2,tp=4", pp=2, tp=4)
