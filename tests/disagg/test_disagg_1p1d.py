@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -65,6 +66,25 @@ def test_prefill_and_decode_ran_in_different_processes(deployment):
     assert "transfers_published" in deployment.stats("prefill")
     assert "kv_transfer_bytes" not in deployment.stats("prefill")
     assert "transfers_published" not in deployment.stats("decode")
+
+
+def test_the_ready_lines_count_every_program_and_the_time_since_launch(deployment):
+    """Each group's ready line counts the programs it compiled before serving, its KV transfer
+    programs included (they compile first, inside the same clock), and the launcher's line
+    the time from launch to the frontend's /health answering 200."""
+    from jfire.disagg.kv_transfer import transfer_widths
+    from tests.limits import DEPLOYMENT_LIMITS
+
+    log = deployment.log.read_text()
+    context = int(DEPLOYMENT_LIMITS[DEPLOYMENT_LIMITS.index("--max-context") + 1])
+    widths = len(transfer_widths(-(-context // 16), 16))
+    for label, role, essential in (("prefill-0/0", "prefill", 2), ("decode-0/0", "decode", 1)):
+        line = re.search(rf"^jfire: {label}: ready \({role}, mesh single, (\d+) programs compiled in ([\d.]+) s, "
+                         rf"([\d.]+) s after launch\)", log, re.M)
+        assert line, log[-3000:]
+        assert int(line.group(1)) >= widths + essential  # the transfer's widths, then at least the essential ones
+        assert float(line.group(2)) <= float(line.group(3))
+    assert re.search(r"^jfire: launch: local-1p1d: ready, [\d.]+ s after launch", log, re.M), log[-3000:]
 
 
 def test_a_transfer_never_pulled_is_released_after_its_timeout(deployment):
