@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import grain
 from tqdm import tqdm
@@ -81,7 +81,9 @@ def parse_line(item: tuple[int, bytes], defaults: SamplingParams, tokenizer) -> 
     return index, ids, sampling
 
 
-def read_requests(prompts_file: Path, defaults: SamplingParams, tokenizer) -> list[tuple[int, list[int], SamplingParams]]:
+def read_requests(
+    prompts_file: Path, defaults: SamplingParams, tokenizer
+) -> list[tuple[int, list[int], SamplingParams]]:
     """Every line parsed (with grain) into (index, prompt ids, sampling), or a JfireError naming the line."""
     if not Path(prompts_file).is_file():
         raise JfireError(f"prompts file {prompts_file} does not exist")
@@ -111,7 +113,14 @@ def run_requests(engine: Engine, requests, write: Callable[[dict], None], progre
         index = requests[done][0]
         result = handles.pop(index).result()
         bar.update()
-        write({"index": index, "prompt_ids": result.prompt_ids, "token_ids": result.token_ids,
-               "text": result.text, "finish_reason": result.finish_reason})
+        write(
+            {
+                "index": index,
+                "prompt_ids": result.prompt_ids,
+                "token_ids": result.token_ids,
+                "text": result.text,
+                "finish_reason": result.finish_reason,
+            }
+        )
     bar.close()
     return len(requests)

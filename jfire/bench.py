@@ -46,6 +46,7 @@ def run_wave(engine: Engine, concurrency: int, prompt_len: int, output_len: int,
                 counts[i] = counts.get(i, 0) + len(out.token_ids)
             if out.finished:
                 done.append(i)
+
         return on_output
 
     before = engine.stats()
@@ -57,8 +58,10 @@ def run_wave(engine: Engine, concurrency: int, prompt_len: int, output_len: int,
     elapsed = time.perf_counter() - start
     time.sleep(0.05)  # the step that finished the last request publishes its timings just after
     after = engine.stats()
-    step = {k: after.get(f"step_{k}_s", 0.0) - before.get(f"step_{k}_s", 0.0)
-            for k in ("schedule", "prepare", "device", "outputs")}
+    step = {
+        k: after.get(f"step_{k}_s", 0.0) - before.get(f"step_{k}_s", 0.0)
+        for k in ("schedule", "prepare", "device", "outputs")
+    }
     steps = after.get("steps", 0) - before.get("steps", 0)
     tokens = sum(counts.values())
     ttft = [first[i] - start for i in range(concurrency)]
@@ -89,8 +92,23 @@ def measure_startup(model: str, dtype: str, cache_dir: str, engine_args: list[st
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "jfire.cli", "serve", "--model", model, "--dtype", dtype, "--port", str(port),
-           "--compile-cache", cache_dir, "--served-model-name", "bench", *engine_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jfire.cli",
+        "serve",
+        "--model",
+        model,
+        "--dtype",
+        dtype,
+        "--port",
+        str(port),
+        "--compile-cache",
+        cache_dir,
+        "--served-model-name",
+        "bench",
+        *engine_args,
+    ]
     start = time.perf_counter()
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -99,8 +117,9 @@ def measure_startup(model: str, dtype: str, cache_dir: str, engine_args: list[st
             if server.poll() is not None:
                 raise RuntimeError(f"jfire serve exited with {server.returncode} while starting")
             try:
-                r = httpx.post(url + "/v1/completions", json={"model": "bench", "prompt": "Hello", "max_tokens": 8},
-                               timeout=60)
+                r = httpx.post(
+                    url + "/v1/completions", json={"model": "bench", "prompt": "Hello", "max_tokens": 8}, timeout=60
+                )
                 if r.status_code == 200:
                     first = time.perf_counter() - start
             except httpx.TransportError:
@@ -115,8 +134,10 @@ def measure_startup(model: str, dtype: str, cache_dir: str, engine_args: list[st
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'conc':>5} {'ahead':>5} {'tok/s':>9} {'x conc1':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} "
-            f"{'TPOT p99':>9}")
+    head = (
+        f"{'conc':>5} {'ahead':>5} {'tok/s':>9} {'x conc1':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} "
+        f"{'TPOT p99':>9}"
+    )
     lines = [head, "-" * len(head)]
     base = rows[0]["output_tokens_per_s"] if rows else 1.0
     for r in rows:
@@ -124,13 +145,19 @@ def format_table(rows: list[dict]) -> str:
             f"{r['concurrency']:>5} {'yes' if r['run_ahead'] else 'no':>5} "
             f"{r['output_tokens_per_s']:>9.1f} {r['output_tokens_per_s'] / base:>8.2f} "
             f"{r['ttft_s']['p50'] * 1e3:>7.0f}ms {r['ttft_s']['p99'] * 1e3:>7.0f}ms "
-            f"{r['tpot_s']['p50'] * 1e3:>7.1f}ms {r['tpot_s']['p99'] * 1e3:>7.1f}ms")
+            f"{r['tpot_s']['p50'] * 1e3:>7.1f}ms {r['tpot_s']['p99'] * 1e3:>7.1f}ms"
+        )
     return "\n".join(lines)
 
 
 def run(args, model, engine_config, engine_args: list[str]) -> dict:
-    results = {"model": model.name, "dtype": model.dtype, "prompt_len": args.prompt_len,
-               "output_len": args.output_len, "engine": {}}
+    results = {
+        "model": model.name,
+        "dtype": model.dtype,
+        "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        "engine": {},
+    }
     if not args.skip_startup:
         with tempfile.TemporaryDirectory(prefix="jfire-xla-") as cache:
             cold = measure_startup(args.model, args.dtype, cache, engine_args)
@@ -139,13 +166,20 @@ def run(args, model, engine_config, engine_args: list[str]) -> dict:
         warm = {k: statistics.median(w[k] for w in warms) for k in warms[0]}
         results["startup_s"] = {"cold": cold, "warm": warm, "warm_runs": warms}
         runs = ", ".join(f"{w['first_request_s']:.1f}" for w in warms)
-        print(f"jfire serve, launch to first completed request: cold {cold['first_request_s']:.1f} s, warm "
-              f"{warm['first_request_s']:.1f} s (median of {runs}; compilation cache reused); every program "
-              f"compiled: cold {cold['all_compiled_s']:.1f} s, warm {warm['all_compiled_s']:.1f} s", flush=True)
+        print(
+            f"jfire serve, launch to first completed request: cold {cold['first_request_s']:.1f} s, warm "
+            f"{warm['first_request_s']:.1f} s (median of {runs}; compilation cache reused); every program "
+            f"compiled: cold {cold['all_compiled_s']:.1f} s, warm {warm['all_compiled_s']:.1f} s",
+            flush=True,
+        )
     t0 = time.perf_counter()
     with Engine(model, engine_config) as engine:
-        results["engine"] = {"compiled_programs": engine.programs.num_compiled, "startup_s": engine.startup_s,
-                             "kv_pages": engine.pool.num_pages, "page_size": engine.config.page_size}
+        results["engine"] = {
+            "compiled_programs": engine.programs.num_compiled,
+            "startup_s": engine.startup_s,
+            "kv_pages": engine.pool.num_pages,
+            "page_size": engine.config.page_size,
+        }
         engine.wait_compiled()  # the waves measure serving, not background compilation
         print(f"engine ready in {time.perf_counter() - t0:.1f} s ({engine.programs.num_compiled} programs)", flush=True)
         run_wave(engine, 1, args.prompt_len, 8, seed=0)  # touch every path once before timing
@@ -156,10 +190,13 @@ def run(args, model, engine_config, engine_args: list[str]) -> dict:
                 engine.config = dataclasses.replace(engine.config, run_ahead=run_ahead)
                 rows.append({**run_wave(engine, c, args.prompt_len, args.output_len, seed=c), "run_ahead": run_ahead})
                 r = rows[-1]
-                print(f"  concurrency {c}{'' if run_ahead else ' (no running ahead)'}: "
-                      f"{r['output_tokens_per_s']:.1f} output tokens/s; per step: "
-                      + ", ".join(f"{k} {v:.2f} ms" for k, v in r["step_ms"].items())
-                      + f" (host {100 * r['host_share']:.1f}%), {r['step_wall_ms']:.2f} ms a step", flush=True)
+                print(
+                    f"  concurrency {c}{'' if run_ahead else ' (no running ahead)'}: "
+                    f"{r['output_tokens_per_s']:.1f} output tokens/s; per step: "
+                    + ", ".join(f"{k} {v:.2f} ms" for k, v in r["step_ms"].items())
+                    + f" (host {100 * r['host_share']:.1f}%), {r['step_wall_ms']:.2f} ms a step",
+                    flush=True,
+                )
     results["waves"] = rows
     print(format_table(rows))
     if len(rows) > 1:

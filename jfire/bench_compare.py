@@ -57,8 +57,9 @@ def write_f32_gguf(src: Path, dst: Path) -> Path:
             continue  # written by GGUFWriter itself
         vtype = field.types[0]
         value = int(gguf.LlamaFileType.ALL_F32) if field.name == gguf.Keys.General.FILE_TYPE else field.contents()
-        writer.add_key_value(field.name, value, vtype,
-                             sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+        writer.add_key_value(
+            field.name, value, vtype, sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        )
     for t in reader.tensors:
         writer.add_tensor(t.name, np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32))
     writer.write_header_to_file()
@@ -111,16 +112,20 @@ def _jfire(cache_dir: str) -> dict:
         engine.wait_compiled()  # the rest measures serving, not background compilation
         alone = run_wave(engine, 1, PROMPT_LEN, DECODE_TOKENS + 1, seed=0)
         together = run_wave(engine, CONC, CONC_PROMPT, CONC_TOKENS, seed=1)
-    return {"ttft_s": alone["ttft_s"]["p50"], "decode_tps": 1 / alone["tpot_s"]["p50"],
-            "conc16_tps": together["output_tokens_per_s"]}
+    return {
+        "ttft_s": alone["ttft_s"]["p50"],
+        "decode_tps": 1 / alone["tpot_s"]["p50"],
+        "conc16_tps": together["output_tokens_per_s"],
+    }
 
 
 def _llama_cpp(path: str) -> dict:
     from llama_cpp import Llama
 
     threads = os.cpu_count()
-    llm = Llama(model_path=path, n_ctx=1024, n_batch=PROMPT_LEN, n_threads=threads, n_threads_batch=threads,
-                verbose=False)
+    llm = Llama(
+        model_path=path, n_ctx=1024, n_batch=PROMPT_LEN, n_threads=threads, n_threads_batch=threads, verbose=False
+    )
     vocab = llm.n_vocab()
 
     def next_token() -> int:  # greedy, from the last evaluated position's logits
@@ -156,16 +161,23 @@ def _transformers() -> dict:
 
     torch.set_num_threads(os.cpu_count())
     path = default_gguf_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=GGUF_NAME,
-                                                              dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=GGUF_NAME, dtype=torch.float32
+    ).eval()
     vocab = model.config.vocab_size
 
     def generate(batch: list[list[int]], new: int) -> float:
         ids = torch.tensor(batch)
         t = time.perf_counter()
         with torch.no_grad():
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                           do_sample=False, pad_token_id=0)
+            model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+            )
         return time.perf_counter() - t
 
     generate([[1, 2, 3]], 1)
@@ -174,8 +186,11 @@ def _transformers() -> dict:
     ttft = generate([one], 1)
     total = generate([one], DECODE_TOKENS + 1)
     conc = generate(many, CONC_TOKENS)
-    return {"ttft_s": ttft, "decode_tps": DECODE_TOKENS / max(total - ttft, 1e-9),
-            "conc16_tps": CONC * CONC_TOKENS / conc}
+    return {
+        "ttft_s": ttft,
+        "decode_tps": DECODE_TOKENS / max(total - ttft, 1e-9),
+        "conc16_tps": CONC * CONC_TOKENS / conc,
+    }
 
 
 def measure_engine(engine: str, arg: str) -> dict:
@@ -243,8 +258,11 @@ def run_compare(rounds: int, output: str | None, chart: str | None, engines=ENGI
             print(f"round {r + 1} {engine}: " + ", ".join(f"{k} {v:.3g}" for k, v in figures.items()), flush=True)
     bandwidth = statistics.median(bandwidths)
     roofline = bandwidth * 1e9 / model_bytes
-    print(f"memory bandwidth {bandwidth:.1f} GB/s (median of the rounds); float32 model {model_bytes / 1e6:.0f} MB "
-          f"-> batch-1 decode roofline {roofline:.1f} tokens/s", flush=True)
+    print(
+        f"memory bandwidth {bandwidth:.1f} GB/s (median of the rounds); float32 model {model_bytes / 1e6:.0f} MB "
+        f"-> batch-1 decode roofline {roofline:.1f} tokens/s",
+        flush=True,
+    )
     summary = {}
     for engine, rs in runs.items():
         s = {k: statistics.median(x[k] for x in rs) for k in rs[0]}
@@ -253,9 +271,16 @@ def run_compare(rounds: int, output: str | None, chart: str | None, engines=ENGI
             s["startup_cold_s"] = rs[0]["startup_s"]
         s["roofline_fraction"] = s["decode_tps"] / roofline
         summary[engine] = s
-    results = {"machine": _machine(), "bandwidth_gbs": bandwidth, "bandwidth_runs_gbs": bandwidths,
-               "model_bytes": model_bytes,
-               "roofline_decode_tps": roofline, "rounds": rounds, "runs": runs, "median": summary}
+    results = {
+        "machine": _machine(),
+        "bandwidth_gbs": bandwidth,
+        "bandwidth_runs_gbs": bandwidths,
+        "model_bytes": model_bytes,
+        "roofline_decode_tps": roofline,
+        "rounds": rounds,
+        "runs": runs,
+        "median": summary,
+    }
     print(format_compare(results))
     if output:
         with open(output, "w") as f:
@@ -268,22 +293,30 @@ def run_compare(rounds: int, output: str | None, chart: str | None, engines=ENGI
 
 
 def _machine() -> str:
-    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    model = next(
+        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?"
+    )
     return f"{os.cpu_count()} cores, {model}"
 
 
 def format_compare(results: dict) -> str:
     m = results["median"]
-    head = (f"{'engine':<16}{'start-up':>20}{'TTFT 512':>10}{'decode b1':>12}{'of roofline':>12}{'conc 16':>12}"
-            f"{'peak RSS':>10}")
+    head = (
+        f"{'engine':<16}{'start-up':>20}{'TTFT 512':>10}{'decode b1':>12}{'of roofline':>12}{'conc 16':>12}"
+        f"{'peak RSS':>10}"
+    )
     lines = [head, "-" * len(head)]
     for engine, s in m.items():
         start = (f"({s['startup_cold_s']:.1f} s cold) " if "startup_cold_s" in s else "") + f"{s['startup_s']:.1f} s"
-        lines.append(f"{engine:<16}{start:>20}{s['ttft_s'] * 1e3:>7.0f} ms{s['decode_tps']:>8.1f} t/s"
-                     f"{100 * s['roofline_fraction']:>11.0f}%{s['conc16_tps']:>8.1f} t/s{s['peak_rss_gb']:>7.2f} GB")
-    lines.append(f"roofline (batch-1 decode, float32): {results['roofline_decode_tps']:.1f} tokens/s at "
-                 f"{results['bandwidth_gbs']:.1f} GB/s; medians of {results['rounds']} alternating rounds; "
-                 f"{results['machine']}")
+        lines.append(
+            f"{engine:<16}{start:>20}{s['ttft_s'] * 1e3:>7.0f} ms{s['decode_tps']:>8.1f} t/s"
+            f"{100 * s['roofline_fraction']:>11.0f}%{s['conc16_tps']:>8.1f} t/s{s['peak_rss_gb']:>7.2f} GB"
+        )
+    lines.append(
+        f"roofline (batch-1 decode, float32): {results['roofline_decode_tps']:.1f} tokens/s at "
+        f"{results['bandwidth_gbs']:.1f} GB/s; medians of {results['rounds']} alternating rounds; "
+        f"{results['machine']}"
+    )
     return "\n".join(lines)
 
 
@@ -295,12 +328,16 @@ def plot_compare(results: dict, path: str) -> None:
 
     m = results["median"]
     engines = list(m)
-    panels = [("TTFT, 512-token prompt (s)", "ttft_s"), ("batch-1 decode (tokens/s)", "decode_tps"),
-              ("16 concurrent requests (output tokens/s;\nllama.cpp: one at a time)", "conc16_tps"), ("launch to first token (s)", "startup_s"),
-              ("peak RSS (GB)", "peak_rss_gb")]
+    panels = [
+        ("TTFT, 512-token prompt (s)", "ttft_s"),
+        ("batch-1 decode (tokens/s)", "decode_tps"),
+        ("16 concurrent requests (output tokens/s;\nllama.cpp: one at a time)", "conc16_tps"),
+        ("launch to first token (s)", "startup_s"),
+        ("peak RSS (GB)", "peak_rss_gb"),
+    ]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6))
     for ax, (title, key) in zip(axes, panels):
-        ax.bar(range(len(engines)), [m[e][key] for e in engines], color=["C0", "C1", "C2", "C3"][:len(engines)])
+        ax.bar(range(len(engines)), [m[e][key] for e in engines], color=["C0", "C1", "C2", "C3"][: len(engines)])
         ax.set_xticks(range(len(engines)), engines, rotation=30, ha="right", fontsize=8)
         ax.set_title(title, fontsize=9)
         if key == "decode_tps":

@@ -39,24 +39,44 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="default",
-                   help="HF model directory, .gguf file, jfire checkpoint directory, or 'default' "
-                        "(SmolLM2-135M-Instruct, converted into checkpoints/ on first use)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="dtype of weights and activations (default: float32)")
-    p.add_argument("--mesh", default=None,
-                   help="device mesh: a meshes/ name, a .toml file, or inline like 'pp=2,tp=4' (default: one device)")
-    p.add_argument("--cpu-devices", type=int, default=None,
-                   help="expose N CPU devices (for meshes on a machine without accelerators)")
-    p.add_argument("--keep-compressed", action="store_true",
-                   help="with a checkpoint converted with --compress: keep layer weights compressed in device "
-                        "memory and decode each layer just before it runs (more room for the KV cache)")
+    p.add_argument(
+        "--model",
+        default="default",
+        help="HF model directory, .gguf file, jfire checkpoint directory, or 'default' "
+        "(SmolLM2-135M-Instruct, converted into checkpoints/ on first use)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="dtype of weights and activations (default: float32)",
+    )
+    p.add_argument(
+        "--mesh",
+        default=None,
+        help="device mesh: a meshes/ name, a .toml file, or inline like 'pp=2,tp=4' (default: one device)",
+    )
+    p.add_argument(
+        "--cpu-devices",
+        type=int,
+        default=None,
+        help="expose N CPU devices (for meshes on a machine without accelerators)",
+    )
+    p.add_argument(
+        "--keep-compressed",
+        action="store_true",
+        help="with a checkpoint converted with --compress: keep layer weights compressed in device "
+        "memory and decode each layer just before it runs (more room for the KV cache)",
+    )
 
 
 def _add_group_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--coordinator", default=None,
-                   help="HOST:PORT of process 0, for one engine whose mesh spans several processes (hosts): run the "
-                        "same command on each with its own --process-id; process 0 schedules, the others follow")
+    p.add_argument(
+        "--coordinator",
+        default=None,
+        help="HOST:PORT of process 0, for one engine whose mesh spans several processes (hosts): run the "
+        "same command on each with its own --process-id; process 0 schedules, the others follow",
+    )
     p.add_argument("--num-processes", type=int, default=None, help="with --coordinator: processes in the group")
     p.add_argument("--process-id", type=int, default=None, help="with --coordinator: this process (0 = the leader)")
 
@@ -98,22 +118,44 @@ def _lead_or_follow(args, engine) -> int | None:
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, default=None, help="most sequences decoding at once (default 64)")
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="device memory for the paged KV cache (default 1)")
-    p.add_argument("--prefill-budget", type=int, default=256,
-                   help="prompt tokens per engine step (default 256): bounds how long a prefill stalls decodes")
-    p.add_argument("--attention", default="reference", choices=["reference", "pallas", "pallas-interpret"],
-                   help="decode attention: plain jnp, or the Pallas kernel (GPU; -interpret runs it on CPU)")
-    p.add_argument("--no-run-ahead", dest="run_ahead", action="store_false",
-                   help="read every decode step's ids before dispatching the next (by default steady decoding "
-                        "dispatches the next step first, overlapping the host's work with the device's)")
-    p.add_argument("--no-cpu-matmul", dest="cpu_matmul", action="store_false",
-                   help="on a float32 CPU device, use XLA's dots instead of jfire's matmul kernels that read "
-                        "each layer's weights in place (slower decode, for comparison)")
-    p.add_argument("--quick-compile", action="store_true",
-                   help="compile with XLA's backend optimisation off: programs compile about 3x faster and "
-                        "run slower (tiny models, trying things out)")
-    p.add_argument("--compile-cache", default=None,
-                   help="JAX persistent compilation cache directory (default $JFIRE_COMPILE_CACHE, else "
-                        "~/.cache/jfire/xla; 'off' disables)")
+    p.add_argument(
+        "--prefill-budget",
+        type=int,
+        default=256,
+        help="prompt tokens per engine step (default 256): bounds how long a prefill stalls decodes",
+    )
+    p.add_argument(
+        "--attention",
+        default="reference",
+        choices=["reference", "pallas", "pallas-interpret"],
+        help="decode attention: plain jnp, or the Pallas kernel (GPU; -interpret runs it on CPU)",
+    )
+    p.add_argument(
+        "--no-run-ahead",
+        dest="run_ahead",
+        action="store_false",
+        help="read every decode step's ids before dispatching the next (by default steady decoding "
+        "dispatches the next step first, overlapping the host's work with the device's)",
+    )
+    p.add_argument(
+        "--no-cpu-matmul",
+        dest="cpu_matmul",
+        action="store_false",
+        help="on a float32 CPU device, use XLA's dots instead of jfire's matmul kernels that read "
+        "each layer's weights in place (slower decode, for comparison)",
+    )
+    p.add_argument(
+        "--quick-compile",
+        action="store_true",
+        help="compile with XLA's backend optimisation off: programs compile about 3x faster and "
+        "run slower (tiny models, trying things out)",
+    )
+    p.add_argument(
+        "--compile-cache",
+        default=None,
+        help="JAX persistent compilation cache directory (default $JFIRE_COMPILE_CACHE, else "
+        "~/.cache/jfire/xla; 'off' disables)",
+    )
 
 
 def engine_config(args, *, single: bool):
@@ -135,10 +177,16 @@ def engine_config(args, *, single: bool):
     if not args.kv_cache_gb > 0:
         raise JfireError(f"--kv-cache-gb must be > 0, got {args.kv_cache_gb}")
     return EngineConfig(
-        kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), attention=args.attention, prefill_budget=args.prefill_budget,
-        max_model_len=getattr(args, "max_context", None), run_ahead=args.run_ahead,
-        cpu_matmul=args.cpu_matmul, quick_compile=args.quick_compile,
-        compilation_cache_dir=None if cache == "off" else cache, **limits)
+        kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)),
+        attention=args.attention,
+        prefill_budget=args.prefill_budget,
+        max_model_len=getattr(args, "max_context", None),
+        run_ahead=args.run_ahead,
+        cpu_matmul=args.cpu_matmul,
+        quick_compile=args.quick_compile,
+        compilation_cache_dir=None if cache == "off" else cache,
+        **limits,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -160,14 +208,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None, help="makes sampling reproducible (default: a random seed)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
-    g.add_argument("--max-context", type=int, default=None,
-                   help="cap the context below the model's own (default: the model's, at most 4096)")
+    g.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        help="cap the context below the model's own (default: the model's, at most 4096)",
+    )
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.add_argument("--output", help="with --prompts-file: write JSONL results here (default: stdout)")
     _add_engine_args(g)
     _add_group_args(g)
 
-    b = sub.add_parser("bench", help="throughput, TTFT/TPOT and start-up benchmark (prints a table; --output writes JSON)")
+    b = sub.add_parser(
+        "bench", help="throughput, TTFT/TPOT and start-up benchmark (prints a table; --output writes JSON)"
+    )
     _add_model_args(b)
     _add_engine_args(b)
     b.add_argument("--concurrency", default="1,4,16,64", help="comma-separated concurrency levels")
@@ -175,11 +229,17 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--output-len", type=int, default=128, help="tokens each request generates (EOS ignored)")
     b.add_argument("--output", default=None, help="also write the results as JSON to this file")
     b.add_argument("--skip-startup", action="store_true", help="do not measure cold/warm start-up")
-    b.add_argument("--run-ahead-ab", action="store_true",
-                   help="run each concurrency level twice, alternately without and with running ahead")
-    b.add_argument("--compare", action="store_true",
-                   help="the default model through jfire, llama.cpp (F32 and Q4_1 GGUF) and transformers, side by side "
-                        "in alternating rounds: a table, --output JSON and --chart PNG (needs the 'bench' extra)")
+    b.add_argument(
+        "--run-ahead-ab",
+        action="store_true",
+        help="run each concurrency level twice, alternately without and with running ahead",
+    )
+    b.add_argument(
+        "--compare",
+        action="store_true",
+        help="the default model through jfire, llama.cpp (F32 and Q4_1 GGUF) and transformers, side by side "
+        "in alternating rounds: a table, --output JSON and --chart PNG (needs the 'bench' extra)",
+    )
     b.add_argument("--rounds", type=int, default=3, help="with --compare: rounds of every engine (default 3)")
     b.add_argument("--chart", default=None, help="with --compare: also draw the figures as a PNG chart to this file")
 
@@ -188,25 +248,45 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(v)
     v.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0: every interface)")
     v.add_argument("--port", type=int, default=8000, help="HTTP port")
-    v.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: $JFIRE_API_KEY)")
+    v.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: $JFIRE_API_KEY)",
+    )
     v.add_argument("--max-queue", type=int, default=1024, help="waiting requests before new ones get 429")
-    v.add_argument("--shutdown-grace", type=float, default=30.0,
-                   help="on SIGTERM, seconds in-flight requests get to finish before they are ended (default 30)")
-    v.add_argument("--max-body-mb", type=float, default=16.0,
-                   help="request bodies larger than this get a 413 before they are read (default 16)")
-    v.add_argument("--max-context", type=int, default=None,
-                   help="cap the context below the model's own (default: the model's, at most 4096)")
+    v.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds in-flight requests get to finish before they are ended (default 30)",
+    )
+    v.add_argument(
+        "--max-body-mb",
+        type=float,
+        default=16.0,
+        help="request bodies larger than this get a 413 before they are read (default 16)",
+    )
+    v.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        help="cap the context below the model's own (default: the model's, at most 4096)",
+    )
     v.add_argument("--served-model-name", default=None, help="the model id clients send (default: from --model)")
-    v.add_argument("--no-access-log", dest="access_log", action="store_false",
-                   help="no line on stderr per request (method, path, status, tokens, TTFT, time, request id)")
+    v.add_argument(
+        "--no-access-log",
+        dest="access_log",
+        action="store_false",
+        help="no line on stderr per request (method, path, status, tokens, TTFT, time, request id)",
+    )
     _add_group_args(v)
 
     n = sub.add_parser("launch", help="start a disaggregated deployment (frontend, prefill and decode groups)")
     n.add_argument("deployment", help="a deployment .toml file or a name in meshes/ (e.g. local-1p1d)")
     n.add_argument("--model", default="default", help="as for serve (every group loads the same model)")
-    n.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="dtype of weights and activations")
+    n.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of weights and activations"
+    )
     _add_engine_args(n)
     n.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 on a cluster)")
     n.add_argument("--port", type=int, default=None, help="the frontend's port (default: the deployment's)")
@@ -215,49 +295,97 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--max-context", type=int, default=None, help="as for serve")
     n.add_argument("--served-model-name", default=None, help="the model id clients send (default: from --model)")
     n.add_argument("--no-access-log", dest="access_log", action="store_false", help="as for serve")
-    n.add_argument("--shutdown-grace", type=float, default=30.0,
-                   help="on Ctrl-C/SIGTERM, seconds in-flight requests get to finish before the groups stop (default 30)")
-    n.add_argument("--max-restarts", type=int, default=3,
-                   help="times a group process that dies after start-up is restarted (default 3; 0: never)")
-    n.add_argument("--process-id", type=int, default=None,
-                   help="run only this process of the deployment (SSH/Slurm launchers); needs --coordinator")
+    n.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=30.0,
+        help="on Ctrl-C/SIGTERM, seconds in-flight requests get to finish before the groups stop (default 30)",
+    )
+    n.add_argument(
+        "--max-restarts",
+        type=int,
+        default=3,
+        help="times a group process that dies after start-up is restarted (default 3; 0: never)",
+    )
+    n.add_argument(
+        "--process-id",
+        type=int,
+        default=None,
+        help="run only this process of the deployment (SSH/Slurm launchers); needs --coordinator",
+    )
     n.add_argument("--coordinator", default=None, help="HOST:PORT of the deployment's coordinator (process 0)")
 
     c = sub.add_parser("convert", help="convert a HF directory or .gguf file into a jfire checkpoint")
     c.add_argument("src", help="HF model directory or .gguf file")
     c.add_argument("dst", nargs="?", help="destination directory (default: checkpoints/<name>)")
-    c.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
-                   help="dtype the weights are stored in (default: bfloat16)")
+    c.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["float32", "bfloat16"],
+        help="dtype the weights are stored in (default: bfloat16)",
+    )
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
-    c.add_argument("--compress", action="store_true",
-                   help="store the bf16 weights losslessly compressed (decoded on the device at load)")
+    c.add_argument(
+        "--compress",
+        action="store_true",
+        help="store the bf16 weights losslessly compressed (decoded on the device at load)",
+    )
 
-    r = sub.add_parser("compress-report", help="how far lossless bf16 compression shrinks some weights, checked bit for bit")
+    r = sub.add_parser(
+        "compress-report", help="how far lossless bf16 compression shrinks some weights, checked bit for bit"
+    )
     r.add_argument("path", help="a .safetensors file, a HF directory, a .gguf file, a jfire checkpoint or 'default'")
-    r.add_argument("--decoder", default="reference", choices=["reference", "pallas", "pallas-interpret"],
-                   help="decoder for the round-trip check (default: reference, the plain-jnp one)")
+    r.add_argument(
+        "--decoder",
+        default="reference",
+        choices=["reference", "pallas", "pallas-interpret"],
+        help="decoder for the round-trip check (default: reference, the plain-jnp one)",
+    )
     r.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
-    pl = sub.add_parser("plan", help="memory per device of a model on a mesh (weights, workspace, KV cache room), "
-                                     "from its config alone",
-                        description="Plans a model's memory on a mesh without reading weights or touching an "
-                                    "accelerator; exits 1 when the model does not fit.")
-    pl.add_argument("--model", default="default",
-                    help="a model directory (config.json is enough), a jfire checkpoint, a .gguf file or 'default'")
-    pl.add_argument("--mesh", required=True,
-                    help="a meshes/ name, a .toml file, or inline like 'pp=1,tp=2' (then give --device-memory-gib)")
-    pl.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                    help="dtype of weights and KV cache (default: bfloat16)")
-    pl.add_argument("--device-memory-gib", type=float, default=None,
-                    help="usable memory per device in GiB (default: the mesh file's [device] memory_gib)")
+    pl = sub.add_parser(
+        "plan",
+        help="memory per device of a model on a mesh (weights, workspace, KV cache room), from its config alone",
+        description="Plans a model's memory on a mesh without reading weights or touching an "
+        "accelerator; exits 1 when the model does not fit.",
+    )
+    pl.add_argument(
+        "--model",
+        default="default",
+        help="a model directory (config.json is enough), a jfire checkpoint, a .gguf file or 'default'",
+    )
+    pl.add_argument(
+        "--mesh",
+        required=True,
+        help="a meshes/ name, a .toml file, or inline like 'pp=1,tp=2' (then give --device-memory-gib)",
+    )
+    pl.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32"],
+        help="dtype of weights and KV cache (default: bfloat16)",
+    )
+    pl.add_argument(
+        "--device-memory-gib",
+        type=float,
+        default=None,
+        help="usable memory per device in GiB (default: the mesh file's [device] memory_gib)",
+    )
     pl.add_argument("--max-batch", type=int, default=None, help="as for serve (default 64): sizes the decode program")
-    pl.add_argument("--prefill-budget", type=int, default=None,
-                    help="as for serve (default 256): sizes the prefill program")
-    pl.add_argument("--max-context", type=int, default=None,
-                    help="as for serve (default: the model's, at most 4096): pages per row of the programs")
-    pl.add_argument("--no-compile", action="store_true",
-                    help="estimate the programs' workspace with a stated formula instead of compiling them on "
-                         "XLA:CPU (faster)")
+    pl.add_argument(
+        "--prefill-budget", type=int, default=None, help="as for serve (default 256): sizes the prefill program"
+    )
+    pl.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        help="as for serve (default: the model's, at most 4096): pages per row of the programs",
+    )
+    pl.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="estimate the programs' workspace with a stated formula instead of compiling them on XLA:CPU (faster)",
+    )
     pl.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     return parser
 
@@ -287,7 +415,7 @@ def _prompt_ids(args, tokenizer) -> list[int]:
     if tokenizer is None:
         raise JfireError("this model has no tokenizer (no tokenizer.json); pass --prompt-ids instead of text")
     if args.chat is not None:
-        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages = [{"role": "system", "content": args.system}] if args.system else []
         messages.append({"role": "user", "content": args.chat})
         return tokenizer.encode_chat(messages, add_generation_prompt=True)
     return tokenizer.encode(args.prompt)
@@ -299,8 +427,13 @@ def cmd_generate(args) -> int:
     from jfire.sampling import SamplingParams
 
     sampling = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-        max_tokens=args.max_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
     )
     if args.output and not args.prompts_file:
         raise JfireError("--output goes with --prompts-file")
@@ -327,16 +460,20 @@ def cmd_generate(args) -> int:
             print()
             return 0
     if args.json:
-        print(json.dumps({
-            "model": model.name,
-            "prompt_ids": result.prompt_ids,
-            "token_ids": result.token_ids,
-            "text": result.text,
-            "finish_reason": result.finish_reason,
-            "ttft_s": _seconds(result.ttft_s),
-            "seconds": _seconds(result.latency_s),
-            "timings": _timings(load_s, compile_s, result),
-        }))
+        print(
+            json.dumps(
+                {
+                    "model": model.name,
+                    "prompt_ids": result.prompt_ids,
+                    "token_ids": result.token_ids,
+                    "text": result.text,
+                    "finish_reason": result.finish_reason,
+                    "ttft_s": _seconds(result.ttft_s),
+                    "seconds": _seconds(result.latency_s),
+                    "timings": _timings(load_s, compile_s, result),
+                }
+            )
+        )
     else:
         print(",".join(map(str, result.token_ids)))
     return 0
@@ -353,10 +490,15 @@ def _timings(load_s: float, compile_s: float, result) -> dict:
     the request, so the rest excludes it), prefill (up to the first token) and decode."""
     decode_s = result.latency_s - result.ttft_s
     decoded = len(result.token_ids) - 1  # the first token comes out of prefill
-    return {"load_s": _seconds(load_s), "compile_s": _seconds(compile_s), "prefill_s": _seconds(result.ttft_s),
-            "ttft_s": _seconds(result.ttft_s), "decode_s": _seconds(decode_s),
-            "prefill_tokens_per_s": round(len(result.prompt_ids) / result.ttft_s, 2),
-            "decode_tokens_per_s": round(decoded / decode_s, 2) if decoded > 0 and decode_s > 0 else None}
+    return {
+        "load_s": _seconds(load_s),
+        "compile_s": _seconds(compile_s),
+        "prefill_s": _seconds(result.ttft_s),
+        "ttft_s": _seconds(result.ttft_s),
+        "decode_s": _seconds(decode_s),
+        "prefill_tokens_per_s": round(len(result.prompt_ids) / result.ttft_s, 2),
+        "decode_tokens_per_s": round(decoded / decode_s, 2) if decoded > 0 and decode_s > 0 else None,
+    }
 
 
 def _generate_batch(args, model, sampling) -> int:
@@ -414,8 +556,16 @@ def cmd_bench(args) -> int:
         args.max_batch = max(args.concurrency)
     config = engine_config(args, single=False)
     model = load_model(args.model, args.dtype, mesh_spec=_mesh_spec(args), keep_compressed=args.keep_compressed)
-    engine_args = ["--max-batch", str(args.max_batch), "--kv-cache-gb", str(args.kv_cache_gb),
-                   "--attention", args.attention, "--prefill-budget", str(args.prefill_budget)]
+    engine_args = [
+        "--max-batch",
+        str(args.max_batch),
+        "--kv-cache-gb",
+        str(args.kv_cache_gb),
+        "--attention",
+        args.attention,
+        "--prefill-budget",
+        str(args.prefill_budget),
+    ]
     if args.mesh:
         engine_args += ["--mesh", args.mesh]
     if args.cpu_devices:
@@ -430,15 +580,26 @@ def _bench_compare(args) -> int:
     from jfire import bench_compare
 
     if args.model not in (None, "default") or args.dtype != "float32":
-        raise JfireError("--compare measures the default model in float32 (llama.cpp and transformers read the same "
-                         "GGUF); drop --model/--dtype")
+        raise JfireError(
+            "--compare measures the default model in float32 (llama.cpp and transformers read the same "
+            "GGUF); drop --model/--dtype"
+        )
     if args.rounds < 1:
         raise JfireError(f"--rounds must be >= 1, got {args.rounds}")
-    missing = [name for name, module in (("llama-cpp-python", "llama_cpp"), ("transformers", "transformers"),
-                                         ("matplotlib", "matplotlib")) if importlib.util.find_spec(module) is None]
+    missing = [
+        name
+        for name, module in (
+            ("llama-cpp-python", "llama_cpp"),
+            ("transformers", "transformers"),
+            ("matplotlib", "matplotlib"),
+        )
+        if importlib.util.find_spec(module) is None
+    ]
     if missing:
-        raise JfireError(f"--compare needs {', '.join(missing)}: install the bench extra "
-                         "(.venv/bin/pip install -e '.[bench]'; llama-cpp-python compiles from source)")
+        raise JfireError(
+            f"--compare needs {', '.join(missing)}: install the bench extra "
+            "(.venv/bin/pip install -e '.[bench]'; llama-cpp-python compiles from source)"
+        )
     bench_compare.run_compare(args.rounds, args.output, args.chart)
     return 0
 
@@ -468,8 +629,9 @@ def cmd_serve(args) -> int:
     # The weights load on a thread while the server's modules import: reading the checkpoint
     # waits on its reader threads, importing runs Python; together ~0.3 s off a warm start.
     with ThreadPoolExecutor(1, thread_name_prefix="jfire-load") as pool:
-        loading = pool.submit(load_model, args.model, args.dtype, mesh_spec=_mesh_spec(args),
-                              keep_compressed=args.keep_compressed)
+        loading = pool.submit(
+            load_model, args.model, args.dtype, mesh_spec=_mesh_spec(args), keep_compressed=args.keep_compressed
+        )
         from serve import server
 
         model = loading.result()
@@ -477,10 +639,18 @@ def cmd_serve(args) -> int:
         from jfire.engine import Engine
 
         return _lead_or_follow(args, Engine(model, config))
-    return server.run(model, config, sock=sock, host=args.host, api_key=api_key, access_log=args.access_log,
-                      lead=lambda engine: _lead_or_follow(args, engine),
-                      max_body_bytes=int(args.max_body_mb * (1 << 20)), shutdown_grace_s=args.shutdown_grace,
-                      model_name=args.served_model_name or server.served_name(args.model))
+    return server.run(
+        model,
+        config,
+        sock=sock,
+        host=args.host,
+        api_key=api_key,
+        access_log=args.access_log,
+        lead=lambda engine: _lead_or_follow(args, engine),
+        max_body_bytes=int(args.max_body_mb * (1 << 20)),
+        shutdown_grace_s=args.shutdown_grace,
+        model_name=args.served_model_name or server.served_name(args.model),
+    )
 
 
 def cmd_launch(args) -> int:
@@ -497,22 +667,40 @@ def cmd_launch(args) -> int:
     if args.max_queue < 1:
         raise JfireError(f"--max-queue must be >= 1, got {args.max_queue}")
     config = dataclasses.replace(engine_config(args, single=False), max_waiting=args.max_queue)
-    passed = [("--kv-cache-gb", args.kv_cache_gb), ("--prefill-budget", args.prefill_budget),
-              ("--attention", args.attention), ("--max-queue", args.max_queue), ("--max-batch", args.max_batch),
-              ("--compile-cache", args.compile_cache), ("--max-context", args.max_context),
-              ("--served-model-name", args.served_model_name or served_name(args.model))]
+    passed = [
+        ("--kv-cache-gb", args.kv_cache_gb),
+        ("--prefill-budget", args.prefill_budget),
+        ("--attention", args.attention),
+        ("--max-queue", args.max_queue),
+        ("--max-batch", args.max_batch),
+        ("--compile-cache", args.compile_cache),
+        ("--max-context", args.max_context),
+        ("--served-model-name", args.served_model_name or served_name(args.model)),
+    ]
     if not args.shutdown_grace >= 0:
         raise JfireError(f"--shutdown-grace must be >= 0 seconds, got {args.shutdown_grace}")
     if args.max_restarts < 0:
         raise JfireError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     # The switches travel too: without them a group's engine quietly ran with the defaults.
-    switches = [flag for flag, on in (("--no-run-ahead", not args.run_ahead), ("--no-cpu-matmul", not args.cpu_matmul),
-                                      ("--quick-compile", args.quick_compile)) if on]
-    options = launch.Options(model=args.model, dtype=args.dtype, host=args.host, port=args.port,
-                             engine_args=tuple(str(x) for flag, v in passed if v is not None for x in (flag, v))
-                             + tuple(switches),
-                             shutdown_grace=args.shutdown_grace, max_restarts=args.max_restarts,
-                             access_log=args.access_log)
+    switches = [
+        flag
+        for flag, on in (
+            ("--no-run-ahead", not args.run_ahead),
+            ("--no-cpu-matmul", not args.cpu_matmul),
+            ("--quick-compile", args.quick_compile),
+        )
+        if on
+    ]
+    options = launch.Options(
+        model=args.model,
+        dtype=args.dtype,
+        host=args.host,
+        port=args.port,
+        engine_args=tuple(str(x) for flag, v in passed if v is not None for x in (flag, v)) + tuple(switches),
+        shutdown_grace=args.shutdown_grace,
+        max_restarts=args.max_restarts,
+        access_log=args.access_log,
+    )
     if args.process_id is None:
         if args.coordinator:
             raise JfireError("--coordinator goes with --process-id (one process of a multi-host launch)")
@@ -520,8 +708,15 @@ def cmd_launch(args) -> int:
     if not args.coordinator:
         raise JfireError("--process-id needs --coordinator HOST:PORT (where process 0, the frontend, listens)")
     api_key = args.api_key or os.environ.get("JFIRE_API_KEY") or None
-    return launch.run_one(deployment, args.process_id, args.coordinator, options, config, api_key,
-                          args.served_model_name or served_name(args.model))
+    return launch.run_one(
+        deployment,
+        args.process_id,
+        args.coordinator,
+        options,
+        config,
+        api_key,
+        args.served_model_name or served_name(args.model),
+    )
 
 
 def cmd_plan(args) -> int:
@@ -537,16 +732,27 @@ def cmd_plan(args) -> int:
     from jfire import plan
     from jfire.checkpoint.load import resolve_model_path
 
-    result = plan.plan(str(resolve_model_path(args.model)[0]), spec, dtype=args.dtype, compile=not args.no_compile,
-                       device_memory_gib=args.device_memory_gib,
-                       limits=plan.Limits(max_batch=args.max_batch, prefill_budget=args.prefill_budget,
-                                          max_context=args.max_context))
+    result = plan.plan(
+        str(resolve_model_path(args.model)[0]),
+        spec,
+        dtype=args.dtype,
+        compile=not args.no_compile,
+        device_memory_gib=args.device_memory_gib,
+        limits=plan.Limits(max_batch=args.max_batch, prefill_budget=args.prefill_budget, max_context=args.max_context),
+    )
     print(json.dumps(result) if args.json else plan.format_plan(result))
     return 0 if result["fits"] else 1
 
 
-COMMANDS = {"generate": cmd_generate, "convert": cmd_convert, "bench": cmd_bench, "serve": cmd_serve,
-            "compress-report": cmd_compress_report, "launch": cmd_launch, "plan": cmd_plan}
+COMMANDS = {
+    "generate": cmd_generate,
+    "convert": cmd_convert,
+    "bench": cmd_bench,
+    "serve": cmd_serve,
+    "compress-report": cmd_compress_report,
+    "launch": cmd_launch,
+    "plan": cmd_plan,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

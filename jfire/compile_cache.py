@@ -122,8 +122,7 @@ def _load(path: Path, devices: list) -> jax.stages.Compiled | None:
 
     try:
         serialized, in_tree, out_tree = pickle.loads(path.read_bytes())
-        return deserialize_and_load(serialized, in_tree, out_tree, backend=devices[0].client,
-                                    execution_devices=devices)
+        return deserialize_and_load(serialized, in_tree, out_tree, backend=devices[0].client, execution_devices=devices)
     except FileNotFoundError:
         return None
     except Exception:  # noqa: BLE001 - a truncated or stale entry: compile anew and replace it
@@ -172,11 +171,21 @@ def _key(lowered: jax.stages.Lowered, devices: list, options: dict | None = None
     argument), its argument and result trees, the compiler options, the devices (ids and model),
     the versions, the process and its cluster's size, XLA_FLAGS."""
     h = hashlib.sha256()
-    for part in (lowered.as_text(), str(lowered.in_tree), str(lowered.out_tree),
-                 repr(sorted((options or {}).items())), jfire.__version__, jax.__version__, jaxlib.__version__,
-                 devices[0].client.platform_version, devices[0].device_kind,
-                 repr([d.id for d in devices]), str(jax.process_index()), str(jax.process_count()),
-                 os.environ.get("XLA_FLAGS", "")):
+    for part in (
+        lowered.as_text(),
+        str(lowered.in_tree),
+        str(lowered.out_tree),
+        repr(sorted((options or {}).items())),
+        jfire.__version__,
+        jax.__version__,
+        jaxlib.__version__,
+        devices[0].client.platform_version,
+        devices[0].device_kind,
+        repr([d.id for d in devices]),
+        str(jax.process_index()),
+        str(jax.process_count()),
+        os.environ.get("XLA_FLAGS", ""),
+    ):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()
@@ -193,15 +202,26 @@ def _program_key(fn, args: tuple, static: dict, devices: list, options: dict | N
     arguments, the arguments' tree, shapes, dtypes and shardings, the compiler options, the
     devices (ids and model), the versions, the process and its cluster's size, XLA_FLAGS and the
     jax settings."""
-    settings = sorted((k, repr(v)) for k, v in jax.config.values.items()
-                      if not any(word in k for word in _NOT_IN_KEY))
+    settings = sorted((k, repr(v)) for k, v in jax.config.values.items() if not any(word in k for word in _NOT_IN_KEY))
     h = hashlib.sha256()
-    for part in (f"{fn.__module__}.{fn.__qualname__}", source_digest(), repr(sorted(static.items())),
-                 str(jax.tree.structure(args)), repr(jax.tree.leaves(args)), repr(sorted((options or {}).items())),
-                 jfire.__version__, jax.__version__,
-                 jaxlib.__version__, devices[0].client.platform_version, devices[0].device_kind,
-                 repr([d.id for d in devices]), str(jax.process_index()), str(jax.process_count()),
-                 os.environ.get("XLA_FLAGS", ""), repr(settings)):
+    for part in (
+        f"{fn.__module__}.{fn.__qualname__}",
+        source_digest(),
+        repr(sorted(static.items())),
+        str(jax.tree.structure(args)),
+        repr(jax.tree.leaves(args)),
+        repr(sorted((options or {}).items())),
+        jfire.__version__,
+        jax.__version__,
+        jaxlib.__version__,
+        devices[0].client.platform_version,
+        devices[0].device_kind,
+        repr([d.id for d in devices]),
+        str(jax.process_index()),
+        str(jax.process_count()),
+        os.environ.get("XLA_FLAGS", ""),
+        repr(settings),
+    ):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()

@@ -15,8 +15,8 @@ import queue
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -30,8 +30,7 @@ from jfire.kernels import cpu_matmul
 from jfire.kv_cache import BlockPool, init_pages, page_bytes
 from jfire.pipeline import Pipeline
 from jfire.programs import ATTENTION_IMPLS, QUICK_COMPILE, Buckets, CompiledPrograms
-from jfire.sampling import (PenaltyState, RowSampling, SamplingParams, init_penalty_state, mask_words,
-                            set_penalty_slot)
+from jfire.sampling import PenaltyState, RowSampling, SamplingParams, init_penalty_state, mask_words, set_penalty_slot
 from jfire.scheduler import Chunk, Phase, Scheduler, Sequence, Step
 from jfire.sharding import to_host
 from jfire.tokenizer import find_stop, holdback
@@ -55,8 +54,9 @@ def context_limit(cfg, requested: int | None) -> int:
     return min(requested or min(cfg.max_position_embeddings, 4096), cfg.max_position_embeddings)
 
 
-def check_request(prompt_ids: list[int], sampling: SamplingParams, cfg, max_model_len: int,
-                  has_tokenizer: bool) -> None:
+def check_request(
+    prompt_ids: list[int], sampling: SamplingParams, cfg, max_model_len: int, has_tokenizer: bool
+) -> None:
     """The checks any engine (local, or a frontend in front of remote groups) makes before
     accepting a request: JfireError says what is wrong and what would be right."""
     if not prompt_ids:
@@ -66,11 +66,14 @@ def check_request(prompt_ids: list[int], sampling: SamplingParams, cfg, max_mode
         raise JfireError(f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
     n, limit = len(prompt_ids), max_model_len
     if n >= limit:
-        raise JfireError(f"the prompt has {n} tokens but the context holds {limit}; "
-                         f"shorten the prompt to at most {limit - 1} tokens")
+        raise JfireError(
+            f"the prompt has {n} tokens but the context holds {limit}; shorten the prompt to at most {limit - 1} tokens"
+        )
     if n + sampling.max_tokens > limit:
-        raise JfireError(f"prompt ({n} tokens) + max_tokens ({sampling.max_tokens}) exceeds the context of "
-                         f"{limit}; use max_tokens <= {limit - n}")
+        raise JfireError(
+            f"prompt ({n} tokens) + max_tokens ({sampling.max_tokens}) exceeds the context of "
+            f"{limit}; use max_tokens <= {limit - n}"
+        )
     if sampling.stop and not has_tokenizer:
         raise JfireError("stop strings need a tokenizer; this model has none (use EOS or max_tokens)")
 
@@ -147,7 +150,7 @@ class Completion:
 class RequestHandle:
     """The caller's end of a request: iterate outputs as they arrive, or wait for the result."""
 
-    def __init__(self, engine: "Engine", request_id: str, prompt_ids: list[int], has_tokenizer: bool):
+    def __init__(self, engine: Engine, request_id: str, prompt_ids: list[int], has_tokenizer: bool):
         self.engine = engine
         self.request_id = request_id
         self.prompt_ids = prompt_ids
@@ -175,8 +178,14 @@ class RequestHandle:
             if out.finished and out.finish_reason == "error":
                 raise JfireError(out.error or "request failed")
         end = time.perf_counter()
-        return Completion(self.prompt_ids, ids, "".join(text) if self._has_tokenizer else None, out.finish_reason,
-                          ttft_s=(first or end) - self.submitted_at, latency_s=end - self.submitted_at)
+        return Completion(
+            self.prompt_ids,
+            ids,
+            "".join(text) if self._has_tokenizer else None,
+            out.finish_reason,
+            ttft_s=(first or end) - self.submitted_at,
+            latency_s=end - self.submitted_at,
+        )
 
 
 @dataclasses.dataclass
@@ -237,14 +246,24 @@ class Engine:
         if mesh is not None and mesh.shape["pp"] > 1:
             layer_stack = Pipeline(mesh, model.mesh_spec.num_microbatches)
         if mesh is not None and mesh.shape["tp"] > 1 and config.attention != "reference":
-            raise JfireError("the Pallas attention kernel runs on one device per tensor-parallel group only; "
-                             "use --attention reference with tp > 1")
+            raise JfireError(
+                "the Pallas attention kernel runs on one device per tensor-parallel group only; "
+                "use --attention reference with tp > 1"
+            )
         self.buckets = Buckets.for_limits(
-            max_batch=config.max_batch, prefill_budget=config.prefill_budget,
-            max_prefill_rows=config.max_prefill_rows, max_pages_per_row=max_pages_per_row,
-            page_size=config.page_size)
-        self.scheduler = Scheduler(self.pool, max_batch=config.max_batch, prefill_budget=config.prefill_budget,
-                                   max_prefill_rows=config.max_prefill_rows, prefix_caching=config.prefix_caching)
+            max_batch=config.max_batch,
+            prefill_budget=config.prefill_budget,
+            max_prefill_rows=config.max_prefill_rows,
+            max_pages_per_row=max_pages_per_row,
+            page_size=config.page_size,
+        )
+        self.scheduler = Scheduler(
+            self.pool,
+            max_batch=config.max_batch,
+            prefill_budget=config.prefill_budget,
+            max_prefill_rows=config.max_prefill_rows,
+            prefix_caching=config.prefix_caching,
+        )
         # One penalty slot per batch row, and a last, scratch, slot for rows without one. The
         # state is committed to the params' device(s) from the start, as every program's output
         # is: `set_penalty_slot` compiled at start-up is then the one later calls use (an
@@ -257,12 +276,21 @@ class Engine:
         self._scratch_slot = config.max_batch
         self._free_slots = list(range(config.max_batch))
         self._all_allowed: dict[int, np.ndarray] = {}  # rows -> a mask allowing every token
-        self.programs = CompiledPrograms(self.cfg, model.params, self.pages, self.penalties, self.buckets,
-                                         config.attention,
-                                         lazy=not config.aot, mesh=mesh, layer_stack=layer_stack,
-                                         kinds=self.PROGRAM_KINDS, parallel=model.parallel,
-                                         cpu_matmul=self._uses_cpu_matmul(model),
-                                         compiler_options=QUICK_COMPILE if config.quick_compile else None)
+        self.programs = CompiledPrograms(
+            self.cfg,
+            model.params,
+            self.pages,
+            self.penalties,
+            self.buckets,
+            config.attention,
+            lazy=not config.aot,
+            mesh=mesh,
+            layer_stack=layer_stack,
+            kinds=self.PROGRAM_KINDS,
+            parallel=model.parallel,
+            cpu_matmul=self._uses_cpu_matmul(model),
+            compiler_options=QUICK_COMPILE if config.quick_compile else None,
+        )
         self.eos_ids = frozenset(self.cfg.eos_token_ids) | (model.tokenizer.eos_ids if model.tokenizer else frozenset())
         self.grammars = Grammars(model.tokenizer, self.cfg.vocab_size, self.eos_ids)
         self._commands: queue.Queue = queue.Queue()
@@ -302,7 +330,7 @@ class Engine:
         first, inside start()'s clock and progress."""
         return []
 
-    def start(self, compile_progress: Callable[[int, int], None] | None = None, *, run_loop: bool = True) -> "Engine":
+    def start(self, compile_progress: Callable[[int, int], None] | None = None, *, run_loop: bool = True) -> Engine:
         """Compiles the programs ahead of time, then starts the engine thread: every bucket
         first, or with `serve_while_compiling` only the essential ones, the rest in the
         background while the engine serves (jfire.programs.CompiledPrograms). A group's
@@ -317,9 +345,12 @@ class Engine:
         side = self.side_programs()
         num_side = sum(len(p.widths) for p in side)
         total = num_side + ((len(shapes) if background else self.programs.num_total) if self.config.aot else 0)
-        for i, programs in enumerate(side):
-            before = sum(len(p.widths) for p in side[:i])
-            programs.compile_all(progress=compile_progress and (lambda done: compile_progress(before + done, total)))
+        done_before = 0
+        for programs in side:
+            programs.compile_all(
+                progress=compile_progress and (lambda done, base=done_before: compile_progress(base + done, total))
+            )
+            done_before += len(programs.widths)
         if self.config.aot:
             progress = compile_progress and (lambda done, _: compile_progress(num_side + done, total))
             self.programs.compile_all(workers=self.config.compile_workers, progress=progress, shapes=shapes)
@@ -369,11 +400,16 @@ class Engine:
         except (AttributeError, OSError):
             pass
         try:
-            self.programs.compile_rest(workers=self.config.compile_workers, stop=self._stop,
-                                       before_loading=self._wait_idle)
+            self.programs.compile_rest(
+                workers=self.config.compile_workers, stop=self._stop, before_loading=self._wait_idle
+            )
         except Exception as e:  # the essential programs still serve every step, only less tightly
-            print(f"jfire: compiling the remaining programs failed ({e}); serving with "
-                  f"{self.programs.num_compiled} of {self.programs.num_total}", file=sys.stderr, flush=True)
+            print(
+                f"jfire: compiling the remaining programs failed ({e}); serving with "
+                f"{self.programs.num_compiled} of {self.programs.num_total}",
+                file=sys.stderr,
+                flush=True,
+            )
             return
         self.compiled_s = self.startup_s + time.perf_counter() - t0
 
@@ -424,12 +460,21 @@ class Engine:
             self.grammars.validate(sampling.grammar)
         needed = self.scheduler.pages_needed(len(prompt_ids) + sampling.max_tokens)
         if needed > self.pool.num_pages:
-            raise JfireError(f"this request needs {needed} KV pages "
-                             f"but the pool has {self.pool.num_pages}; lower max_tokens or enlarge the KV cache")
+            raise JfireError(
+                f"this request needs {needed} KV pages "
+                f"but the pool has {self.pool.num_pages}; lower max_tokens or enlarge the KV cache"
+            )
 
-    def submit(self, prompt_ids: list[int], sampling: SamplingParams, *, request_id: str | None = None,
-               on_output: Callable[[RequestOutput], None] | None = None, affinity: str | None = None,
-               after: str | None = None) -> RequestHandle:
+    def submit(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        request_id: str | None = None,
+        on_output: Callable[[RequestOutput], None] | None = None,
+        affinity: str | None = None,
+        after: str | None = None,
+    ) -> RequestHandle:
         """Queues a request; outputs go to the handle's queue, or to `on_output` (called on the
         engine thread: it must not block). `affinity` (a session key) matters only where there
         are several prefill groups to choose from. `after` (a request id with the same prompt,
@@ -449,8 +494,11 @@ class Engine:
 
     def _new_live(self, seq: Sequence, handle: RequestHandle, on_output) -> _Live:
         sp = seq.sampling
-        decoder = (self.model.tokenizer.stream_decoder(skip_special_tokens=sp.skip_special_tokens)
-                   if self.model.tokenizer else None)
+        decoder = (
+            self.model.tokenizer.stream_decoder(skip_special_tokens=sp.skip_special_tokens)
+            if self.model.tokenizer
+            else None
+        )
         matcher = self.grammars.matcher(sp.grammar) if sp.grammar is not None else None
         return _Live(seq, handle, on_output, decoder, matcher=matcher)
 
@@ -584,7 +632,11 @@ class Engine:
                 continue
             logprobs[r] = sp.logprobs is not None
             if sp.penalized:
-                frequency[r], presence[r], repetition[r] = sp.frequency_penalty, sp.presence_penalty, sp.repetition_penalty
+                frequency[r], presence[r], repetition[r] = (
+                    sp.frequency_penalty,
+                    sp.presence_penalty,
+                    sp.repetition_penalty,
+                )
                 slot[r] = self._slot_of(self._live[seq.request_id])
         return RowSampling(seeds, temperature, top_k, top_p, allowed, frequency, presence, repetition, slot, logprobs)
 
@@ -615,7 +667,7 @@ class Engine:
         if live.slot is None:
             live.slot = self._free_slots.pop()
             seq, vocab = live.seq, self.cfg.vocab_size
-            generated = np.bincount(np.asarray(seq.tokens[len(seq.prompt_ids):], np.int64), minlength=vocab)
+            generated = np.bincount(np.asarray(seq.tokens[len(seq.prompt_ids) :], np.int64), minlength=vocab)
             in_prompt = np.bincount(np.asarray(seq.prompt_ids, np.int64), minlength=vocab) > 0
             self._device_call("penalty", live.slot, (generated[:vocab].astype(np.int32), in_prompt[:vocab]))
         return live.slot
@@ -656,9 +708,15 @@ class Engine:
         """Whether the engine may dispatch the step after `step` before reading its ids: a
         decode-only step of every running sequence in one program call, with nothing queued
         that a step in between would take in (a subclass adds its own pending work)."""
-        return (self.config.run_ahead and self.step_channel is None and not step.prefill and not step.preempted
-                and len(step.decode) == len(self.scheduler.running) and not self._work_pending()
-                and self.programs.decode_shape(len(step.decode)) >= len(step.decode))
+        return (
+            self.config.run_ahead
+            and self.step_channel is None
+            and not step.prefill
+            and not step.preempted
+            and len(step.decode) == len(self.scheduler.running)
+            and not self._work_pending()
+            and self.programs.decode_shape(len(step.decode)) >= len(step.decode)
+        )
 
     def _work_pending(self) -> bool:
         """Whether something waits for a step to take it in (a subclass adds its own)."""
@@ -674,10 +732,15 @@ class Engine:
             return None
         following: list[Sequence | None] = []
         for seq in rows:
-            going_on = (seq is not None and seq.phase is Phase.RUNNING
-                        and seq.num_generated + 1 < seq.sampling.max_tokens and len(seq.tokens) + 1 < self.max_model_len)
-            if going_on and (self._live[seq.request_id].matcher is not None
-                             or seq.num_generated + 1 < seq.sampling.min_tokens):
+            going_on = (
+                seq is not None
+                and seq.phase is Phase.RUNNING
+                and seq.num_generated + 1 < seq.sampling.max_tokens
+                and len(seq.tokens) + 1 < self.max_model_len
+            )
+            if going_on and (
+                self._live[seq.request_id].matcher is not None or seq.num_generated + 1 < seq.sampling.min_tokens
+            ):
                 return None
             following.append(seq if going_on else None)
         if not any(following):
@@ -713,7 +776,9 @@ class Engine:
                 slots = np.where(goes_on, sampling.slot, self._scratch_slot).astype(np.int32)
                 sampling = sampling._replace(slot=slots)
                 table = self._row_table(following, rows)
-                ahead = self._decode_call(following, (rows,), (self.programs.as_input(out.ids), positions, table, sampling))
+                ahead = self._decode_call(
+                    following, (rows,), (self.programs.as_input(out.ids), positions, table, sampling)
+                )
                 self._step_time["run_ahead_steps"] += 1
             t2 = time.perf_counter()
             done = [seq if seq is not None and seq.phase is Phase.RUNNING else None for seq in in_flight]
@@ -812,7 +877,7 @@ class Engine:
         positions = np.full((rows, t), -1, np.int32)
         last = np.zeros(rows, np.int32)
         for r, c in enumerate(chunks):
-            tokens[r, : c.length] = c.seq.tokens[c.start: c.start + c.length]
+            tokens[r, : c.length] = c.seq.tokens[c.start : c.start + c.length]
             positions[r, : c.length] = np.arange(c.start, c.start + c.length)
             last[r] = c.length - 1
         seqs = [c.seq for c in chunks]
@@ -875,14 +940,20 @@ class Engine:
             if cut is not None:
                 live.text, finish = live.text[:cut], "stop"
             safe = len(live.text) if finish or not sp.stop else len(live.text) - holdback(live.text, sp.stop)
-            delta, live.emitted = live.text[live.emitted: safe], max(live.emitted, safe)
+            delta, live.emitted = live.text[live.emitted : safe], max(live.emitted, safe)
         elif live.decoder is not None:
             live.text += live.decoder.flush()
-            delta, live.emitted = live.text[live.emitted:], len(live.text)
-        out = RequestOutput(seq.request_id, [token], delta, prompt_tokens=len(seq.prompt_ids),
-                            completion_tokens=seq.num_generated, prefix_hit_tokens=seq.prefix_hit_tokens,
-                            logprobs=[logprobs] if logprobs is not None else None,
-                            prompt_logprobs=self._prompt_logprobs_once(live))
+            delta, live.emitted = live.text[live.emitted :], len(live.text)
+        out = RequestOutput(
+            seq.request_id,
+            [token],
+            delta,
+            prompt_tokens=len(seq.prompt_ids),
+            completion_tokens=seq.num_generated,
+            prefix_hit_tokens=seq.prefix_hit_tokens,
+            logprobs=[logprobs] if logprobs is not None else None,
+            prompt_logprobs=self._prompt_logprobs_once(live),
+        )
         if finish is not None:
             self._finish(live, finish, last=out)
         else:
@@ -900,8 +971,14 @@ class Engine:
             self.scheduler.finish(seq)
         self._release_slot(live)
         self._live.pop(seq.request_id, None)
-        out = last or RequestOutput(seq.request_id, [], "", prompt_tokens=len(seq.prompt_ids),
-                                    completion_tokens=seq.num_generated, prefix_hit_tokens=seq.prefix_hit_tokens)
+        out = last or RequestOutput(
+            seq.request_id,
+            [],
+            "",
+            prompt_tokens=len(seq.prompt_ids),
+            completion_tokens=seq.num_generated,
+            prefix_hit_tokens=seq.prefix_hit_tokens,
+        )
         out.finished, out.finish_reason, out.error = True, reason, error
         self._outbox.append((live, out))
 
@@ -913,8 +990,12 @@ class Engine:
             except Exception as e:  # the request's consumer failed: it can take no more output
                 if not out.finished:
                     self.cancel(live.seq.request_id)
-                print(f"jfire: request {live.seq.request_id}'s output handler failed: {type(e).__name__}: {e}; "
-                      "the request is cancelled", file=sys.stderr, flush=True)
+                print(
+                    f"jfire: request {live.seq.request_id}'s output handler failed: {type(e).__name__}: {e}; "
+                    "the request is cancelled",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     def _publish_stats(self) -> None:
         now = time.perf_counter()

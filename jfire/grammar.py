@@ -98,8 +98,13 @@ def _lltokenizer(lib, tokenizer, vocab_size: int, eos_ids):
     if hasattr(backend, "to_str"):  # a tokenizers.Tokenizer
         return lib.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos)
     encoding = backend.encoding  # jfire.tiktoken_bpe.TiktokenBPE
-    return lib.LLTokenizer.from_tiktoken(encoder=encoding._mergeable_ranks, special_tokens=encoding._special_tokens,
-                                         pattern=encoding._pat_str, eos_token=eos, n_vocab=vocab_size)
+    return lib.LLTokenizer.from_tiktoken(
+        encoder=encoding._mergeable_ranks,
+        special_tokens=encoding._special_tokens,
+        pattern=encoding._pat_str,
+        eos_token=eos,
+        n_vocab=vocab_size,
+    )
 
 
 def fill_mask(matcher, mask: np.ndarray, row: int) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -26,8 +26,10 @@ from jfire.models.family import Family
 
 def init_pages(cfg: Family, num_pages: int, page_size: int, dtype, shardings: dict | None = None) -> dict:
     """Zeroed page arrays, created directly with their shardings (each device allocates its part)."""
-    return {c.name: jnp.zeros(c.shape(num_pages, page_size), dtype, device=(shardings or {}).get(c.name))
-            for c in cfg.cache_specs()}
+    return {
+        c.name: jnp.zeros(c.shape(num_pages, page_size), dtype, device=(shardings or {}).get(c.name))
+        for c in cfg.cache_specs()
+    }
 
 
 def page_bytes(cfg: Family, page_size: int, dtype) -> int:
@@ -39,7 +41,7 @@ def block_hashes(token_ids: Sequence[int], page_size: int) -> list[bytes]:
     """Chained hashes of each full page of tokens: a page's hash covers everything before it."""
     hashes, parent = [], b""
     for start in range(0, len(token_ids) - page_size + 1, page_size):
-        block = np.asarray(token_ids[start:start + page_size], np.int64).tobytes()
+        block = np.asarray(token_ids[start : start + page_size], np.int64).tobytes()
         parent = hashlib.blake2b(parent + block, digest_size=16).digest()
         hashes.append(parent)
     return hashes

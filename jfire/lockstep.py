@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 import zlib
-from typing import Callable
+from collections.abc import Callable
 
 from jfire.disagg import cluster
 from jfire.errors import JfireError
@@ -36,7 +36,9 @@ STEPS_DIR = "jfire/lockstep/"
 POLL_MS = 1000  # how long a follower's read waits before it looks again (the leader may be idle)
 BEAT_S = 1.0  # every process's sign of life, this often
 LEADER_TIMEOUT_S = 15.0  # a follower that hears nothing from its leader for this long stops
-FOLLOWER_TIMEOUT_S = 10.0  # a leader whose follower shows no sign of life for this long fails (JAX's own heartbeat timeout)
+FOLLOWER_TIMEOUT_S = (
+    10.0  # a leader whose follower shows no sign of life for this long fails (JAX's own heartbeat timeout)
+)
 
 
 def join(coordinator: str, num_processes: int, process_id: int) -> None:
@@ -53,10 +55,17 @@ def join(coordinator: str, num_processes: int, process_id: int) -> None:
 def fingerprint(engine) -> dict:
     """What every process of a group must agree on for its programs and page tables to match."""
     model, config = engine.model, engine.config
-    return {"model": model.name, "dtype": model.dtype, "mesh": str(dict(model.mesh.shape)) if model.mesh else None,
-            "devices": [d.id for d in model.mesh.devices.flat] if model.mesh else None,
-            "pages": engine.pool.num_pages, "page_size": config.page_size, "max_model_len": engine.max_model_len,
-            "buckets": repr(engine.buckets), "attention": config.attention}
+    return {
+        "model": model.name,
+        "dtype": model.dtype,
+        "mesh": str(dict(model.mesh.shape)) if model.mesh else None,
+        "devices": [d.id for d in model.mesh.devices.flat] if model.mesh else None,
+        "pages": engine.pool.num_pages,
+        "page_size": config.page_size,
+        "max_model_len": engine.max_model_len,
+        "buckets": repr(engine.buckets),
+        "attention": config.attention,
+    }
 
 
 class StepChannel:
@@ -104,8 +113,9 @@ class StepChannel:
             if beat is not None and (last is None or beat != last[0]):
                 self._heard[follower] = (beat, now)
             elif last is not None and now - last[1] > FOLLOWER_TIMEOUT_S:
-                raise JfireError(f"process {follower} of the group stopped: no sign of life for "
-                                 f"{FOLLOWER_TIMEOUT_S:g} s")
+                raise JfireError(
+                    f"process {follower} of the group stopped: no sign of life for {FOLLOWER_TIMEOUT_S:g} s"
+                )
 
     def _beat_key(self, process: int) -> str:
         return f"{STEPS_DIR}{self.group}/beat/{process}"
@@ -159,8 +169,10 @@ class StepChannel:
         differ = {k: (leader.get(k), v) for k, v in mine.items() if leader.get(k) != v}
         if differ:
             detail = "; ".join(f"{k}: leader {a!r}, this process {b!r}" for k, (a, b) in differ.items())
-            raise JfireError(f"process {self.me} was started with settings that differ from the group leader's "
-                             f"({detail}); start every process of a group with the same model, mesh and engine flags")
+            raise JfireError(
+                f"process {self.me} was started with settings that differ from the group leader's "
+                f"({detail}); start every process of a group with the same model, mesh and engine flags"
+            )
 
     def receive(self):
         """The next call: (kind, key, inputs). Waits as long as the leader is idle."""
@@ -180,13 +192,16 @@ class StepChannel:
             if now_beat != beat:
                 beat, heard = now_beat, time.monotonic()
             elif beat is not None and time.monotonic() - heard > LEADER_TIMEOUT_S:  # it had beaten before
-                raise JfireError(f"process {self.me} lost its group's leader (process {self.leader}): no call and "
-                                 f"no sign of life for {LEADER_TIMEOUT_S:g} s")
+                raise JfireError(
+                    f"process {self.me} lost its group's leader (process {self.leader}): no call and "
+                    f"no sign of life for {LEADER_TIMEOUT_S:g} s"
+                )
         self.store.key_value_delete(key)
         seq, kind, call_key, inputs = pickle.loads(zlib.decompress(payload))
         if seq != self.seq:
-            raise JfireError(f"process {self.me} diverged from its group: it expected call {self.seq} and received "
-                             f"call {seq}")
+            raise JfireError(
+                f"process {self.me} diverged from its group: it expected call {self.seq} and received call {seq}"
+            )
         return kind, call_key, inputs
 
 
@@ -196,8 +211,12 @@ def follow(engine, channel: StepChannel, on_ready=None) -> int:
     if threading.current_thread() is threading.main_thread():
         # A supervisor stopping the group signals every process: the follower goes on until the
         # leader, draining its requests, sends its last call (or JAX stops it with the leader).
-        signal.signal(signal.SIGTERM, lambda *_: print(f"jfire: process {channel.me} follows on until its leader "
-                                                         "stops", file=sys.stderr, flush=True))
+        signal.signal(
+            signal.SIGTERM,
+            lambda *_: print(
+                f"jfire: process {channel.me} follows on until its leader stops", file=sys.stderr, flush=True
+            ),
+        )
     stop_beating = channel.beat_forever()
     try:
         return _replay(engine, channel, on_ready)
@@ -211,16 +230,22 @@ def _replay(engine, channel: StepChannel, on_ready) -> int:
     channel.check_config(engine)
     if on_ready is not None:
         on_ready()
-    print(f"jfire: process {channel.me} follows process {channel.leader} ({engine.programs.num_compiled} "
-          f"programs compiled)", file=sys.stderr, flush=True)
+    print(
+        f"jfire: process {channel.me} follows process {channel.leader} ({engine.programs.num_compiled} "
+        f"programs compiled)",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         while True:
             kind, key, inputs = channel.receive()
             if kind == "stop":
                 return 0
             if kind not in engine.CALL_KINDS:
-                raise JfireError(f"process {channel.me} received an unknown call {kind!r}: the group's processes "
-                                 "run different jfire versions")
+                raise JfireError(
+                    f"process {channel.me} received an unknown call {kind!r}: the group's processes "
+                    "run different jfire versions"
+                )
             out = engine._apply(kind, key, inputs)
             if hasattr(out, "ids"):  # errors surface at the call that caused them
                 out.ids.block_until_ready()

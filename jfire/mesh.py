@@ -57,13 +57,19 @@ class MeshSpec:
         if self.microbatches is not None and self.microbatches < 1:
             raise JfireError(f"mesh {self.name!r}: microbatches must be >= 1, got {self.microbatches}")
         if self.devices_per_host is not None and self.hosts * self.devices_per_host != self.size:
-            raise JfireError(f"mesh {self.name!r}: dp*pp*tp*ep = {self.size} devices, but hosts declare "
-                             f"{self.hosts} x {self.devices_per_host} = {self.hosts * self.devices_per_host}")
+            raise JfireError(
+                f"mesh {self.name!r}: dp*pp*tp*ep = {self.size} devices, but hosts declare "
+                f"{self.hosts} x {self.devices_per_host} = {self.hosts * self.devices_per_host}"
+            )
         memory = self.device_memory_gib
         if memory is not None and (isinstance(memory, bool) or not isinstance(memory, (int, float)) or not memory > 0):
-            raise JfireError(f"mesh {self.name!r}: [device] memory_gib must be a positive number of GiB, got {memory!r}")
+            raise JfireError(
+                f"mesh {self.name!r}: [device] memory_gib must be a positive number of GiB, got {memory!r}"
+            )
         if self.device_kind is not None and not isinstance(self.device_kind, str):
-            raise JfireError(f"mesh {self.name!r}: [device] kind must be a string like \"H200\", got {self.device_kind!r}")
+            raise JfireError(
+                f'mesh {self.name!r}: [device] kind must be a string like "H200", got {self.device_kind!r}'
+            )
 
     @property
     def size(self) -> int:
@@ -80,7 +86,7 @@ class MeshSpec:
     # -- reading ---------------------------------------------------------------------------
 
     @classmethod
-    def from_toml(cls, path: Path) -> "MeshSpec":
+    def from_toml(cls, path: Path) -> MeshSpec:
         try:
             doc = tomllib.loads(Path(path).read_text())
         except tomllib.TOMLDecodeError as e:
@@ -94,22 +100,31 @@ class MeshSpec:
         hosts = doc.get("hosts", {})
         device = doc.get("device", {})
         if not isinstance(device, dict) or set(device) - {"kind", "memory_gib"}:
-            raise JfireError(f"mesh file {path}: [device] takes kind (e.g. \"H200\") and memory_gib (e.g. 140.0), "
-                             f"got {sorted(device) if isinstance(device, dict) else device!r}")
-        return cls(name=doc.get("name", Path(path).stem), **mesh,
-                   microbatches=doc.get("pipeline", {}).get("microbatches"),
-                   hosts=hosts.get("count", 1), devices_per_host=hosts.get("devices_per_host"),
-                   device_kind=device.get("kind"), device_memory_gib=device.get("memory_gib"))
+            raise JfireError(
+                f'mesh file {path}: [device] takes kind (e.g. "H200") and memory_gib (e.g. 140.0), '
+                f"got {sorted(device) if isinstance(device, dict) else device!r}"
+            )
+        return cls(
+            name=doc.get("name", Path(path).stem),
+            **mesh,
+            microbatches=doc.get("pipeline", {}).get("microbatches"),
+            hosts=hosts.get("count", 1),
+            devices_per_host=hosts.get("devices_per_host"),
+            device_kind=device.get("kind"),
+            device_memory_gib=device.get("memory_gib"),
+        )
 
     @classmethod
-    def inline(cls, text: str) -> "MeshSpec":
+    def inline(cls, text: str) -> MeshSpec:
         sizes = {}
         for part in text.split(","):
             key, _, value = part.partition("=")
             key = key.strip()
             if key not in AXES + ("microbatches",) or not value.strip().isdigit():
-                raise JfireError(f"inline mesh {text!r}: expected axis=size pairs like 'pp=2,tp=4' "
-                                 f"(axes: {', '.join(AXES)}; also microbatches=N)")
+                raise JfireError(
+                    f"inline mesh {text!r}: expected axis=size pairs like 'pp=2,tp=4' "
+                    f"(axes: {', '.join(AXES)}; also microbatches=N)"
+                )
             sizes[key] = int(value)
         return cls(name=text, **sizes)
 
@@ -146,8 +161,10 @@ def resolve(arg: str | None) -> MeshSpec:
     if named.is_file():
         return MeshSpec.from_toml(named)
     known = [p.stem for p in mesh_files()]
-    raise JfireError(f"no mesh {arg!r}: give an inline mesh like 'pp=2,tp=4', a .toml file, or one of: "
-                     + (", ".join(known) or "(none found)"))
+    raise JfireError(
+        f"no mesh {arg!r}: give an inline mesh like 'pp=2,tp=4', a .toml file, or one of: "
+        + (", ".join(known) or "(none found)")
+    )
 
 
 def problems(spec: MeshSpec, cfg: Family, num_devices: int) -> list[str]:
@@ -160,8 +177,10 @@ def problems(spec: MeshSpec, cfg: Family, num_devices: int) -> list[str]:
         found.append(f"it needs {spec.size} devices (dp*pp*tp*ep) but {num_devices} are present{hint}")
     if spec.dp > 1:
         # Rows are not split over dp yet: each replica would repeat the whole batch's work.
-        found.append(f"dp={spec.dp} is not supported yet (every replica would repeat the same work); run "
-                     "separate groups or engines instead, and use dp=1")
+        found.append(
+            f"dp={spec.dp} is not supported yet (every replica would repeat the same work); run "
+            "separate groups or engines instead, and use dp=1"
+        )
     return found + cfg.mesh_problems(MeshShape(dp=spec.dp, pp=spec.pp, tp=spec.tp, ep=spec.ep))
 
 
@@ -169,8 +188,9 @@ def check_fits(spec: MeshSpec, cfg: Family, num_devices: int) -> None:
     """Refuses a mesh the devices or the model cannot take, saying why and what would fit."""
     found = problems(spec, cfg, num_devices)
     if found:
-        raise JfireError(f"mesh {spec.name!r} does not fit: " + "; ".join(found)
-                         + f". Would fit: {suggest(cfg, num_devices)}")
+        raise JfireError(
+            f"mesh {spec.name!r} does not fit: " + "; ".join(found) + f". Would fit: {suggest(cfg, num_devices)}"
+        )
 
 
 def suggest(cfg: Family, num_devices: int) -> str:

@@ -20,7 +20,6 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 
-
 def schedule(num_stages: int, num_microbatches: int) -> list[list[int | None]]:
     """The micro-batch each stage works on at each tick (None = idle): ticks x stages."""
     ticks = num_microbatches + num_stages - 1
@@ -45,10 +44,16 @@ class Pipeline:
         m = max(1, min(self.microbatches, rows))
         while rows % m:  # micro-batches must split the rows evenly
             m -= 1
-        split = lambda a: a.reshape(m, rows // m, *a.shape[1:])
+
+        def split(a):
+            return a.reshape(m, rows // m, *a.shape[1:])
+
         stage_fn = functools.partial(_stages, run=run, num_stages=self.stages)
         run = jax.shard_map(
-            stage_fn, mesh=self.mesh, axis_names=frozenset({"pp"}), check_vma=False,
+            stage_fn,
+            mesh=self.mesh,
+            axis_names=frozenset({"pp"}),
+            check_vma=False,
             in_specs=(P("pp"), P(), P(), P(), P("pp")),
             out_specs=(P(), P("pp")),
         )

@@ -98,12 +98,16 @@ def read_model_config(model: str | Path) -> Family:
 
     path = Path(model).expanduser()
     if not path.exists():
-        raise JfireError(f"model path {str(path)!r} does not exist (give a directory with config.json, "
-                         "a jfire checkpoint or a .gguf file)")
+        raise JfireError(
+            f"model path {str(path)!r} does not exist (give a directory with config.json, "
+            "a jfire checkpoint or a .gguf file)"
+        )
     if path.is_file():
         if path.suffix.lower() != ".gguf":
-            raise JfireError(f"{path} is a file but not a .gguf; give a model directory with config.json, "
-                             "a jfire checkpoint directory or a .gguf file")
+            raise JfireError(
+                f"{path} is a file but not a .gguf; give a model directory with config.json, "
+                "a jfire checkpoint directory or a .gguf file"
+            )
         from jfire.checkpoint.sources import GGUFSource
 
         return GGUFSource(path).config
@@ -111,8 +115,10 @@ def read_model_config(model: str | Path) -> Family:
         return store.read_config(path)
     config_file = path / "config.json"
     if not config_file.is_file():
-        raise JfireError(f"{path} has no config.json (and is not a jfire checkpoint); jfire plan needs the "
-                         "model's config.json, and nothing else")
+        raise JfireError(
+            f"{path} has no config.json (and is not a jfire checkpoint); jfire plan needs the "
+            "model's config.json, and nothing else"
+        )
     try:
         hf = json.loads(config_file.read_text())
     except json.JSONDecodeError as e:
@@ -135,9 +141,11 @@ def device_memory(spec: meshes.MeshSpec, override_gib: float | None) -> tuple[st
             raise JfireError(f"--device-memory-gib must be > 0, got {override_gib}")
         return spec.device_kind, float(override_gib), "--device-memory-gib"
     if spec.device_memory_gib is None:
-        raise JfireError(f"mesh {spec.name!r} does not say how much memory its devices have: add a [device] "
-                         "table to its mesh file (e.g. kind = \"H200\" and memory_gib = 140.0, the usable memory "
-                         "per device as the driver reports it), or pass --device-memory-gib N")
+        raise JfireError(
+            f"mesh {spec.name!r} does not say how much memory its devices have: add a [device] "
+            'table to its mesh file (e.g. kind = "H200" and memory_gib = 140.0, the usable memory '
+            "per device as the driver reports it), or pass --device-memory-gib N"
+        )
     return spec.device_kind, float(spec.device_memory_gib), "mesh file"
 
 
@@ -196,8 +204,15 @@ def weights_held(spec: ParamSpec) -> int:
 def parameter_counts(cfg: Family, dtype) -> dict:
     """The model's parameters (quantized weights counted one each, scales not at all) and its
     bytes, every param in its own dtype; the int4 and FP8 weights and their scales also on their own."""
-    out = {"parameters": 0, "parameter_bytes": 0, "int4_parameters": 0, "int4_bytes": 0, "fp8_parameters": 0,
-           "fp8_bytes": 0, "scale_bytes": 0}
+    out = {
+        "parameters": 0,
+        "parameter_bytes": 0,
+        "int4_parameters": 0,
+        "int4_bytes": 0,
+        "fp8_parameters": 0,
+        "fp8_bytes": 0,
+        "scale_bytes": 0,
+    }
     for spec in cfg.param_specs():
         size = math.prod(spec.shape) * spec_dtype(spec, dtype).itemsize
         out["parameters"] += weights_held(spec)
@@ -281,8 +296,16 @@ def largest_programs(buckets) -> list[Program]:
     return [Program("decode", max(buckets.decode_batches), 1, width), Program("prefill", rows, tokens, width)]
 
 
-def measure_workspace(cfg: Family, param_shardings: dict, cache_shardings: dict, programs: list[Program], *,
-                      mesh, spec: meshes.MeshSpec, page_size: int) -> list[dict]:
+def measure_workspace(
+    cfg: Family,
+    param_shardings: dict,
+    cache_shardings: dict,
+    programs: list[Program],
+    *,
+    mesh,
+    spec: meshes.MeshSpec,
+    page_size: int,
+) -> list[dict]:
     """XLA's memory analysis of each program, compiled on the CPU devices from abstract
     params and cache in WORKSPACE_DTYPE: temporaries plus outputs that do not alias the
     donated cache."""
@@ -300,20 +323,36 @@ def measure_workspace(cfg: Family, param_shardings: dict, cache_shardings: dict,
     # pool), in whole multiples of a split pages axis.
     multiple = _pages_split(cfg, cache_shardings)
     num_pages = -(-max(p.rows * p.width for p in programs) // multiple) * multiple
-    pages = {c.name: jax.ShapeDtypeStruct(c.shape(num_pages, page_size), WORKSPACE_DTYPE, sharding=cache_shardings[c.name])
-             for c in cfg.cache_specs()}
+    pages = {
+        c.name: jax.ShapeDtypeStruct(c.shape(num_pages, page_size), WORKSPACE_DTYPE, sharding=cache_shardings[c.name])
+        for c in cfg.cache_specs()
+    }
     layer_stack = Pipeline(mesh, spec.num_microbatches) if mesh is not None and spec.pp > 1 else None
     parallel = Parallel(mesh) if mesh is not None and (spec.tp > 1 or spec.ep > 1) else None
-    buckets = Buckets(tuple(p.rows for p in programs if p.kind == "decode"),
-                      tuple((p.rows, p.tokens) for p in programs if p.kind == "prefill"),
-                      max(p.width for p in programs))
+    buckets = Buckets(
+        tuple(p.rows for p in programs if p.kind == "decode"),
+        tuple((p.rows, p.tokens) for p in programs if p.kind == "prefill"),
+        max(p.width for p in programs),
+    )
     # The sampler's penalty counts: one slot per row of the largest batch, and the scratch slot.
     slots = max(p.rows for p in programs) + 1
     counts_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None else None
-    penalties = PenaltyState(jax.ShapeDtypeStruct((slots, cfg.vocab_size), jnp.int32, sharding=counts_sharding),
-                             jax.ShapeDtypeStruct((slots, cfg.vocab_size), jnp.bool_, sharding=counts_sharding))
-    compiled = CompiledPrograms(cfg, params, pages, penalties, buckets, "reference", lazy=True, mesh=mesh,
-                                layer_stack=layer_stack, parallel=parallel)
+    penalties = PenaltyState(
+        jax.ShapeDtypeStruct((slots, cfg.vocab_size), jnp.int32, sharding=counts_sharding),
+        jax.ShapeDtypeStruct((slots, cfg.vocab_size), jnp.bool_, sharding=counts_sharding),
+    )
+    compiled = CompiledPrograms(
+        cfg,
+        params,
+        pages,
+        penalties,
+        buckets,
+        "reference",
+        lazy=True,
+        mesh=mesh,
+        layer_stack=layer_stack,
+        parallel=parallel,
+    )
 
     def one(p: Program) -> dict:
         # Packed int4 experts as the GPU kernel tiles them (INT4_IMPL); the context is per
@@ -333,8 +372,9 @@ def measure_workspace(cfg: Family, param_shardings: dict, cache_shardings: dict,
         return list(pool.map(one, programs))
 
 
-def estimate_workspace(cfg: Family, param_shardings: dict, cache_shardings: dict, program: Program,
-                       page_size: int) -> int:
+def estimate_workspace(
+    cfg: Family, param_shardings: dict, cache_shardings: dict, program: Program, page_size: int
+) -> int:
     """The analytic stand-in for `measure_workspace`, in WORKSPACE_DTYPE (4-byte) values:
       one layer's weights on a device (a scanned layer's slices are materialised)
     + one layer's K and V of one block of pages per row (the reference attention gathers a
@@ -354,8 +394,16 @@ def estimate_workspace(cfg: Family, param_shardings: dict, cache_shardings: dict
 # -- the plan ---------------------------------------------------------------------------------------
 
 
-def plan(model: str | Path, spec: meshes.MeshSpec, *, dtype: str = "bfloat16", limits: Limits = Limits(),
-         compile: bool = True, device_memory_gib: float | None = None, devices=None) -> dict:
+def plan(
+    model: str | Path,
+    spec: meshes.MeshSpec,
+    *,
+    dtype: str = "bfloat16",
+    limits: Limits = Limits(),
+    compile: bool = True,
+    device_memory_gib: float | None = None,
+    devices=None,
+) -> dict:
     """The memory plan of `model` on `spec` as a JSON-ready dict (see `format_plan`)."""
     from jfire.engine import EngineConfig, context_limit
     from jfire.programs import Buckets
@@ -383,31 +431,53 @@ def plan(model: str | Path, spec: meshes.MeshSpec, *, dtype: str = "bfloat16", l
     kv = kv_bytes_per_token(wide, cache_shardings, DTYPES[dtype])
     page_size = engine.page_size
     max_model_len = context_limit(wide, limits.max_context)
-    buckets = Buckets.for_limits(max_batch=max_batch, prefill_budget=prefill_budget,
-                                 max_prefill_rows=engine.max_prefill_rows,
-                                 max_pages_per_row=-(-max_model_len // page_size), page_size=page_size)
+    buckets = Buckets.for_limits(
+        max_batch=max_batch,
+        prefill_budget=prefill_budget,
+        max_prefill_rows=engine.max_prefill_rows,
+        max_pages_per_row=-(-max_model_len // page_size),
+        page_size=page_size,
+    )
     programs = largest_programs(buckets)
     kv_device = max(kv.values())
     estimates = [estimate_workspace(wide, param_shardings, cache_shardings, p, page_size) for p in programs]
     if compile:
-        measured = measure_workspace(wide, param_shardings, cache_shardings, programs, mesh=mesh, spec=spec,
-                                     page_size=page_size)
+        measured = measure_workspace(
+            wide, param_shardings, cache_shardings, programs, mesh=mesh, spec=spec, page_size=page_size
+        )
     else:
         measured = [None] * len(programs)
     details = []
     for p, est, m in zip(programs, estimates, measured):
-        details.append({"program": p.kind, "rows": p.rows, "tokens_per_row": p.tokens, "pages_per_row": p.width,
-                        "estimate_bytes": est, **(m or {})})
+        details.append(
+            {
+                "program": p.kind,
+                "rows": p.rows,
+                "tokens_per_row": p.tokens,
+                "pages_per_row": p.width,
+                "estimate_bytes": est,
+                **(m or {}),
+            }
+        )
     workspace = max(d["workspace_bytes"] if compile else d["estimate_bytes"] for d in details)
 
     memory = int(round(memory_gib * GIB))
     per_device = []
     for i, (coords, device) in enumerate(order):
         free = memory - weights[device] - workspace - RESERVE_BYTES
-        per_device.append({"index": i, "mesh_coords": coords, "memory_bytes": memory, "weight_bytes": weights[device],
-                           "workspace_bytes": workspace, "reserve_bytes": RESERVE_BYTES, "kv_bytes_free": free,
-                           "kv_bytes_per_token": kv[device],
-                           "kv_tokens": max(0, free) // kv[device]})
+        per_device.append(
+            {
+                "index": i,
+                "mesh_coords": coords,
+                "memory_bytes": memory,
+                "weight_bytes": weights[device],
+                "workspace_bytes": workspace,
+                "reserve_bytes": RESERVE_BYTES,
+                "kv_bytes_free": free,
+                "kv_bytes_per_token": kv[device],
+                "kv_tokens": max(0, free) // kv[device],
+            }
+        )
     free_total = sum(d["kv_bytes_free"] for d in per_device)
     kv_total = sum(d["kv_bytes_per_token"] for d in per_device)
     # One pool of pages: every device holds its share of each page (all of it, or 1/n of the
@@ -417,16 +487,21 @@ def plan(model: str | Path, spec: meshes.MeshSpec, *, dtype: str = "bfloat16", l
     capacity = min(d["kv_tokens"] for d in per_device)
     multiple = _pages_split(wide, cache_shardings)
     pages = capacity // page_size // multiple * multiple  # the engine takes whole multiples of the split
-    per_page = (sharding.page_bytes_per_device(wide, page_size, DTYPES[dtype], cache_shardings)
-                if mesh is not None else page_size * kv_device)
+    per_page = (
+        sharding.page_bytes_per_device(wide, page_size, DTYPES[dtype], cache_shardings)
+        if mesh is not None
+        else page_size * kv_device
+    )
     kv_cache_bytes = pages * per_page  # per device: what --kv-cache-gb should be
     kv_model = cfg.kv_bytes_per_token(DTYPES[dtype])  # the cache declaration's, each layer once
     problems = []
     if min(d["kv_bytes_free"] for d in per_device) <= 0:
         problems.append("the weights, workspace and reserve leave no memory for the KV cache")
     elif capacity < max_model_len:
-        problems.append(f"the KV cache holds {capacity} tokens, less than one sequence of the {max_model_len}-token "
-                        "context (lower --max-context, or use a bigger mesh)")
+        problems.append(
+            f"the KV cache holds {capacity} tokens, less than one sequence of the {max_model_len}-token "
+            "context (lower --max-context, or use a bigger mesh)"
+        )
     counts = parameter_counts(cfg, DTYPES[dtype])
     return {
         "model": str(model),
@@ -440,14 +515,29 @@ def plan(model: str | Path, spec: meshes.MeshSpec, *, dtype: str = "bfloat16", l
         "fp8_parameters": counts["fp8_parameters"],
         "fp8_bytes": counts["fp8_bytes"],
         "scale_bytes": counts["scale_bytes"],
-        "parameters_note": (f"weights, each in its own dtype ({dtype} unless declared otherwise)"
-                            + ("; int4 weights counted one each (8 per int32 word, 4 bits a weight)"
-                               if counts["int4_parameters"] else "")
-                            + ("; FP8 experts' weights one byte each (float8_e4m3fn)" if counts["fp8_parameters"] else "")
-                            + ("; their quantization scales are bytes (scale_bytes), not parameters, and are in "
-                               "parameter_bytes and the weights per device" if counts["scale_bytes"] else "")),
-        "mesh": {"name": spec.name, "dp": spec.dp, "pp": spec.pp, "tp": spec.tp, "ep": spec.ep,
-                 "microbatches": spec.num_microbatches if spec.pp > 1 else None},
+        "parameters_note": (
+            f"weights, each in its own dtype ({dtype} unless declared otherwise)"
+            + (
+                "; int4 weights counted one each (8 per int32 word, 4 bits a weight)"
+                if counts["int4_parameters"]
+                else ""
+            )
+            + ("; FP8 experts' weights one byte each (float8_e4m3fn)" if counts["fp8_parameters"] else "")
+            + (
+                "; their quantization scales are bytes (scale_bytes), not parameters, and are in "
+                "parameter_bytes and the weights per device"
+                if counts["scale_bytes"]
+                else ""
+            )
+        ),
+        "mesh": {
+            "name": spec.name,
+            "dp": spec.dp,
+            "pp": spec.pp,
+            "tp": spec.tp,
+            "ep": spec.ep,
+            "microbatches": spec.num_microbatches if spec.pp > 1 else None,
+        },
         "devices": len(per_device),
         "device_kind": kind,
         "device_memory_gib": memory_gib,
@@ -458,25 +548,35 @@ def plan(model: str | Path, spec: meshes.MeshSpec, *, dtype: str = "bfloat16", l
         "weight_bytes_total": sum(d["weight_bytes"] for d in per_device),
         "workspace_bytes_per_device": workspace,
         "workspace_source": "measured" if compile else "estimate",
-        "workspace_note": (f"on XLA:CPU, memory_analysis() of the largest programs compiled with "
-                           f"{np.dtype(WORKSPACE_DTYPE).name} weights and cache (4-byte values: meant as an upper bound for a GPU)"
-                           + (f"; int4 experts packed in int32 words, multiplied as the GPU kernel tiles them "
-                              f"(impl {INT4_IMPL!r})" if counts["int4_parameters"] else "")
-                           + ("; FP8 experts held as their bytes, each layer's dequantized in its step (float32 here, "
-                              "bf16 on a GPU) and multiplied by expert in lax loops, not XLA:CPU's dense ragged_dot"
-                              if counts["fp8_parameters"] else "")
-                           if compile else
-                           "a stated formula, nothing compiled: one layer's weights + one layer's gathered K/V "
-                           f"for every row + logits + {ACTIVATION_VALUES_PER_TOKEN} x embed per token, in 4-byte "
-                           "values"),
+        "workspace_note": (
+            f"on XLA:CPU, memory_analysis() of the largest programs compiled with "
+            f"{np.dtype(WORKSPACE_DTYPE).name} weights and cache (4-byte values: meant as an upper bound for a GPU)"
+            + (
+                f"; int4 experts packed in int32 words, multiplied as the GPU kernel tiles them (impl {INT4_IMPL!r})"
+                if counts["int4_parameters"]
+                else ""
+            )
+            + (
+                "; FP8 experts held as their bytes, each layer's dequantized in its step (float32 here, "
+                "bf16 on a GPU) and multiplied by expert in lax loops, not XLA:CPU's dense ragged_dot"
+                if counts["fp8_parameters"]
+                else ""
+            )
+            if compile
+            else "a stated formula, nothing compiled: one layer's weights + one layer's gathered K/V "
+            f"for every row + logits + {ACTIVATION_VALUES_PER_TOKEN} x embed per token, in 4-byte "
+            "values"
+        ),
         "workspace_programs": details,
         "reserve_bytes_per_device": RESERVE_BYTES,
         "reserve_note": "a stated constant: CUDA context, library workspaces, allocator slack",
         "kv_bytes_per_token": kv_total,
         "kv_bytes_per_token_model": kv_model,
-        "kv_note": ("kv_bytes_per_token: what one pool token costs summed over the devices (KV heads repeated for "
-                    "tp and layers kept on every pipeline stage counted each time they are stored), which the "
-                    "capacity divides; kv_bytes_per_token_model: the cache declaration's, each layer once"),
+        "kv_note": (
+            "kv_bytes_per_token: what one pool token costs summed over the devices (KV heads repeated for "
+            "tp and layers kept on every pipeline stage counted each time they are stored), which the "
+            "capacity divides; kv_bytes_per_token_model: the cache declaration's, each layer once"
+        ),
         "kv_bytes_free_total": free_total,
         "kv_capacity_tokens": capacity,
         "page_size": page_size,
@@ -554,19 +654,27 @@ def format_plan(p: dict) -> str:
     ]
     if p["kv_head_replication"] > 1:
         lines.append(f"kv heads    repeated {p['kv_head_replication']}x so each tp shard owns one (counted below)")
-    lines += ["", f"{'device':<8}{'memory':>12}{'weights':>13}{'workspace':>13}{'reserve':>12}{'KV free':>12}"
-                  f"{'KV/token':>11}"]
+    lines += [
+        "",
+        f"{'device':<8}{'memory':>12}{'weights':>13}{'workspace':>13}{'reserve':>12}{'KV free':>12}{'KV/token':>11}",
+    ]
     for d in p["per_device"]:
-        lines.append(f"{d['index']:<8}{_gib(d['memory_bytes']):>12}{_gib(d['weight_bytes']):>13}"
-                     f"{_gib(d['workspace_bytes']):>13}{_gib(d['reserve_bytes']):>12}{_gib(d['kv_bytes_free']):>12}"
-                     f"{_kib(d['kv_bytes_per_token']):>11}")
+        lines.append(
+            f"{d['index']:<8}{_gib(d['memory_bytes']):>12}{_gib(d['weight_bytes']):>13}"
+            f"{_gib(d['workspace_bytes']):>13}{_gib(d['reserve_bytes']):>12}{_gib(d['kv_bytes_free']):>12}"
+            f"{_kib(d['kv_bytes_per_token']):>11}"
+        )
     lines.append("")
     source = p["workspace_source"]
     lines.append(f"workspace   {_gib(p['workspace_bytes_per_device'])} per device, {source}: {p['workspace_note']}")
     for d in p["workspace_programs"]:
         shape = f"{d['program']} {d['rows']} x {d['tokens_per_row']} tokens, {d['pages_per_row']} pages/row"
-        measured = (f"measured {_gib(d['workspace_bytes'])} (temp {_gib(d['temp_bytes'])} + outputs "
-                    f"{_gib(d['output_bytes'])}), " if "workspace_bytes" in d else "")
+        measured = (
+            f"measured {_gib(d['workspace_bytes'])} (temp {_gib(d['temp_bytes'])} + outputs "
+            f"{_gib(d['output_bytes'])}), "
+            if "workspace_bytes" in d
+            else ""
+        )
         lines.append(f"              {shape}: {measured}estimate {_gib(d['estimate_bytes'])}")
     lines.append(f"reserve     {_gib(p['reserve_bytes_per_device'])} per device, {p['reserve_note']}")
     lines += [
@@ -574,15 +682,20 @@ def format_plan(p: dict) -> str:
         f"KV cache    {_gib(p['kv_bytes_free_total'])} free in all; {_kib(p['kv_bytes_per_token'])} per token over all "
         f"devices{_kv_model(p)} -> {p['kv_capacity_tokens']:,} tokens "
         f"({p['kv_capacity_tokens'] / p['max_context']:.1f} sequences of {p['max_context']:,})"
-        if p["kv_capacity_tokens"] else f"KV cache    no room ({_gib(p['kv_bytes_free_total'])} free in all)",
+        if p["kv_capacity_tokens"]
+        else f"KV cache    no room ({_gib(p['kv_bytes_free_total'])} free in all)",
     ]
     if p["fits"]:
-        lines.append(f"fits        yes: serve with --kv-cache-gb {p['kv_cache_gb_per_device']:g} "
-                     f"({p['kv_pages']:,} pages of {p['page_size']}); limits: --max-batch {p['max_batch']} "
-                     f"--prefill-budget {p['prefill_budget']} --max-context {p['max_context']}")
+        lines.append(
+            f"fits        yes: serve with --kv-cache-gb {p['kv_cache_gb_per_device']:g} "
+            f"({p['kv_pages']:,} pages of {p['page_size']}); limits: --max-batch {p['max_batch']} "
+            f"--prefill-budget {p['prefill_budget']} --max-context {p['max_context']}"
+        )
         usable = (p["device_memory_bytes"] - p["reserve_bytes_per_device"]) / p["device_memory_bytes"]
-        lines.append(f"            (JAX preallocates 75% of a GPU by default: let it use more, e.g. "
-                     f"XLA_PYTHON_CLIENT_MEM_FRACTION={math.floor(usable * 100) / 100:g})")
+        lines.append(
+            f"            (JAX preallocates 75% of a GPU by default: let it use more, e.g. "
+            f"XLA_PYTHON_CLIENT_MEM_FRACTION={math.floor(usable * 100) / 100:g})"
+        )
     else:
         lines.append("fits        no: " + "; ".join(p["problems"]))
     return "\n".join(lines)

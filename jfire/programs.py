@@ -45,17 +45,34 @@ class PallasDecode:
     interpret: bool = False
 
     def __call__(self, q, k_pages, v_pages, layer, page_table, positions, sliding_window=None, chunk=None):
-        out = paged_attention(q[:, 0], k_pages, v_pages, layer, page_table, positions[:, 0] + 1,
-                              sliding_window=sliding_window, chunk=0 if chunk is None else chunk,
-                              interpret=self.interpret)
+        out = paged_attention(
+            q[:, 0],
+            k_pages,
+            v_pages,
+            layer,
+            page_table,
+            positions[:, 0] + 1,
+            sliding_window=sliding_window,
+            chunk=0 if chunk is None else chunk,
+            interpret=self.interpret,
+        )
         return out[:, None]
 
     def mla(self, q_latent, q_rope, cache, layer, page_table, positions, *, scale, first_page=0):
         """The partial (acc, m, l) of jfire.kernels.mla_attention for t = 1."""
         from jfire.kernels.mla_attention import mla_paged_decode
 
-        acc, m, l = mla_paged_decode(q_latent[:, 0], q_rope[:, 0], cache, layer, page_table, positions[:, 0] + 1,
-                                     scale=scale, first_page=first_page, interpret=self.interpret)
+        acc, m, l = mla_paged_decode(
+            q_latent[:, 0],
+            q_rope[:, 0],
+            cache,
+            layer,
+            page_table,
+            positions[:, 0] + 1,
+            scale=scale,
+            first_page=first_page,
+            interpret=self.interpret,
+        )
         return acc[:, None], m[:, None], l[:, None]
 
 
@@ -72,8 +89,9 @@ class Buckets:
     pages_per_row: int
 
     @classmethod
-    def for_limits(cls, *, max_batch: int, prefill_budget: int, max_prefill_rows: int, max_pages_per_row: int,
-                   page_size: int) -> "Buckets":
+    def for_limits(
+        cls, *, max_batch: int, prefill_budget: int, max_prefill_rows: int, max_pages_per_row: int, page_size: int
+    ) -> Buckets:
         decode = powers(1, max_batch, 2)
         # Chunk lengths in powers of two (a chunk pads to at most twice its tokens). Rows per
         # length: 1, 4, and as many as fill the step's budget, so a step of equal chunks
@@ -114,10 +132,25 @@ def _smallest_at_least(options, n: int, what: str) -> int:
     raise ValueError(f"{what} {n} exceeds the largest compiled bucket {max(options)}")
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "layer_stack", "parallel", "cpu_matmul"),
-                   donate_argnames=("pages", "penalties"))
-def prefill(params, pages, tokens, positions, page_table, last_index, rows: RowSampling, penalties: PenaltyState,
-            targets, *, cfg: Family, layer_stack=None, parallel=None, cpu_matmul: bool = False):
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "layer_stack", "parallel", "cpu_matmul"), donate_argnames=("pages", "penalties")
+)
+def prefill(
+    params,
+    pages,
+    tokens,
+    positions,
+    page_table,
+    last_index,
+    rows: RowSampling,
+    penalties: PenaltyState,
+    targets,
+    *,
+    cfg: Family,
+    layer_stack=None,
+    parallel=None,
+    cpu_matmul: bool = False,
+):
     """Chunks of prompts: tokens/positions [b, t] (position -1 = padding), page_table [b, w];
     last_index [b] picks the token whose next-token logits are wanted; targets [b, t] the
     prompt token after each position whose logprob is wanted (-1: none, the usual case).
@@ -125,8 +158,9 @@ def prefill(params, pages, tokens, positions, page_table, last_index, rows: RowS
     penalties, pages). `cpu_matmul`: small products read the weights in place
     (jfire.kernels.cpu_matmul; one float32 CPU device only)."""
     with cpu_matmul_kernels.in_place(cpu_matmul):
-        hidden, pages = cfg.decoder(params, tokens, positions, pages, page_table, layer_stack=layer_stack,
-                                    parallel=parallel)
+        hidden, pages = cfg.decoder(
+            params, tokens, positions, pages, page_table, layer_stack=layer_stack, parallel=parallel
+        )
         row = jnp.arange(tokens.shape[0])
         logits = cfg.logits(params, hidden[row, last_index])
         steps = positions[row, last_index].astype(jnp.uint32)
@@ -135,16 +169,39 @@ def prefill(params, pages, tokens, positions, page_table, last_index, rows: RowS
     return out, logits, penalties, pages
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "attention", "layer_stack", "parallel", "cpu_matmul"),
-                   donate_argnames=("pages", "penalties"))
-def decode(params, pages, tokens, positions, page_table, rows: RowSampling, penalties: PenaltyState, *,
-           cfg: Family, attention: str = "reference", layer_stack=None, parallel=None, cpu_matmul: bool = False):
+@functools.partial(
+    jax.jit,
+    static_argnames=("cfg", "attention", "layer_stack", "parallel", "cpu_matmul"),
+    donate_argnames=("pages", "penalties"),
+)
+def decode(
+    params,
+    pages,
+    tokens,
+    positions,
+    page_table,
+    rows: RowSampling,
+    penalties: PenaltyState,
+    *,
+    cfg: Family,
+    attention: str = "reference",
+    layer_stack=None,
+    parallel=None,
+    cpu_matmul: bool = False,
+):
     """One token per row: tokens/positions [b] (position -1 = an empty row), page_table [b, w].
     Returns (SampleOut of the next ids, logits [b, v], penalties, pages)."""
     with cpu_matmul_kernels.in_place(cpu_matmul):
-        hidden, pages = cfg.decoder(params, tokens[:, None], positions[:, None], pages, page_table,
-                                    attention_impl=_decode_attention(attention), layer_stack=layer_stack,
-                                    parallel=parallel)
+        hidden, pages = cfg.decoder(
+            params,
+            tokens[:, None],
+            positions[:, None],
+            pages,
+            page_table,
+            attention_impl=_decode_attention(attention),
+            layer_stack=layer_stack,
+            parallel=parallel,
+        )
         logits = cfg.logits(params, hidden[:, 0])
     out, penalties = sample(logits, positions.astype(jnp.uint32), rows, penalties)
     return out, logits, penalties, pages
@@ -166,9 +223,22 @@ class CompiledPrograms:
     reads them while the compiling thread adds to them.
     """
 
-    def __init__(self, cfg: Family, params, pages, penalties, buckets: Buckets, attention: str = "reference",
-                 lazy: bool = False, mesh=None, layer_stack=None, kinds=("prefill", "decode"), parallel=None,
-                 cpu_matmul: bool = False, compiler_options: dict | None = None):
+    def __init__(
+        self,
+        cfg: Family,
+        params,
+        pages,
+        penalties,
+        buckets: Buckets,
+        attention: str = "reference",
+        lazy: bool = False,
+        mesh=None,
+        layer_stack=None,
+        kinds=("prefill", "decode"),
+        parallel=None,
+        cpu_matmul: bool = False,
+        compiler_options: dict | None = None,
+    ):
         self.cfg = cfg
         self.compiler_options = dict(compiler_options or {})  # every bucket's (e.g. QUICK_COMPILE)
         self.cpu_matmul = cpu_matmul  # small products read the weights in place (see `decode`)
@@ -199,8 +269,9 @@ class CompiledPrograms:
     def shapes(self) -> list[tuple]:
         """Every bucket, essential ones first, then by size (the cheaper and more common first)."""
         b = self.buckets
-        rest = ([("decode", n) for n in b.decode_batches if "decode" in self.kinds]
-                + [("prefill", r, t) for r, t in b.prefill_shapes if "prefill" in self.kinds])
+        rest = [("decode", n) for n in b.decode_batches if "decode" in self.kinds] + [
+            ("prefill", r, t) for r, t in b.prefill_shapes if "prefill" in self.kinds
+        ]
         essential = self.essential_shapes()
         rest = sorted((x for x in rest if x not in essential), key=lambda x: (x[0] == "prefill", x[1:]))
         return essential + rest
@@ -234,7 +305,7 @@ class CompiledPrograms:
         for i in range(0, len(rest), max(1, workers)):
             if stop is not None and stop.is_set():
                 return
-            batch = rest[i:i + max(1, workers)]
+            batch = rest[i : i + max(1, workers)]
             if before_loading is not None and all(self.is_stored(s) for s in batch):
                 before_loading()
             self.compile_all(workers, shapes=batch)
@@ -261,18 +332,43 @@ class CompiledPrograms:
         static = dict(cfg=self.cfg, layer_stack=self.layer_stack, parallel=self.parallel, cpu_matmul=self.cpu_matmul)
         if shape[0] == "decode":
             _, n = shape
-            return decode, (self._params, self._pages, s((n,), i32), s((n,), i32), s((n, w), i32), self._rows(n),
-                            self._penalties), {**static, "attention": self.attention}
+            return (
+                decode,
+                (self._params, self._pages, s((n,), i32), s((n,), i32), s((n, w), i32), self._rows(n), self._penalties),
+                {**static, "attention": self.attention},
+            )
         _, r, t = shape
-        return prefill, (self._params, self._pages, s((r, t), i32), s((r, t), i32), s((r, w), i32), s((r,), i32),
-                         self._rows(r), self._penalties, s((r, t), i32)), static
+        return (
+            prefill,
+            (
+                self._params,
+                self._pages,
+                s((r, t), i32),
+                s((r, t), i32),
+                s((r, w), i32),
+                s((r,), i32),
+                self._rows(r),
+                self._penalties,
+                s((r, t), i32),
+            ),
+            static,
+        )
 
     def _rows(self, n: int) -> RowSampling:
         s = functools.partial(jax.ShapeDtypeStruct, sharding=self._input_sharding)
         i32, u32, f32 = jnp.int32, jnp.uint32, jnp.float32
-        return RowSampling(s((n,), u32), s((n,), f32), s((n,), i32), s((n,), f32),
-                           s((n, mask_words(self.cfg.vocab_size)), i32), s((n,), f32), s((n,), f32), s((n,), f32),
-                           s((n,), i32), s((n,), jnp.bool_))
+        return RowSampling(
+            s((n,), u32),
+            s((n,), f32),
+            s((n,), i32),
+            s((n,), f32),
+            s((n, mask_words(self.cfg.vocab_size)), i32),
+            s((n,), f32),
+            s((n,), f32),
+            s((n,), f32),
+            s((n,), i32),
+            s((n,), jnp.bool_),
+        )
 
     # -- choosing a program for a step ------------------------------------------------------------
 
@@ -281,7 +377,7 @@ class CompiledPrograms:
         them all, else the largest compiled one (the caller runs the rest in further calls)."""
         if self.lazy:
             return self.buckets.decode_batch(rows)
-        batches = sorted(n for n, in self._decode)
+        batches = sorted(n for (n,) in self._decode)
         return next((x for x in batches if x >= rows), batches[-1])
 
     def prefill_shape(self, longest: int, count: int) -> tuple[int, int]:

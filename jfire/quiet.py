@@ -15,13 +15,17 @@ from typing import BinaryIO
 NOISE = (
     # jax.distributed's coordination service, on every process of a deployment: the
     # deployment asks for recoverable tasks on purpose (jfire/disagg/cluster.py).
-    re.compile(rb"^[IW]\d{4} [\d:.]+ +\d+ coordination_service\.cc:\d+\] \[\d+\] Using experimental recoverable task "
-               rb"feature\. The default shutdown barrier will only block non-recoverable tasks\. If a synchronized "
-               rb"shutdown is desired, the user / library should invoke `WaitAtBarrier` explicitly at the end of the "
-               rb"program\.$"),
+    re.compile(
+        rb"^[IW]\d{4} [\d:.]+ +\d+ coordination_service\.cc:\d+\] \[\d+\] Using experimental recoverable task "
+        rb"feature\. The default shutdown barrier will only block non-recoverable tasks\. If a synchronized "
+        rb"shutdown is desired, the user / library should invoke `WaitAtBarrier` explicitly at the end of the "
+        rb"program\.$"
+    ),
     # Gloo, once per process per collective group it joins (groups spanning processes on CPUs).
-    re.compile(rb"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of connected peer ranks is : "
-               rb"\d+$"),
+    re.compile(
+        rb"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of connected peer ranks is : "
+        rb"\d+$"
+    ),
 )
 
 

@@ -93,7 +93,7 @@ class SamplingParams:
         return dataclasses.asdict(self) | {"stop": list(self.stop), "stop_token_ids": list(self.stop_token_ids)}
 
     @classmethod
-    def from_json(cls, d: dict) -> "SamplingParams":
+    def from_json(cls, d: dict) -> SamplingParams:
         return cls(**{**d, "stop": tuple(d.get("stop", ())), "stop_token_ids": tuple(d.get("stop_token_ids", ()))})
 
 
@@ -148,8 +148,11 @@ def prompt_logprobs(logits_of, hidden, targets) -> PromptLogprobs:
         return PromptLogprobs(jnp.where(targets >= 0, picked, 0.0), top_ids.astype(jnp.int32), top_logprobs)
 
     def skip():
-        return PromptLogprobs(jnp.zeros((b, t), jnp.float32), jnp.zeros((b, t, PROMPT_TOP_LOGPROBS), jnp.int32),
-                              jnp.zeros((b, t, PROMPT_TOP_LOGPROBS), jnp.float32))
+        return PromptLogprobs(
+            jnp.zeros((b, t), jnp.float32),
+            jnp.zeros((b, t, PROMPT_TOP_LOGPROBS), jnp.int32),
+            jnp.zeros((b, t, PROMPT_TOP_LOGPROBS), jnp.float32),
+        )
 
     return jax.lax.cond(jnp.any(targets >= 0), compute, skip)
 
@@ -161,9 +164,18 @@ def mask_words(vocab_size: int) -> int:
 def neutral_rows(rows: int, vocab_size: int) -> RowSampling:
     """Greedy rows with nothing else on (benchmarks and tests that drive programs directly)."""
     z = np.zeros(rows, np.float32)
-    return RowSampling(np.zeros(rows, np.uint32), z, np.zeros(rows, np.int32), np.ones(rows, np.float32),
-                       np.full((rows, mask_words(vocab_size)), -1, np.int32), z, z, np.ones(rows, np.float32),
-                       np.zeros(rows, np.int32), np.zeros(rows, bool))
+    return RowSampling(
+        np.zeros(rows, np.uint32),
+        z,
+        np.zeros(rows, np.int32),
+        np.ones(rows, np.float32),
+        np.full((rows, mask_words(vocab_size)), -1, np.int32),
+        z,
+        z,
+        np.ones(rows, np.float32),
+        np.zeros(rows, np.int32),
+        np.zeros(rows, bool),
+    )
 
 
 def init_penalty_state(slots: int, vocab_size: int, sharding=None) -> PenaltyState:
@@ -180,8 +192,14 @@ def set_penalty_slot(state: PenaltyState, slot, generated_row, in_prompt_row) ->
 def sample(logits, steps, rows: RowSampling, state: PenaltyState) -> tuple[SampleOut, PenaltyState]:
     """Next ids from logits [b, v] (float32); steps uint32 [b] (the sampled position).
     Returns what was sampled and the counts with each row's new token added to its slot."""
-    logits = jax.lax.cond(jnp.any((rows.frequency != 0) | (rows.presence != 0) | (rows.repetition != 1)),
-                          _penalize, lambda lg, *_: lg, logits, rows, state)
+    logits = jax.lax.cond(
+        jnp.any((rows.frequency != 0) | (rows.presence != 0) | (rows.repetition != 1)),
+        _penalize,
+        lambda lg, *_: lg,
+        logits,
+        rows,
+        state,
+    )
     logits = jnp.where(_unpack_mask(rows.allowed, logits.shape[-1]), logits, -jnp.inf)
     greedy = greedy_ids(logits)
 
@@ -229,8 +247,11 @@ def _logprobs(logits, ids):
 
 def _no_logprobs(logits, ids):
     b = logits.shape[0]
-    return (jnp.zeros(b, jnp.float32), jnp.zeros((b, MAX_TOP_LOGPROBS), jnp.int32),
-            jnp.zeros((b, MAX_TOP_LOGPROBS), jnp.float32))
+    return (
+        jnp.zeros(b, jnp.float32),
+        jnp.zeros((b, MAX_TOP_LOGPROBS), jnp.int32),
+        jnp.zeros((b, MAX_TOP_LOGPROBS), jnp.float32),
+    )
 
 
 def _sample_row(logits, seed, step, temperature, top_k, top_p):

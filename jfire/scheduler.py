@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+
 from jfire.kv_cache import BlockPool, block_hashes
 from jfire.sampling import SamplingParams
 
@@ -42,7 +43,7 @@ class Sequence:
     registered_blocks: int = 0  # full prompt blocks whose hashes are in the pool
     # Another sequence with the same prompt (n > 1): admitted once that one's prompt blocks are
     # cached, so it reuses them instead of computing them again.
-    after: "Sequence | None" = None
+    after: Sequence | None = None
 
     def __post_init__(self):
         if not self.tokens:
@@ -81,8 +82,15 @@ class Step:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, *, max_batch: int, prefill_budget: int, max_prefill_rows: int,
-                 prefix_caching: bool = True):
+    def __init__(
+        self,
+        pool: BlockPool,
+        *,
+        max_batch: int,
+        prefill_budget: int,
+        max_prefill_rows: int,
+        prefix_caching: bool = True,
+    ):
         self.pool = pool
         self.max_batch = max_batch
         self.prefill_budget = prefill_budget

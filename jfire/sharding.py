@@ -8,7 +8,6 @@ the vocabulary splits over tp (embedding and LM head), layers split over pp, exp
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -60,7 +59,9 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
 }
 
 
-def partition_spec(axes: tuple[str, ...], mesh: jax.sharding.Mesh, shape: tuple[int, ...] | None = None) -> PartitionSpec:
+def partition_spec(
+    axes: tuple[str, ...], mesh: jax.sharding.Mesh, shape: tuple[int, ...] | None = None
+) -> PartitionSpec:
     """The PartitionSpec for logically named dims; a mesh axis used twice raises, and a dim
     the mesh axis does not divide stays replicated."""
     out, used = [], set()

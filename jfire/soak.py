@@ -33,28 +33,62 @@ from pathlib import Path
 import httpx
 
 MIB = 1 << 20
-WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches near "
-         "old river banks under grey autumn skies and every careful engineer writes small tests first").split()
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 99}},
-          "required": ["name", "age"], "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-                   "required": ["city"], "additionalProperties": False}}}]
+WORDS = (
+    "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches near "
+    "old river banks under grey autumn skies and every careful engineer writes small tests first"
+).split()
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "maxLength": 20},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                },
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
+]
 PROBE = {"messages": [{"role": "user", "content": "Name three primary colors."}], "max_tokens": 24, "temperature": 0}
 # (name, weight): the mix of request kinds each client draws from.
-KINDS = [("completion", 12), ("chat", 12), ("json_schema", 8), ("tool_auto", 6), ("tool_required", 8), ("n2", 6),
-         ("logprobs", 8), ("long_repeat", 12), ("near_limit", 6), ("leave", 10), ("malformed", 5)]
+KINDS = [
+    ("completion", 12),
+    ("chat", 12),
+    ("json_schema", 8),
+    ("tool_auto", 6),
+    ("tool_required", 8),
+    ("n2", 6),
+    ("logprobs", 8),
+    ("long_repeat", 12),
+    ("near_limit", 6),
+    ("leave", 10),
+    ("malformed", 5),
+]
 MALFORMED = [  # (body as sent, endpoint): each must be refused with a 4xx
     (b'{"model": "default", "prompt": "hi", ', "/v1/completions"),
     (json.dumps({"model": "default", "prompt": "hi", "max_tokens": -1}).encode(), "/v1/completions"),
     (json.dumps({"model": "default", "messages": "hi"}).encode(), "/v1/chat/completions"),
     (json.dumps({"model": "default", "prompt": "hi", "temperature": "hot"}).encode(), "/v1/completions"),
-    (json.dumps({"model": "default", "messages": [{"role": "user", "content": "x"}], "n": 0}).encode(),
-     "/v1/chat/completions"),
-    (json.dumps({"model": "default", "prompt": [10 ** 9]}).encode(), "/v1/completions"),
+    (
+        json.dumps({"model": "default", "messages": [{"role": "user", "content": "x"}], "n": 0}).encode(),
+        "/v1/chat/completions",
+    ),
+    (json.dumps({"model": "default", "prompt": [10**9]}).encode(), "/v1/completions"),
 ]
 
 
@@ -88,7 +122,9 @@ class Tally:
         self.server_errors: collections.Counter = collections.Counter()  # 5xx cause
         self.stream_errors: collections.Counter = collections.Counter()  # error event cause
         self.client_errors: collections.Counter = collections.Counter()  # exceptions on our side
-        self.wrong_refusals: collections.Counter = collections.Counter()  # a 4xx to a valid request, or not to a bad one
+        self.wrong_refusals: collections.Counter = (
+            collections.Counter()
+        )  # a 4xx to a valid request, or not to a bad one
         self.probes: list[str] = []
 
     def add(self, kind: str, outcome: str, counter: str | None = None, why: str = "") -> None:
@@ -106,13 +142,20 @@ class Tally:
             by_kind: dict = collections.defaultdict(dict)
             for (kind, outcome), n in sorted(self.outcomes.items()):
                 by_kind[kind][outcome] = n
-            return {"requests": sum(self.outcomes.values()), "by_kind": dict(by_kind),
-                    "5xx": sum(self.server_errors.values()), "5xx_by_cause": dict(self.server_errors),
-                    "stream_errors": sum(self.stream_errors.values()), "stream_errors_by_cause": dict(self.stream_errors),
-                    "client_errors": sum(self.client_errors.values()), "client_errors_by_cause": dict(self.client_errors),
-                    "wrong_refusals": sum(self.wrong_refusals.values()),
-                    "wrong_refusals_by_cause": dict(self.wrong_refusals),
-                    "probes": len(self.probes), "probe_outputs": sorted(set(self.probes))}
+            return {
+                "requests": sum(self.outcomes.values()),
+                "by_kind": dict(by_kind),
+                "5xx": sum(self.server_errors.values()),
+                "5xx_by_cause": dict(self.server_errors),
+                "stream_errors": sum(self.stream_errors.values()),
+                "stream_errors_by_cause": dict(self.stream_errors),
+                "client_errors": sum(self.client_errors.values()),
+                "client_errors_by_cause": dict(self.client_errors),
+                "wrong_refusals": sum(self.wrong_refusals.values()),
+                "wrong_refusals_by_cause": dict(self.wrong_refusals),
+                "probes": len(self.probes),
+                "probe_outputs": sorted(set(self.probes)),
+            }
 
 
 class Client:
@@ -129,34 +172,78 @@ class Client:
     def request(self, kind: str) -> tuple[str, dict, bool, int | None]:
         """(endpoint, body, stream, chunks to read before leaving or None)."""
         r = self.rng
-        chat = {"model": "default", "messages": [{"role": "user", "content": self.words(r.randint(3, 60))}],
-                "max_tokens": r.randint(1, 128), "temperature": r.choice([0, 0.7])}
+        chat = {
+            "model": "default",
+            "messages": [{"role": "user", "content": self.words(r.randint(3, 60))}],
+            "max_tokens": r.randint(1, 128),
+            "temperature": r.choice([0, 0.7]),
+        }
         stream = r.random() < 0.5
         if kind == "completion":
-            return "/v1/completions", {"model": "default", "prompt": self.words(r.randint(3, 300)),
-                                       "max_tokens": r.randint(1, 128), "temperature": r.choice([0, 0.8])}, stream, None
+            return (
+                "/v1/completions",
+                {
+                    "model": "default",
+                    "prompt": self.words(r.randint(3, 300)),
+                    "max_tokens": r.randint(1, 128),
+                    "temperature": r.choice([0, 0.8]),
+                },
+                stream,
+                None,
+            )
         if kind == "chat":
             return "/v1/chat/completions", chat, stream, None
         if kind == "json_schema":
-            return "/v1/chat/completions", {**chat, "max_tokens": r.randint(16, 128), "response_format": {
-                "type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}}, stream, None
+            return (
+                "/v1/chat/completions",
+                {
+                    **chat,
+                    "max_tokens": r.randint(16, 128),
+                    "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
+                },
+                stream,
+                None,
+            )
         if kind in ("tool_auto", "tool_required"):
             choice = "auto" if kind == "tool_auto" else "required"
             return "/v1/chat/completions", {**chat, "tools": TOOLS, "tool_choice": choice}, stream, None
         if kind == "n2":
-            return "/v1/completions", {"model": "default", "prompt": self.words(r.randint(3, 100)), "n": 2,
-                                       "max_tokens": r.randint(1, 64), "temperature": 0.8}, stream, None
+            return (
+                "/v1/completions",
+                {
+                    "model": "default",
+                    "prompt": self.words(r.randint(3, 100)),
+                    "n": 2,
+                    "max_tokens": r.randint(1, 64),
+                    "temperature": 0.8,
+                },
+                stream,
+                None,
+            )
         if kind == "logprobs":
             return "/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 2}, stream, None
         if kind == "long_repeat":
-            return "/v1/completions", {"model": "default", "prompt": r.choice(self.long_prompts),
-                                       "max_tokens": r.randint(1, 32), "temperature": 0}, stream, None
+            return (
+                "/v1/completions",
+                {
+                    "model": "default",
+                    "prompt": r.choice(self.long_prompts),
+                    "max_tokens": r.randint(1, 32),
+                    "temperature": 0,
+                },
+                stream,
+                None,
+            )
         if kind == "near_limit":  # token ids, so the length is exact: the context filled to its last token
             max_tokens = r.randint(1, 16)
             n = self.config.context - max_tokens - r.randint(0, 8)
             prompt = [r.randrange(1000, 20000) for _ in range(n)]
-            return "/v1/completions", {"model": "default", "prompt": prompt, "max_tokens": max_tokens,
-                                       "temperature": 0}, stream, None
+            return (
+                "/v1/completions",
+                {"model": "default", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+                stream,
+                None,
+            )
         if kind == "leave":
             return "/v1/chat/completions", {**chat, "max_tokens": 128}, True, r.randint(1, 6)
         raise ValueError(kind)
@@ -206,7 +293,7 @@ class Client:
                 if line == "data: [DONE]":
                     done = True
                     break
-                event = json.loads(line[len("data: "):])
+                event = json.loads(line[len("data: ") :])
                 if "error" in event:
                     self.tally.add(kind, "stream_error", "stream_errors", cause(event["error"].get("message", "")))
                     return
@@ -289,11 +376,21 @@ class Deployment:
         """Pages held, pulls running and transfer counts, per group (or for the one server)."""
         if self.launcher_pid is None:
             metrics = self.http.get(self.url + "/metrics").text
-            value = next(float(line.split()[1]) for line in metrics.splitlines()
-                         if line.startswith("jfire_kv_pages_used "))
+            value = next(
+                float(line.split()[1]) for line in metrics.splitlines() if line.startswith("jfire_kv_pages_used ")
+            )
             return {"serve": {"pages_used": int(value)}}
-        keys = ("pages_used", "transfers_pending", "pull_threads", "transfers_failed", "transfers_corrupted",
-                "kv_transfers", "transfers_published", "transfers_expired", "compiled_programs")
+        keys = (
+            "pages_used",
+            "transfers_pending",
+            "pull_threads",
+            "transfers_failed",
+            "transfers_corrupted",
+            "kv_transfers",
+            "transfers_published",
+            "transfers_expired",
+            "compiled_programs",
+        )
         out = {}
         for name, g in self.groups().items():
             stats = self.http.get(g["control"] + "/stats").json()
@@ -310,8 +407,12 @@ def fit(times: list[float], values: list[float]) -> dict:
     slope, intercept = statistics.linear_regression(times, values)
     residual = sum((v - (intercept + slope * t)) ** 2 for t, v in zip(times, values)) / (n - 2)
     spread = sum((t - statistics.fmean(times)) ** 2 for t in times)
-    return {"per_10_min": slope * 600, "stderr_per_10_min": (residual / spread) ** 0.5 * 600,
-            "r": statistics.correlation(times, values), "samples": n}
+    return {
+        "per_10_min": slope * 600,
+        "stderr_per_10_min": (residual / spread) ** 0.5 * 600,
+        "r": statistics.correlation(times, values),
+        "samples": n,
+    }
 
 
 def minima(times: list[float], values: list[float], window_s: float = 60.0) -> tuple[list[float], list[float]]:
@@ -329,8 +430,9 @@ def run(deployment: Deployment, config: SoakConfig, *, log=print) -> dict:
     """Runs the soak and returns its report (also logged a line per sample as it goes)."""
     tally, stop = Tally(), threading.Event()
     rng = random.Random(config.seed)
-    long_prompts = [" ".join(rng.choice(WORDS) for _ in range(min(900, config.context // 3))) + f" ({i})"
-                    for i in range(3)]
+    long_prompts = [
+        " ".join(rng.choice(WORDS) for _ in range(min(900, config.context // 3))) + f" ({i})" for i in range(3)
+    ]
     start = time.monotonic()
     deadline = start + config.duration_s
 
@@ -374,16 +476,21 @@ def run(deployment: Deployment, config: SoakConfig, *, log=print) -> dict:
         procs = {name: process_sample(pid) for name, pid in deployment.processes().items()}
         counters = deployment.counters()
         samples.append({"t": t, "processes": procs, "counters": counters})
-        rss = ", ".join(f"{n} {p['rss_mb']:.0f} MiB/{p['fds']} fds/{p['threads']} threads"
-                        for n, p in procs.items() if p)
+        rss = ", ".join(
+            f"{n} {p['rss_mb']:.0f} MiB/{p['fds']} fds/{p['threads']} threads" for n, p in procs.items() if p
+        )
         summary = tally.summary()
-        log(f"soak: t={t:5.0f} s  {summary['requests']} requests, {summary['5xx']} 5xx, "
-            f"{summary['stream_errors']} stream errors; {rss}")
+        log(
+            f"soak: t={t:5.0f} s  {summary['requests']} requests, {summary['5xx']} 5xx, "
+            f"{summary['stream_errors']} stream errors; {rss}"
+        )
 
     sample()
     before = samples[0]
-    threads = [threading.Thread(target=client_loop, args=(i,), name=f"soak-client-{i}", daemon=True)
-               for i in range(config.max_clients)]
+    threads = [
+        threading.Thread(target=client_loop, args=(i,), name=f"soak-client-{i}", daemon=True)
+        for i in range(config.max_clients)
+    ]
     threads.append(threading.Thread(target=probe_loop, name="soak-probe", daemon=True))
     threads.append(threading.Thread(target=rss_loop, name="soak-rss", daemon=True))
     for t in threads:
@@ -399,8 +506,10 @@ def run(deployment: Deployment, config: SoakConfig, *, log=print) -> dict:
     idle_deadline = time.monotonic() + config.idle_timeout_s
     while time.monotonic() < idle_deadline:
         counters = deployment.counters()
-        if all(c.get("pages_used", 0) == 0 and c.get("pull_threads", 0) == 0 and c.get("transfers_pending", 0) == 0
-               for c in counters.values()):
+        if all(
+            c.get("pages_used", 0) == 0 and c.get("pull_threads", 0) == 0 and c.get("transfers_pending", 0) == 0
+            for c in counters.values()
+        ):
             break
         time.sleep(0.5)
     sample()
@@ -412,43 +521,67 @@ def report(tally: Tally, samples: list[dict], rss_series: dict, before: dict, co
     processes = {}
     for name in names:
         series = [(s["t"], s["processes"][name]) for s in samples if s["processes"].get(name)]
-        late = [(t, p["rss_mb"]) for t, p in sorted(rss_series.get(name, []) + series, key=lambda x: x[0])
-                if config.warmup_s <= t <= config.duration_s]
+        late = [
+            (t, p["rss_mb"])
+            for t, p in sorted(rss_series.get(name, []) + series, key=lambda x: x[0])
+            if config.warmup_s <= t <= config.duration_s
+        ]
         times, rss = [t for t, _ in late], [v for _, v in late]
         processes[name] = {
-            "rss_mb": [round(p["rss_mb"], 1) for _, p in series], "fds": [p["fds"] for _, p in series],
-            "threads": [p["threads"] for _, p in series], "t": [round(t, 1) for t, _ in series],
-            "rss_every_sample": [[round(t, 1), round(v, 1)] for t, v in sorted(
-                (t, p["rss_mb"]) for t, p in rss_series.get(name, []) + series)],
+            "rss_mb": [round(p["rss_mb"], 1) for _, p in series],
+            "fds": [p["fds"] for _, p in series],
+            "threads": [p["threads"] for _, p in series],
+            "t": [round(t, 1) for t, _ in series],
+            "rss_every_sample": [
+                [round(t, 1), round(v, 1)]
+                for t, v in sorted((t, p["rss_mb"]) for t, p in rss_series.get(name, []) + series)
+            ],
             "rss_fit_after_warmup": fit(times, rss),
             "rss_minima_fit_after_warmup": fit(*minima(times, rss)),
         }
     last = samples[-1]["counters"]
-    transfers = {k: sum(c.get(k, 0) for c in last.values())
-                 for k in ("transfers_failed", "transfers_corrupted", "kv_transfers", "transfers_published")}
-    return {"config": dataclasses.asdict(config), **tally.summary(), "processes": processes,
-            "transfers": transfers, "idle": last,
-            "before": {"counters": before["counters"], "processes": before["processes"]}}
+    transfers = {
+        k: sum(c.get(k, 0) for c in last.values())
+        for k in ("transfers_failed", "transfers_corrupted", "kv_transfers", "transfers_published")
+    }
+    return {
+        "config": dataclasses.asdict(config),
+        **tally.summary(),
+        "processes": processes,
+        "transfers": transfers,
+        "idle": last,
+        "before": {"counters": before["counters"], "processes": before["processes"]},
+    }
 
 
 def print_report(result: dict, out=print) -> None:
-    out(f"requests: {result['requests']}; 5xx: {result['5xx']}; stream error events: {result['stream_errors']}; "
-        f"client-side failures: {result['client_errors']}; wrong refusals: {result['wrong_refusals']}")
+    out(
+        f"requests: {result['requests']}; 5xx: {result['5xx']}; stream error events: {result['stream_errors']}; "
+        f"client-side failures: {result['client_errors']}; wrong refusals: {result['wrong_refusals']}"
+    )
     for key in ("5xx_by_cause", "stream_errors_by_cause", "client_errors_by_cause", "wrong_refusals_by_cause"):
         for why, n in sorted(result[key].items(), key=lambda kv: -kv[1]):
             out(f"  {key.split('_by_')[0]} x{n}: {why}")
-    out("by kind: " + "; ".join(f"{k} " + ", ".join(f"{o} {n}" for o, n in v.items())
-                                for k, v in result["by_kind"].items()))
+    out(
+        "by kind: "
+        + "; ".join(f"{k} " + ", ".join(f"{o} {n}" for o, n in v.items()) for k, v in result["by_kind"].items())
+    )
     out(f"transfers: {result['transfers']}")
-    out(f"probe: {result['probes']} runs, {len(result['probe_outputs'])} distinct output(s): "
-        f"{[o[:60] for o in result['probe_outputs']]}")
+    out(
+        f"probe: {result['probes']} runs, {len(result['probe_outputs'])} distinct output(s): "
+        f"{[o[:60] for o in result['probe_outputs']]}"
+    )
     out("RSS fitted after the warm-up, MiB per 10 minutes: every sample, and the lowest of each minute")
-    out(f"{'process':<12} {'RSS MiB first/last':>19} {'fit (+-stderr, r)':>28} {'minute minima fit':>22} "
-        f"{'fds first/last/max':>19} {'threads first/last/max':>23}")
+    out(
+        f"{'process':<12} {'RSS MiB first/last':>19} {'fit (+-stderr, r)':>28} {'minute minima fit':>22} "
+        f"{'fds first/last/max':>19} {'threads first/last/max':>23}"
+    )
     for name, p in result["processes"].items():
         f, m = p["rss_fit_after_warmup"], p["rss_minima_fit_after_warmup"]
-        out(f"{name:<12} {p['rss_mb'][0]:>8.0f} /{p['rss_mb'][-1]:>8.0f} "
+        out(
+            f"{name:<12} {p['rss_mb'][0]:>8.0f} /{p['rss_mb'][-1]:>8.0f} "
             f"{f['per_10_min']:>+11.1f} +-{f['stderr_per_10_min']:<5.1f} r={f['r']:+.2f} "
             f"{m['per_10_min']:>+12.1f} +-{m['stderr_per_10_min']:<5.1f} "
-            f"{p['fds'][0]:>8}/{p['fds'][-1]}/{max(p['fds'])}{'':>12}{p['threads'][0]}/{p['threads'][-1]}/{max(p['threads'])}")
+            f"{p['fds'][0]:>8}/{p['fds'][-1]}/{max(p['fds'])}{'':>12}{p['threads'][0]}/{p['threads'][-1]}/{max(p['threads'])}"
+        )
     out("after the load, idle: " + "; ".join(f"{n} {c}" for n, c in result["idle"].items()))

@@ -76,9 +76,7 @@ def read_ranks(path) -> dict[bytes, int]:
                 if rank < 0:
                     raise ValueError("negative rank")
             except (ValueError, binascii.Error) as e:
-                raise TokenizerError(
-                    f"{path}, line {lineno}: expected 'base64-token rank' ({e}): {line[:80]!r}"
-                ) from e
+                raise TokenizerError(f"{path}, line {lineno}: expected 'base64-token rank' ({e}): {line[:80]!r}") from e
             if token in ranks:
                 raise TokenizerError(f"{path}, line {lineno}: token {token!r} already has rank {ranks[token]}")
             if rank in line_of_rank:

@@ -45,7 +45,10 @@ def line(scope, status: int, seconds: float) -> str:
     parts = [f'jfire: access: {client} "{scope["method"]} {scope["path"]}" {status or "-"}']
     responder = scope["state"].get("responder")
     fields = responder.access_fields() if responder is not None else {}
-    fields = {**{k: v for k, v in fields.items() if k != "id"}, "total": f"{seconds:.3f}s",
-              **({"id": fields["id"]} if "id" in fields else {})}
+    fields = {
+        **{k: v for k, v in fields.items() if k != "id"},
+        "total": f"{seconds:.3f}s",
+        **({"id": fields["id"]} if "id" in fields else {}),
+    }
     parts += [f"{k}={v}" for k, v in fields.items()]
     return " ".join(parts)

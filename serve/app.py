@@ -37,8 +37,16 @@ RETRY_AFTER_S = 1
 class APIError(Exception):
     """An error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error", headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
         self.headers = headers or {}
@@ -80,8 +88,10 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/health")
     async def health():
         if state.draining:
-            return JSONResponse({"status": "draining", "message": "shutting down; in-flight requests finish",
-                                 "drained": state.drained}, status_code=503)
+            return JSONResponse(
+                {"status": "draining", "message": "shutting down; in-flight requests finish", "drained": state.drained},
+                status_code=503,
+            )
         status, body = state.engine.health()
         return JSONResponse(body, status_code=status)
 
@@ -91,18 +101,36 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": state.model_name, "object": "model", "created": state.created, "owned_by": "jfire",
-            "max_model_len": state.engine.max_model_len,
-        }]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": state.model_name,
+                    "object": "model",
+                    "created": state.created,
+                    "owned_by": "jfire",
+                    "max_model_len": state.engine.max_model_len,
+                }
+            ],
+        }
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         if model_id != state.model_name:
-            raise APIError(404, f"model {model_id!r} is not served here; this server serves {state.model_name!r}",
-                           param="model", code="model_not_found", kind="not_found_error")
-        return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "jfire",
-                "max_model_len": state.engine.max_model_len}
+            raise APIError(
+                404,
+                f"model {model_id!r} is not served here; this server serves {state.model_name!r}",
+                param="model",
+                code="model_not_found",
+                kind="not_found_error",
+            )
+        return {
+            "id": state.model_name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "jfire",
+            "max_model_len": state.engine.max_model_len,
+        }
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -111,7 +139,7 @@ def create_app(state: ServerState) -> FastAPI:
         try:
             plan = OutputPlan(grammar=response_grammar(body))
         except PromptError as e:
-            raise APIError(400, str(e), param=e.param, code="invalid_value")
+            raise APIError(400, str(e), param=e.param, code="invalid_value") from None
         echo = _echo_text(body, prompt_ids, state.engine)
         return await _serve(state, request, body, prompt_ids, chat=False, plan=plan, echo=echo)
 
@@ -125,9 +153,9 @@ def create_app(state: ServerState) -> FastAPI:
         try:
             prompt_ids, plan = await asyncio.to_thread(render_chat, tokenizer, model_type, body)
         except PromptError as e:
-            raise APIError(400, str(e), param=e.param, code="invalid_value")
+            raise APIError(400, str(e), param=e.param, code="invalid_value") from None
         except JfireError as e:
-            raise APIError(400, str(e), param="messages")
+            raise APIError(400, str(e), param="messages") from None
         return await _serve(state, request, body, prompt_ids, chat=True, plan=plan)
 
     return app
@@ -138,8 +166,9 @@ def create_app(state: ServerState) -> FastAPI:
 
 def _require_tokenizer(engine: Engine):
     if engine.model.tokenizer is None:
-        raise APIError(400, "this model has no tokenizer; send token ids as 'prompt' to /v1/completions",
-                       param="messages")
+        raise APIError(
+            400, "this model has no tokenizer; send token ids as 'prompt' to /v1/completions", param="messages"
+        )
     return engine.model.tokenizer
 
 
@@ -160,16 +189,23 @@ def _valid_text(text: str, param: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise APIError(400, f"{param} is not valid Unicode: a lone surrogate at character {e.start}; "
-                            "send UTF-8 text", param=param, code="invalid_value") from None
+        raise APIError(
+            400,
+            f"{param} is not valid Unicode: a lone surrogate at character {e.start}; send UTF-8 text",
+            param=param,
+            code="invalid_value",
+        ) from None
     return text
 
 
 def _echo_text(body: CompletionRequest, prompt_ids: list[int], engine: Engine) -> str:
     if not body.echo:
         return ""
-    prompt = body.prompt[0] if isinstance(body.prompt, list) and body.prompt and isinstance(
-        body.prompt[0], (str, list)) else body.prompt
+    prompt = (
+        body.prompt[0]
+        if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], (str, list))
+        else body.prompt
+    )
     if isinstance(prompt, str):
         return prompt
     tokenizer = engine.model.tokenizer
@@ -183,19 +219,30 @@ def _logprobs_asked(body: SamplingFields, chat: bool) -> int | None:
     return body.logprobs
 
 
-def _sampling(body: SamplingFields, max_tokens: int, plan: OutputPlan, logprobs: int | None,
-              seed: int | None) -> SamplingParams:
+def _sampling(
+    body: SamplingFields, max_tokens: int, plan: OutputPlan, logprobs: int | None, seed: int | None
+) -> SamplingParams:
     try:
-        return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=seed,
-                              max_tokens=max_tokens, stop=tuple(body.stop_list()), ignore_eos=body.ignore_eos,
-                              frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
-                              repetition_penalty=body.repetition_penalty, logprobs=logprobs,
-                              min_tokens=body.min_tokens,
-                              stop_token_ids=tuple(body.stop_token_ids or ()), grammar=plan.grammar,
-                              skip_special_tokens=not plan.keep_special_tokens,
-                              prompt_logprobs=getattr(body, "echo", False) and logprobs is not None)
+        return SamplingParams(
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            seed=seed,
+            max_tokens=max_tokens,
+            stop=tuple(body.stop_list()),
+            ignore_eos=body.ignore_eos,
+            frequency_penalty=body.frequency_penalty,
+            presence_penalty=body.presence_penalty,
+            repetition_penalty=body.repetition_penalty,
+            logprobs=logprobs,
+            min_tokens=body.min_tokens,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            grammar=plan.grammar,
+            skip_special_tokens=not plan.keep_special_tokens,
+            prompt_logprobs=getattr(body, "echo", False) and logprobs is not None,
+        )
     except JfireError as e:
-        raise APIError(400, str(e))
+        raise APIError(400, str(e)) from None
 
 
 def _max_tokens(body: SamplingFields, prompt_len: int, engine: Engine, chat: bool) -> int:
@@ -205,18 +252,40 @@ def _max_tokens(body: SamplingFields, prompt_len: int, engine: Engine, chat: boo
     return given
 
 
-async def _serve(state: ServerState, request: Request, body: SamplingFields, prompt_ids: list[int], *, chat: bool,
-                 plan: OutputPlan, echo: str = ""):
+async def _serve(
+    state: ServerState,
+    request: Request,
+    body: SamplingFields,
+    prompt_ids: list[int],
+    *,
+    chat: bool,
+    plan: OutputPlan,
+    echo: str = "",
+):
     engine = state.engine
     if state.draining:
-        raise APIError(503, "the server is shutting down; send the request to another replica or retry later",
-                       kind="server_error", code="shutting_down", headers={"Retry-After": str(RETRY_AFTER_S)})
+        raise APIError(
+            503,
+            "the server is shutting down; send the request to another replica or retry later",
+            kind="server_error",
+            code="shutting_down",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
     if not engine.ready.is_set():
-        raise APIError(503, "the server is still compiling its programs; retry shortly", kind="server_error",
-                       code="not_ready", headers={"Retry-After": str(RETRY_AFTER_S)})
+        raise APIError(
+            503,
+            "the server is still compiling its programs; retry shortly",
+            kind="server_error",
+            code="not_ready",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
     if body.model != state.model_name:
-        raise APIError(400, f"model {body.model!r} is not served here; this server serves {state.model_name!r}",
-                       param="model", code="model_not_found")
+        raise APIError(
+            400,
+            f"model {body.model!r} is not served here; this server serves {state.model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
     for name in UNSUPPORTED_FIELDS:
         if getattr(body, name) is not None:
             raise APIError(400, f"{name} is not supported by this server; omit the field", param=name)
@@ -225,8 +294,12 @@ async def _serve(state: ServerState, request: Request, body: SamplingFields, pro
     _valid_text(body.user or "", "user")
     for token_id in body.stop_token_ids or ():
         if not 0 <= token_id < engine.cfg.vocab_size:
-            raise APIError(400, f"stop_token_ids: {token_id} is outside the vocabulary [0, {engine.cfg.vocab_size})",
-                           param="stop_token_ids", code="invalid_value")
+            raise APIError(
+                400,
+                f"stop_token_ids: {token_id} is outside the vocabulary [0, {engine.cfg.vocab_size})",
+                param="stop_token_ids",
+                code="invalid_value",
+            )
     logprobs = _logprobs_asked(body, chat)
     max_tokens = _max_tokens(body, len(prompt_ids), engine, chat)
     loop = asyncio.get_running_loop()
@@ -247,20 +320,39 @@ async def _serve(state: ServerState, request: Request, body: SamplingFields, pro
     try:
         for i, choice_id in enumerate(choice_ids):
             sampling = _sampling(body, max_tokens, plan, logprobs, (first_seed + i) % 2**32)
-            engine.submit(prompt_ids, sampling, request_id=choice_id, on_output=on_output,
-                          affinity=request.headers.get("x-session-affinity"), after=submitted[0] if i else None)
+            engine.submit(
+                prompt_ids,
+                sampling,
+                request_id=choice_id,
+                on_output=on_output,
+                affinity=request.headers.get("x-session-affinity"),
+                after=submitted[0] if i else None,
+            )
             submitted.append(choice_id)
     except BaseException as e:
         for choice_id in submitted:
             engine.cancel(choice_id)
         _raise_submit_error(e, body, chat, plan)
-    responder = Responder(state, request, engine, request_id, choice_ids, outputs, body.model, chat, plan,
-                          logprobs=logprobs, echo=echo, prompt_ids=prompt_ids)
+    responder = Responder(
+        state,
+        request,
+        engine,
+        request_id,
+        choice_ids,
+        outputs,
+        body.model,
+        chat,
+        plan,
+        logprobs=logprobs,
+        echo=echo,
+        prompt_ids=prompt_ids,
+    )
     request.state.responder = responder  # for the access log's line, written when the response has gone
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(responder.sse(include_usage), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(
+            responder.sse(include_usage), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
     response = await responder.whole()
     if response is None:  # nobody is listening any more
         return JSONResponse({}, status_code=499)
@@ -272,8 +364,9 @@ async def _serve(state: ServerState, request: Request, body: SamplingFields, pro
 def _raise_submit_error(e: BaseException, body: SamplingFields, chat: bool, plan: OutputPlan):
     """The HTTP error for an engine that refused a request."""
     if isinstance(e, QueueFull):
-        raise APIError(429, str(e), kind="rate_limit_error", code="queue_full",
-                       headers={"Retry-After": str(RETRY_AFTER_S)})
+        raise APIError(
+            429, str(e), kind="rate_limit_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}
+        )
     if isinstance(e, EngineStopped):  # not the client's fault: the server is down until restarted
         raise APIError(503, str(e), kind="server_error", code="engine_stopped")
     if isinstance(e, GrammarError):
@@ -380,11 +473,13 @@ class _BodyLimit(_ASGIMiddleware):
         limit = self.state.max_body_bytes
         length = _header(scope, b"content-length")
         if scope["method"] == "POST" and (length is None or not length.isdigit()):
-            return APIError(411, "send the request body with a Content-Length header",
-                            code="length_required").response()
+            return APIError(
+                411, "send the request body with a Content-Length header", code="length_required"
+            ).response()
         if length is not None and length.isdigit() and int(length) > limit:
-            return APIError(413, f"the request body is larger than {limit} bytes; send a shorter prompt",
-                            code="body_too_large").response()
+            return APIError(
+                413, f"the request body is larger than {limit} bytes; send a shorter prompt", code="body_too_large"
+            ).response()
         return None
 
 
@@ -415,8 +510,12 @@ class _BearerAuth(_ASGIMiddleware):
             return None
         given = (_header(scope, b"authorization") or "").encode("latin-1")
         if not secrets.compare_digest(given, f"Bearer {self.state.api_key}".encode()):
-            return APIError(401, "missing or wrong API key; send 'Authorization: Bearer <key>'",
-                            kind="authentication_error", code="invalid_api_key").response()
+            return APIError(
+                401,
+                "missing or wrong API key; send 'Authorization: Bearer <key>'",
+                kind="authentication_error",
+                code="invalid_api_key",
+            ).response()
         return None
 
 

@@ -66,8 +66,9 @@ def render_chat(tokenizer, model_type: str | None, body: ChatCompletionRequest) 
         if tools and tool_calls.template_takes_tools(template):
             kwargs["tools"] = tools
     prompt_ids = tokenizer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt, **kwargs)
-    plan = OutputPlan(grammar=response_grammar(body), tool_format=fmt if tools else None,
-                      keep_special_tokens=tools is not None)
+    plan = OutputPlan(
+        grammar=response_grammar(body), tool_format=fmt if tools else None, keep_special_tokens=tools is not None
+    )
     if tools and body.tool_choice is not None and body.tool_choice not in ("auto", "none"):
         only = body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else None
         try:

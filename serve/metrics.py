@@ -7,7 +7,7 @@ snapshot at scrape time, so they are never stale or double-counted.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -36,10 +36,15 @@ class EngineCollector:
         "kv_transfer_bytes": ("jfire_kv_transfer_bytes", "KV cache bytes pulled from prefill into decode groups"),
         "kv_transfers": ("jfire_kv_transfers", "Requests whose KV cache moved from prefill to decode"),
         "kv_handoffs": ("jfire_kv_handoffs", "Requests whose prefill group published their KV cache to the frontend"),
-        "transfers_failed": ("jfire_kv_transfers_failed", "KV transfers that failed (not arrived in time, "
-                             "refused, or arrived with other bytes than were sent)"),
-        "transfers_corrupted": ("jfire_kv_transfers_corrupted", "KV transfers that arrived with other bytes than "
-                                "were sent (their checksum differs): a sender stopped mid-transfer, or a bug"),
+        "transfers_failed": (
+            "jfire_kv_transfers_failed",
+            "KV transfers that failed (not arrived in time, refused, or arrived with other bytes than were sent)",
+        ),
+        "transfers_corrupted": (
+            "jfire_kv_transfers_corrupted",
+            "KV transfers that arrived with other bytes than "
+            "were sent (their checksum differs): a sender stopped mid-transfer, or a bug",
+        ),
     }
 
     def __init__(self, stats: Callable[[], dict]):
@@ -56,12 +61,21 @@ class EngineCollector:
 class ServerMetrics:
     def __init__(self, stats: Callable[[], dict]):
         self.registry = CollectorRegistry()
-        self.requests = Counter("jfire_requests", "HTTP requests by endpoint and status",
-                                ["endpoint", "status"], registry=self.registry)
-        self.ttft = Histogram("jfire_time_to_first_token_seconds", "Time from request to first token",
-                              buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.tpot = Histogram("jfire_time_per_output_token_seconds", "Time per output token after the first",
-                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.requests = Counter(
+            "jfire_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=self.registry
+        )
+        self.ttft = Histogram(
+            "jfire_time_to_first_token_seconds",
+            "Time from request to first token",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.tpot = Histogram(
+            "jfire_time_per_output_token_seconds",
+            "Time per output token after the first",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.registry.register(EngineCollector(stats))
 
     def render(self) -> bytes:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from jfire.engine import RequestOutput
 from serve.chat import OutputPlan
@@ -47,9 +47,22 @@ class Choice:
 
 
 class Responder:
-    def __init__(self, state, request, engine, request_id: str, choice_ids: list[str], outputs: asyncio.Queue,
-                 model: str, chat: bool, plan: OutputPlan, *, logprobs: int | None, echo: str = "",
-                 prompt_ids: list[int] = ()):
+    def __init__(
+        self,
+        state,
+        request,
+        engine,
+        request_id: str,
+        choice_ids: list[str],
+        outputs: asyncio.Queue,
+        model: str,
+        chat: bool,
+        plan: OutputPlan,
+        *,
+        logprobs: int | None,
+        echo: str = "",
+        prompt_ids: list[int] = (),
+    ):
         self.state, self.request, self.engine = state, request, engine
         self.request_id, self.outputs, self.model, self.chat, self.plan = request_id, outputs, model, chat, plan
         self.choices = {rid: Choice(i, rid, plan, echo) for i, rid in enumerate(choice_ids)}
@@ -75,7 +88,7 @@ class Responder:
                     return None
             try:
                 out = await asyncio.wait_for(self.outputs.get(), timeout=0.25)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 if await self.request.is_disconnected():
                     return None
                 continue
@@ -92,9 +105,12 @@ class Responder:
         """What the access log says of this request (serve/access_log.py)."""
         usage = self._usage()
         finish = ",".join(sorted({c.last.finish_reason if c.finished else "cancelled" for c in self.choices.values()}))
-        fields = {"prompt_tokens": usage["prompt_tokens"] or len(self.prompt_ids),
-                  "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
-                  "completion_tokens": usage["completion_tokens"], "finish": finish}
+        fields = {
+            "prompt_tokens": usage["prompt_tokens"] or len(self.prompt_ids),
+            "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+            "completion_tokens": usage["completion_tokens"],
+            "finish": finish,
+        }
         if self.first is not None:
             fields["ttft"] = f"{self.first - self.start:.3f}s"
         return {**fields, "id": self.request_id}
@@ -109,8 +125,12 @@ class Responder:
         prompt = lasts[0].prompt_tokens if lasts else 0
         completion = sum(o.completion_tokens for o in lasts)
         cached = lasts[0].prefix_hit_tokens if lasts else 0
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
 
     # -- logprobs in OpenAI's two shapes ------------------------------------------------------
 
@@ -170,32 +190,52 @@ class Responder:
         if errors:
             return {"error": errors[0].error or "generation failed"}
         choices = [self._whole_choice(c) for c in self.choices.values()]
-        return {"id": self.request_id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": choices, "usage": self._usage()}
+        return {
+            "id": self.request_id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self._usage(),
+        }
 
     def _whole_choice(self, c: Choice) -> dict:
         text, finish = "".join(c.text), c.last.finish_reason
         if not self.chat:
             text, token_ids, entries = self._with_echo(c, text, c.token_ids, c.logprobs)
-            return {"index": c.index, "text": text, "finish_reason": finish,
-                    "logprobs": self._completion_logprobs(token_ids, entries, 0)}
+            return {
+                "index": c.index,
+                "text": text,
+                "finish_reason": finish,
+                "logprobs": self._completion_logprobs(token_ids, entries, 0),
+            }
         message = {"role": "assistant", "content": text}
         if self.plan.tool_format is not None:
             content, calls = self.plan.tool_format.parse(text, cut=finish == "length")
             if calls:
                 message["content"] = content or None
-                message["tool_calls"] = [{"id": call.id, "type": "function",
-                                          "function": {"name": call.name, "arguments": call.arguments}}
-                                         for call in calls]
+                message["tool_calls"] = [
+                    {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+                    for call in calls
+                ]
                 finish = "tool_calls" if finish == "stop" else finish
-        return {"index": c.index, "message": message, "finish_reason": finish,
-                "logprobs": self._chat_logprobs(c.token_ids, c.logprobs)}
+        return {
+            "index": c.index,
+            "message": message,
+            "finish_reason": finish,
+            "logprobs": self._chat_logprobs(c.token_ids, c.logprobs),
+        }
 
     # -- a stream -------------------------------------------------------------------------------
 
     def _chunk(self, choices: list[dict]) -> dict:
-        return {"id": self.request_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": choices}
+        return {
+            "id": self.request_id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
 
     def _deltas(self, c: Choice, out: RequestOutput) -> list[dict]:
         """The chunk choices one output makes: text (or tool-call) deltas, and the end."""
@@ -206,8 +246,14 @@ class Responder:
             text, token_ids, entries = self._with_echo(c, out.text, out.token_ids, entries)
             if not (text or out.finished or entries):
                 return []
-            return [{"index": c.index, "text": text, "finish_reason": finish,
-                     "logprobs": self._completion_logprobs(token_ids, entries, offset)}]
+            return [
+                {
+                    "index": c.index,
+                    "text": text,
+                    "finish_reason": finish,
+                    "logprobs": self._completion_logprobs(token_ids, entries, offset),
+                }
+            ]
         deltas: list[dict] = []
         if c.tool_stream is None:
             if out.text:
@@ -236,8 +282,14 @@ class Responder:
 
         try:
             if self.chat:
-                yield event(self._chunk([{"index": c.index, "delta": {"role": "assistant"},
-                                          "finish_reason": None, "logprobs": None} for c in self.choices.values()]))
+                yield event(
+                    self._chunk(
+                        [
+                            {"index": c.index, "delta": {"role": "assistant"}, "finish_reason": None, "logprobs": None}
+                            for c in self.choices.values()
+                        ]
+                    )
+                )
             while not self.finished:
                 got = await self._next()
                 if got is None:

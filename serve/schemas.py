@@ -6,10 +6,20 @@ always send them keep working) or refused with a message that says what is suppo
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationInfo,
-                      field_validator, model_validator)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 NonNegFloat = Annotated[float, Field(ge=0)]
 # Numbers must be JSON numbers: "0.5" and true are refused, not coerced.
@@ -91,8 +101,9 @@ class SamplingFields(StrictObject):
     max_tokens: StrictInt | None = Field(default=None, ge=1)
     temperature: Number = Field(default=1.0, ge=0, le=2)
     top_p: Number = Field(default=1.0, gt=0, le=1)
-    top_k: StrictInt = Field(default=0, ge=0, le=INT32_MAX,
-                             description="jfire extension: keep the k most likely tokens (0 = off)")
+    top_k: StrictInt = Field(
+        default=0, ge=0, le=INT32_MAX, description="jfire extension: keep the k most likely tokens (0 = off)"
+    )
     ignore_eos: StrictBool = Field(default=False, description="jfire extension: keep generating past EOS")
     n: StrictInt = Field(default=1, ge=1, le=MAX_CHOICES, description=f"choices to generate, 1 to {MAX_CHOICES}")
     stream: StrictBool = False
@@ -101,11 +112,16 @@ class SamplingFields(StrictObject):
     seed: StrictInt | None = Field(default=None, ge=0, lt=2**32)
     presence_penalty: Number = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: Number = Field(default=0.0, ge=-2, le=2)
-    repetition_penalty: Number = Field(default=1.0, gt=0, le=10, description=(
-        "jfire extension: divides the logits of tokens already in the prompt or output (1 = off)"))
+    repetition_penalty: Number = Field(
+        default=1.0,
+        gt=0,
+        le=10,
+        description=("jfire extension: divides the logits of tokens already in the prompt or output (1 = off)"),
+    )
     min_tokens: StrictInt = Field(default=0, ge=0, description="jfire extension: no EOS before this many tokens")
-    stop_token_ids: list[StrictInt] | None = Field(default=None, max_length=64,
-                                                   description="jfire extension: token ids that end the output")
+    stop_token_ids: list[StrictInt] | None = Field(
+        default=None, max_length=64, description="jfire extension: token ids that end the output"
+    )
     response_format: ResponseFormat | None = None
     user: StrictStr | None = None
     # Accepted by the schema only to be refused by name (see UNSUPPORTED_FIELDS).
@@ -137,8 +153,9 @@ class SamplingFields(StrictObject):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Union[StrictStr, list[StrictInt], list[StrictStr], list[list[StrictInt]]] = Field(
-        description="one prompt: a string or a list of token ids (a one-element list of either is accepted)")
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]] = Field(
+        description="one prompt: a string or a list of token ids (a one-element list of either is accepted)"
+    )
     max_tokens: StrictInt = Field(default=16, ge=1)
     echo: StrictBool = False
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
@@ -172,7 +189,7 @@ class ToolCallMessage(StrictObject):
 class ChatMessage(StrictObject):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     # Required, as OpenAI has it, unless an assistant message carries tool calls.
-    content: StrictStr | list[Union[TextPart, ImagePart]] | None = None
+    content: StrictStr | list[TextPart | ImagePart] | None = None
     name: StrictStr | None = None
     tool_calls: list[ToolCallMessage] | None = None
     tool_call_id: StrictStr | None = None  # a tool message: the call it answers
@@ -180,8 +197,10 @@ class ChatMessage(StrictObject):
     @model_validator(mode="after")
     def _text_only(self):
         if isinstance(self.content, list) and any(isinstance(p, ImagePart) for p in self.content):
-            raise ValueError("image content parts are not supported: jfire serves the text model only "
-                             "(a multimodal checkpoint's vision tower is not loaded); send text parts")
+            raise ValueError(
+                "image content parts are not supported: jfire serves the text model only "
+                "(a multimodal checkpoint's vision tower is not loaded); send text parts"
+            )
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError("content: required (it may be null only in an assistant message with tool_calls)")
         if self.tool_calls is not None and self.role != "assistant":
@@ -201,16 +220,23 @@ class ChatMessage(StrictObject):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1, description=(
-        'a list of {"role", "content", "name"} messages; content is a string or a list of '
-        '{"type": "text", "text"} parts'))
+    messages: list[ChatMessage] = Field(
+        min_length=1,
+        description=(
+            'a list of {"role", "content", "name"} messages; content is a string or a list of '
+            '{"type": "text", "text"} parts'
+        ),
+    )
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS,
-                                           description=f"0 to {MAX_TOP_LOGPROBS}, with logprobs: true")
+    top_logprobs: StrictInt | None = Field(
+        default=None, ge=0, le=MAX_TOP_LOGPROBS, description=f"0 to {MAX_TOP_LOGPROBS}, with logprobs: true"
+    )
     tools: list[Tool] | None = Field(default=None, max_length=128)
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(default=None, description=(
-        '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}, with tools'))
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        default=None,
+        description=('"none", "auto", "required" or {"type": "function", "function": {"name": ...}}, with tools'),
+    )
     parallel_tool_calls: StrictBool = True
     add_generation_prompt: StrictBool = True
 
@@ -225,8 +251,9 @@ class ChatCompletionRequest(SamplingFields):
         if choice is not None and choice != "none" and not self.tools:
             raise ValueError("tool_choice: needs tools")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise ValueError(f"tool_choice: names {choice.function.name!r}, which is not among the tools "
-                             f"({', '.join(names)})")
+            raise ValueError(
+                f"tool_choice: names {choice.function.name!r}, which is not among the tools ({', '.join(names)})"
+            )
         forced = choice == "required" or isinstance(choice, NamedToolChoice)
         if forced and self.response_format is not None and self.response_format.type != "text":
             raise ValueError("response_format: cannot be combined with a tool_choice that forces a call")

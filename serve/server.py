@@ -49,21 +49,37 @@ def drain(state: ServerState, grace_s: float) -> None:
     with an error (where the engine can: a remote engine's end when its groups stop). The
     caller has set `state.draining`, so nothing new is admitted meanwhile."""
     engine = state.engine
-    busy = lambda: (s := engine.stats()) and (s.get("running", 0) + s.get("waiting", 0)) > 0
+
+    def busy() -> bool:
+        s = engine.stats()
+        return bool(s) and (s.get("running", 0) + s.get("waiting", 0)) > 0
+
     deadline = time.monotonic() + grace_s
     while busy() and time.monotonic() < deadline:
         time.sleep(0.05)
     if busy() and hasattr(engine, "fail_all"):
-        engine.fail_all(f"the server is shutting down and this request did not finish within the "
-                        f"{grace_s:g} s grace period")
+        engine.fail_all(
+            f"the server is shutting down and this request did not finish within the {grace_s:g} s grace period"
+        )
         stop = time.monotonic() + 5
         while busy() and time.monotonic() < stop:
             time.sleep(0.05)
     state.drained = True
 
 
-def run(model, config: EngineConfig, *, sock: socket.socket, host: str, api_key: str | None, model_name: str,
-        max_body_bytes: int = 16 << 20, shutdown_grace_s: float = 30.0, lead=None, access_log: bool = True) -> int:
+def run(
+    model,
+    config: EngineConfig,
+    *,
+    sock: socket.socket,
+    host: str,
+    api_key: str | None,
+    model_name: str,
+    max_body_bytes: int = 16 << 20,
+    shutdown_grace_s: float = 30.0,
+    lead=None,
+    access_log: bool = True,
+) -> int:
     """Serves on `sock` (bound to host, serve/listen.py) until SIGTERM/SIGINT (exit status 0) or
     until the engine fails for good (1: its requests have ended with an error, /health says so,
     and a supervisor should restart it). `lead(engine)`, in a group spanning processes,
@@ -71,8 +87,9 @@ def run(model, config: EngineConfig, *, sock: socket.socket, host: str, api_key:
     engine = Engine(model, config)
     if lead is not None:
         lead(engine)
-    state = ServerState(engine=engine, model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes,
-                        access_log=access_log)
+    state = ServerState(
+        engine=engine, model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes, access_log=access_log
+    )
     app = create_app(state)
 
     def compile_then_start():
@@ -83,24 +100,39 @@ def run(model, config: EngineConfig, *, sock: socket.socket, host: str, api_key:
             print(f"jfire: error: engine failed to start: {e}", file=sys.stderr, flush=True)
             return
         programs = engine.programs
-        print(f"jfire: ready in {engine.startup_s:.1f} s with {programs.num_compiled} of {programs.num_total} programs; "
-              "the rest compile in the background (/health reports progress)", file=sys.stderr, flush=True)
+        print(
+            f"jfire: ready in {engine.startup_s:.1f} s with {programs.num_compiled} of {programs.num_total} programs; "
+            "the rest compile in the background (/health reports progress)",
+            file=sys.stderr,
+            flush=True,
+        )
         if engine.wait_compiled():
-            print(f"jfire: all {programs.num_total} programs compiled, {engine.compiled_s:.1f} s after start",
-                  file=sys.stderr, flush=True)
+            print(
+                f"jfire: all {programs.num_total} programs compiled, {engine.compiled_s:.1f} s after start",
+                file=sys.stderr,
+                flush=True,
+            )
 
     threading.Thread(target=compile_then_start, name="jfire-compile", daemon=True).start()
     port = sock.getsockname()[1]
-    print(f"jfire: serving {model_name!r} on http://{host}:{port} (compiling programs; /health says when ready)",
-          file=sys.stderr, flush=True)
+    print(
+        f"jfire: serving {model_name!r} on http://{host}:{port} (compiling programs; /health says when ready)",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         # The responses of finished requests are written within uvicorn's own 5 s.
-        server = GracefulServer(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5), state,
-                                shutdown_grace_s)
+        server = GracefulServer(
+            uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5), state, shutdown_grace_s
+        )
 
         def engine_failed(error: BaseException) -> None:
-            print(f"jfire: error: the engine failed ({type(error).__name__}: {error}); in-flight requests have "
-                  "ended with an error, new ones get 503; exiting with status 1", file=sys.stderr, flush=True)
+            print(
+                f"jfire: error: the engine failed ({type(error).__name__}: {error}); in-flight requests have "
+                "ended with an error, new ones get 503; exiting with status 1",
+                file=sys.stderr,
+                flush=True,
+            )
             threading.Timer(1.0, lambda: setattr(server, "should_exit", True)).start()  # let the errors go out
 
         engine.on_fatal = engine_failed

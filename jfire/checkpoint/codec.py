@@ -37,8 +37,9 @@ def exponents(bits: np.ndarray) -> np.ndarray:
     return (bits >> 7).astype(np.uint8)  # the cast drops the sign bit
 
 
-def make_layout(shape, perm=None, unit_axes: int = 0, row_axes: int | None = None,
-                lane_target: int = LANE_TARGET) -> Layout:
+def make_layout(
+    shape, perm=None, unit_axes: int = 0, row_axes: int | None = None, lane_target: int = LANE_TARGET
+) -> Layout:
     """A layout for `shape`: encode layout = transpose(perm) (default: as is), the first
     `unit_axes` (0 or 1) axes coded separately, the next `row_axes` (default: one, none for a
     vector) forming rows. Lanes per row: the fewest (a power of two) of <= lane_target values."""
@@ -46,7 +47,7 @@ def make_layout(shape, perm=None, unit_axes: int = 0, row_axes: int | None = Non
     perm = tuple(range(len(shape))) if perm is None else tuple(perm)
     if row_axes is None:
         row_axes = 1 if len(shape) - unit_axes >= 2 else 0
-    cols = math.prod(shape[p] for p in perm[unit_axes + row_axes:])
+    cols = math.prod(shape[p] for p in perm[unit_axes + row_axes :])
     lanes = 1
     while -(-cols // lanes) > lane_target:
         lanes *= 2
@@ -202,7 +203,7 @@ def checksum(x: np.ndarray) -> int:
     with np.errstate(over="ignore"):
         for a in range(0, bits.size, CHUNK):
             idx = np.arange(a, min(a + CHUNK, bits.size), dtype=np.uint64).astype(np.uint32)
-            total += np.sum(bits[a:a + CHUNK].astype(np.uint32) * (mix32(idx) | np.uint32(1)), dtype=np.uint32)
+            total += np.sum(bits[a : a + CHUNK].astype(np.uint32) * (mix32(idx) | np.uint32(1)), dtype=np.uint32)
     return int(total)
 
 
@@ -222,10 +223,14 @@ def shard(c: Compressed, index: tuple) -> Compressed:
     ranges = [range(*s.indices(n)) for s, n in zip(index, lay.shape)]
     enc = [ranges[p] for p in lay.perm]
     u, k = lay.unit_axes, lay.row_axes
-    if any(len(r) != n for r, n in zip(enc[u + k:], lay.enc_shape[u + k:])):
+    if any(len(r) != n for r, n in zip(enc[u + k :], lay.enc_shape[u + k :])):
         raise ValueError("a shard must take whole rows: only the unit and row axes may be sliced")
     units = np.asarray(enc[0]) if u else np.zeros(1, np.int64)
-    rows = np.ravel_multi_index(np.meshgrid(*enc[u:u + k], indexing="ij"), lay.enc_shape[u:u + k]).ravel() if k else np.zeros(1, np.int64)
+    rows = (
+        np.ravel_multi_index(np.meshgrid(*enc[u : u + k], indexing="ij"), lay.enc_shape[u : u + k]).ravel()
+        if k
+        else np.zeros(1, np.int64)
+    )
     lane_bits = np.asarray(c.lane_bits)
     row_words = (lane_bits.astype(np.int64).sum(axis=-1) + 31) // 32  # [units, rows]
     row_start = (np.cumsum(row_words) - row_words.ravel()).reshape(row_words.shape)
@@ -233,6 +238,10 @@ def shard(c: Compressed, index: tuple) -> Compressed:
     words = np.repeat(starts - np.cumsum(counts) + counts, counts) + np.arange(counts.sum())
     payload = np.concatenate([np.asarray(c.payload)[words], np.zeros(1, np.uint32)])
     shape = tuple(len(r) for r in ranges)
-    return Compressed(layout=dataclasses.replace(lay, shape=shape), code_lengths=np.asarray(c.code_lengths)[units],
-                      lane_bits=lane_bits[np.ix_(units, rows)], raw=np.asarray(c.raw)[np.ix_(units, rows)],
-                      payload=payload)
+    return Compressed(
+        layout=dataclasses.replace(lay, shape=shape),
+        code_lengths=np.asarray(c.code_lengths)[units],
+        lane_bits=lane_bits[np.ix_(units, rows)],
+        raw=np.asarray(c.raw)[np.ix_(units, rows)],
+        payload=payload,
+    )

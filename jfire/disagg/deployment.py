@@ -63,10 +63,14 @@ class Deployment:
             raise JfireError(f"deployment {self.name!r}: group names must be unique, got {names}")
         for role in ROLES:
             if not any(g.role == role for g in self.groups):
-                raise JfireError(f"deployment {self.name!r} has no {role} group; it needs at least one "
-                                 f"[[groups]] table with role = \"{role}\"")
+                raise JfireError(
+                    f"deployment {self.name!r} has no {role} group; it needs at least one "
+                    f'[[groups]] table with role = "{role}"'
+                )
         if self.transfer_timeout_s <= 0:
-            raise JfireError(f"deployment {self.name!r}: [transfer] timeout_s must be > 0, got {self.transfer_timeout_s}")
+            raise JfireError(
+                f"deployment {self.name!r}: [transfer] timeout_s must be > 0, got {self.transfer_timeout_s}"
+            )
 
     @property
     def processes(self) -> list[Process]:
@@ -79,7 +83,9 @@ class Deployment:
     def process(self, process_id: int) -> Process:
         table = self.processes
         if not 0 <= process_id < len(table):
-            raise JfireError(f"deployment {self.name!r} has processes 0..{len(table) - 1}; got --process-id {process_id}")
+            raise JfireError(
+                f"deployment {self.name!r} has processes 0..{len(table) - 1}; got --process-id {process_id}"
+            )
         return table[process_id]
 
     def host_index(self, process_id: int, num_hosts: int) -> int:
@@ -93,7 +99,7 @@ class Deployment:
     # -- reading ---------------------------------------------------------------------------
 
     @classmethod
-    def load(cls, arg: str) -> "Deployment":
+    def load(cls, arg: str) -> Deployment:
         """A deployment file path, or the name of one in meshes/ (e.g. 'local-1p1d')."""
         path = Path(arg)
         if not path.is_file():
@@ -110,11 +116,16 @@ class Deployment:
         if not isinstance(raw_groups, list) or not raw_groups:
             raise JfireError(f"{where} needs [[groups]] tables (name, role, mesh, processes, devices_per_process)")
         groups = tuple(_group(g, i, where) for i, g in enumerate(raw_groups))
-        return cls(name=doc.get("name", path.stem), groups=groups,
-                   frontend_port=_int(doc.get("frontend", {}), "port", 8000, where + " [frontend]"),
-                   coordinator_port=_int(doc.get("coordinator", {}), "port", DEFAULT_COORDINATOR_PORT,
-                                         where + " [coordinator]"),
-                   transfer_timeout_s=float(doc.get("transfer", {}).get("timeout_s", 30.0)), path=path)
+        return cls(
+            name=doc.get("name", path.stem),
+            groups=groups,
+            frontend_port=_int(doc.get("frontend", {}), "port", 8000, where + " [frontend]"),
+            coordinator_port=_int(
+                doc.get("coordinator", {}), "port", DEFAULT_COORDINATOR_PORT, where + " [coordinator]"
+            ),
+            transfer_timeout_s=float(doc.get("transfer", {}).get("timeout_s", 30.0)),
+            path=path,
+        )
 
 
 def _int(table: dict, key: str, default: int, where: str) -> int:
@@ -128,8 +139,10 @@ def _group(raw: dict, index: int, where: str) -> Group:
     where = f"{where}, group {raw.get('name', index)!r}"
     unknown = set(raw) - {"name", "role", "mesh", "processes", "devices_per_process", "port"}
     if unknown:
-        raise JfireError(f"{where}: unknown keys {sorted(unknown)}; "
-                         "a group has name, role, mesh, processes, devices_per_process, port")
+        raise JfireError(
+            f"{where}: unknown keys {sorted(unknown)}; "
+            "a group has name, role, mesh, processes, devices_per_process, port"
+        )
     if raw.get("role") not in ROLES:
         raise JfireError(f"{where}: role must be one of {', '.join(ROLES)}, got {raw.get('role')!r}")
     spec = meshes.resolve(raw.get("mesh", "single"))
@@ -138,12 +151,22 @@ def _group(raw: dict, index: int, where: str) -> Group:
     if processes < 1:
         raise JfireError(f"{where}: processes must be >= 1, got {processes}")
     if processes == 1 and spec.size > devices:
-        raise JfireError(f"{where}: its mesh {spec.name!r} needs {spec.size} devices but the group has "
-                         f"{processes} x {devices}; raise devices_per_process to {spec.size}")
+        raise JfireError(
+            f"{where}: its mesh {spec.name!r} needs {spec.size} devices but the group has "
+            f"{processes} x {devices}; raise devices_per_process to {spec.size}"
+        )
     if processes > 1 and spec.size != processes * devices:
         # One mesh over every device of every process of the group (jfire.lockstep).
-        raise JfireError(f"{where}: its mesh {spec.name!r} has {spec.size} devices but the group's processes hold "
-                         f"{processes} x {devices} = {processes * devices}; a group spanning processes runs its mesh "
-                         f"over all of them: set devices_per_process = {spec.size / processes:g} or change the mesh")
-    return Group(name=str(raw.get("name", f"{raw['role']}-{index}")), role=raw["role"], mesh=spec,
-                 processes=processes, devices_per_process=devices, port=_int(raw, "port", 0, where))
+        raise JfireError(
+            f"{where}: its mesh {spec.name!r} has {spec.size} devices but the group's processes hold "
+            f"{processes} x {devices} = {processes * devices}; a group spanning processes runs its mesh "
+            f"over all of them: set devices_per_process = {spec.size / processes:g} or change the mesh"
+        )
+    return Group(
+        name=str(raw.get("name", f"{raw['role']}-{index}")),
+        role=raw["role"],
+        mesh=spec,
+        processes=processes,
+        devices_per_process=devices,
+        port=_int(raw, "port", 0, where),
+    )

@@ -22,7 +22,7 @@ import time
 import jax
 
 from jfire.disagg import blocks, cluster
-from jfire.disagg.kv_transfer import KVLayout, Puller, TransferPrograms, new_uuid, placeholder, transfer_widths
+from jfire.disagg.kv_transfer import KVLayout, Pull, Puller, TransferPrograms, new_uuid, placeholder, transfer_widths
 from jfire.engine import Engine, RequestHandle, RequestOutput, _Live
 from jfire.errors import JfireError
 from jfire.sampling import SamplingParams
@@ -33,8 +33,13 @@ CONTROL_POLL_S = 0.2  # how often a prefill group reads renewals and pulls a dec
 
 
 def _layout(engine: Engine) -> KVLayout:
-    return KVLayout(engine.cfg, engine.model.kv_replication, engine.config.page_size,
-                    engine.model.dtype_of_params, engine.model.mesh)
+    return KVLayout(
+        engine.cfg,
+        engine.model.kv_replication,
+        engine.config.page_size,
+        engine.model.dtype_of_params,
+        engine.model.mesh,
+    )
 
 
 def _transfer_programs(engine: Engine, kind: str) -> TransferPrograms:
@@ -82,8 +87,17 @@ class PrefillEngine(Engine):
         # Only the prompt runs here; the decode group checks the whole request.
         super().validate(prompt_ids, dataclasses.replace(sampling, max_tokens=1, stop=()))
 
-    def submit(self, prompt_ids, sampling, *, request_id=None, on_output=None, affinity=None,
-               shards: int = 1, receiver: dict | None = None) -> RequestHandle:
+    def submit(
+        self,
+        prompt_ids,
+        sampling,
+        *,
+        request_id=None,
+        on_output=None,
+        affinity=None,
+        shards: int = 1,
+        receiver: dict | None = None,
+    ) -> RequestHandle:
         if request_id is None:
             raise JfireError("a prefill request needs its request id")
         self._shards[request_id] = shards
@@ -106,12 +120,21 @@ class PrefillEngine(Engine):
         shards = self.layout.usable_shards(self._shards.pop(seq.request_id, 1))
         receiver = self._receivers.pop(seq.request_id, None)
         uuid = new_uuid()
-        transfer = {"uuid": uuid, "num_pages": len(pages), "group": self.group, "pages": pages,
-                    "bytes": len(pages) * self.layout.page_nbytes}
+        transfer = {
+            "uuid": uuid,
+            "num_pages": len(pages),
+            "group": self.group,
+            "pages": pages,
+            "bytes": len(pages) * self.layout.page_nbytes,
+        }
         deadline = time.monotonic() + self.transfer_timeout_s
         if receiver is not None:  # groups spanning processes: every process sends its own blocks
-            transfer.update(protocol="blocks", sender=blocks.describe(self.layout), addresses=self.transfer_addresses,
-                            checksum=self._device_call("publish", uuid, (pages, receiver)))
+            transfer.update(
+                protocol="blocks",
+                sender=blocks.describe(self.layout),
+                addresses=self.transfer_addresses,
+                checksum=self._device_call("publish", uuid, (pages, receiver)),
+            )
             self._published[uuid] = _Published(pages, None, None, deadline)
         else:
             gathered, sent_checksum = self.gather.gather(self.pages, pages)
@@ -121,10 +144,17 @@ class PrefillEngine(Engine):
             transfer.update(address=self.server.address(), shards=shards, checksum=sent_checksum)
         self.transfer_counts["published"] += 1
         self._tokens_generated += 1
-        out = RequestOutput(seq.request_id, [token], "", prompt_tokens=len(seq.prompt_ids), completion_tokens=1,
-                            prefix_hit_tokens=seq.prefix_hit_tokens, transfer=transfer,
-                            logprobs=[logprobs] if logprobs is not None else None,
-                            prompt_logprobs=self._prompt_logprobs_once(live))
+        out = RequestOutput(
+            seq.request_id,
+            [token],
+            "",
+            prompt_tokens=len(seq.prompt_ids),
+            completion_tokens=1,
+            prefix_hit_tokens=seq.prefix_hit_tokens,
+            transfer=transfer,
+            logprobs=[logprobs] if logprobs is not None else None,
+            prompt_logprobs=self._prompt_logprobs_once(live),
+        )
         self._finish(live, "prefilled", last=out)
 
     def _finish(self, live, reason, *, last=None, error=None):
@@ -152,8 +182,11 @@ class PrefillEngine(Engine):
         if kind == "release":
             for uuid, pieces in self._sent.pop(key, []):
                 if inputs:
-                    self.puller.drain(uuid, [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-                                             for x in pieces], self.transfer_timeout_s)
+                    self.puller.drain(
+                        uuid,
+                        [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in pieces],
+                        self.transfer_timeout_s,
+                    )
             return None
         return super()._apply(kind, key, inputs)
 
@@ -219,14 +252,17 @@ class PrefillEngine(Engine):
 
     def _publish_stats(self) -> None:
         super()._publish_stats()
-        self._stats = {**self._stats, "transfers_pending": len(self._published),
-                       "transfers_published": self.transfer_counts["published"],
-                       "transfers_acknowledged": self.transfer_counts["acknowledged"],
-                       "transfers_expired": self.transfer_counts["expired"],
-                       "transfers_dropped": self.transfer_counts["dropped"],
-                       "transfers_renewed": self.transfer_counts["renewed"],
-                       "pulls_abandoned": self.transfer_counts["abandoned"],
-                       "compiled_programs": self.programs.num_compiled + self.gather.num_compiled}
+        self._stats = {
+            **self._stats,
+            "transfers_pending": len(self._published),
+            "transfers_published": self.transfer_counts["published"],
+            "transfers_acknowledged": self.transfer_counts["acknowledged"],
+            "transfers_expired": self.transfer_counts["expired"],
+            "transfers_dropped": self.transfer_counts["dropped"],
+            "transfers_renewed": self.transfer_counts["renewed"],
+            "pulls_abandoned": self.transfer_counts["abandoned"],
+            "compiled_programs": self.programs.num_compiled + self.gather.num_compiled,
+        }
 
 
 @dataclasses.dataclass(eq=False)
@@ -240,7 +276,9 @@ class _Incoming:
     pages: list[int] = dataclasses.field(default_factory=list)
     pull: Pull | None = None
     cancelled: bool = False
-    renewed_at: float = dataclasses.field(default_factory=time.monotonic)  # when the prefill group last heard it is wanted
+    renewed_at: float = dataclasses.field(
+        default_factory=time.monotonic
+    )  # when the prefill group last heard it is wanted
 
 
 class DecodeEngine(Engine):
@@ -288,8 +326,17 @@ class DecodeEngine(Engine):
             return None
         return super()._apply(kind, key, inputs)
 
-    def submit_prefilled(self, prompt_ids: list[int], first_token: int, sampling: SamplingParams, transfer: dict,
-                         *, request_id: str, on_output, first_logprobs: list | None = None) -> RequestHandle:
+    def submit_prefilled(
+        self,
+        prompt_ids: list[int],
+        first_token: int,
+        sampling: SamplingParams,
+        transfer: dict,
+        *,
+        request_id: str,
+        on_output,
+        first_logprobs: list | None = None,
+    ) -> RequestHandle:
         """Queues a request whose prompt a prefill group has run; it is admitted when the pool
         has pages for all of it, and its KV is pulled from `transfer` then."""
         if self.error is not None:
@@ -298,8 +345,10 @@ class DecodeEngine(Engine):
         self.validate(prompt_ids, sampling)
         expected = self.scheduler.pages_needed(len(prompt_ids))
         if transfer.get("num_pages") != expected:
-            raise JfireError(f"the transfer has {transfer.get('num_pages')} pages but a {len(prompt_ids)}-token "
-                             f"prompt fills {expected} pages of {self.config.page_size} tokens")
+            raise JfireError(
+                f"the transfer has {transfer.get('num_pages')} pages but a {len(prompt_ids)}-token "
+                f"prompt fills {expected} pages of {self.config.page_size} tokens"
+            )
         if sampling.seed is None:
             raise JfireError("a prefilled request needs the seed its prefill sampled with")
         handle = RequestHandle(self, request_id, prompt_ids, self.model.tokenizer is not None)
@@ -345,10 +394,15 @@ class DecodeEngine(Engine):
                 if t.get("protocol") == "blocks":
                     self._device_call("forget", t["uuid"], None)
                 # The pull is still blocked: the sender ends it (see kv_transfer.Pull).
-                self.store.key_value_set(cluster.abandon_key(t["group"], t["uuid"]),
-                                         json.dumps({"num_pages": t["num_pages"], "shards": t["shards"]}))
-                self._fail(incoming, f"the KV cache from prefill group {incoming.transfer.get('group')!r} did not "
-                                     f"arrive within {self.transfer_timeout_s:g} s; the request was dropped")
+                self.store.key_value_set(
+                    cluster.abandon_key(t["group"], t["uuid"]),
+                    json.dumps({"num_pages": t["num_pages"], "shards": t["shards"]}),
+                )
+                self._fail(
+                    incoming,
+                    f"the KV cache from prefill group {incoming.transfer.get('group')!r} did not "
+                    f"arrive within {self.transfer_timeout_s:g} s; the request was dropped",
+                )
 
     def _admit(self) -> None:
         """Starts pulls in arrival order while batch slots and pages for whole requests last."""
@@ -391,8 +445,9 @@ class DecodeEngine(Engine):
         if incoming.pull.error is not None:
             if t.get("protocol") == "blocks":
                 self._device_call("forget", t["uuid"], None)
-            self._fail(incoming, f"pulling the KV cache from prefill group {t.get('group')!r} failed: "
-                                 f"{incoming.pull.error}")
+            self._fail(
+                incoming, f"pulling the KV cache from prefill group {t.get('group')!r} failed: {incoming.pull.error}"
+            )
             return
         if t.get("protocol") == "blocks":
             self._arrive_in_blocks(incoming)
@@ -440,14 +495,21 @@ class DecodeEngine(Engine):
         it, nothing else should. Counted, logged with what it involved, and the request failed."""
         t, seq = incoming.transfer, incoming.live.seq
         self.transfer_counts["corrupted"] += 1
-        print(f"jfire: {self.group}: the KV cache of request {seq.request_id} (transfer {t['uuid']}) from prefill "
-              f"group {t.get('group')!r} arrived with other bytes than were sent: checksum {arrived:#010x}, sent "
-              f"{t['checksum']:#010x}; {t['num_pages']} pages, prefill pages {t.get('pages')}, decode pages "
-              f"{incoming.pages[: t['num_pages']]}", file=sys.stderr, flush=True)
-        self._fail(incoming, f"the KV cache from prefill group {t.get('group')!r} arrived with other bytes than were "
-                             f"sent (checksum {arrived:#010x}, sent {t['checksum']:#010x}): a process stopped "
-                             "mid-transfer, or a fault in the transfer (logged by the decode group); the request "
-                             "was dropped")
+        print(
+            f"jfire: {self.group}: the KV cache of request {seq.request_id} (transfer {t['uuid']}) from prefill "
+            f"group {t.get('group')!r} arrived with other bytes than were sent: checksum {arrived:#010x}, sent "
+            f"{t['checksum']:#010x}; {t['num_pages']} pages, prefill pages {t.get('pages')}, decode pages "
+            f"{incoming.pages[: t['num_pages']]}",
+            file=sys.stderr,
+            flush=True,
+        )
+        self._fail(
+            incoming,
+            f"the KV cache from prefill group {t.get('group')!r} arrived with other bytes than were "
+            f"sent (checksum {arrived:#010x}, sent {t['checksum']:#010x}): a process stopped "
+            "mid-transfer, or a fault in the transfer (logged by the decode group); the request "
+            "was dropped",
+        )
 
     def _fail(self, incoming: _Incoming, error: str | None) -> None:
         """Ends a request that never joined the batch: cancelled (error None) or failed."""
@@ -467,9 +529,14 @@ class DecodeEngine(Engine):
 
     def _publish_stats(self) -> None:
         super()._publish_stats()
-        self._stats = {**self._stats, "waiting": self._stats["waiting"] + len(self._admitting),
-                       "transferring": len(self._pulling), "kv_transfer_bytes": self.kv_transfer_bytes,
-                       "kv_transfers": self.transfer_counts["pulled"],
-                       "transfers_failed": self.transfer_counts["failed"],
-                       "transfers_corrupted": self.transfer_counts["corrupted"], "pull_threads": self.puller.in_flight,
-                       "compiled_programs": self.programs.num_compiled + self.insert.num_compiled}
+        self._stats = {
+            **self._stats,
+            "waiting": self._stats["waiting"] + len(self._admitting),
+            "transferring": len(self._pulling),
+            "kv_transfer_bytes": self.kv_transfer_bytes,
+            "kv_transfers": self.transfer_counts["pulled"],
+            "transfers_failed": self.transfer_counts["failed"],
+            "transfers_corrupted": self.transfer_counts["corrupted"],
+            "pull_threads": self.puller.in_flight,
+            "compiled_programs": self.programs.num_compiled + self.insert.num_compiled,
+        }

@@ -28,8 +28,8 @@ import httpx
 from jfire.disagg import cluster
 from jfire.disagg.deployment import Deployment
 from jfire.engine import RequestOutput, check_request, context_limit
-from jfire.grammar import Grammars
 from jfire.errors import JfireError
+from jfire.grammar import Grammars
 from jfire.sampling import SamplingParams
 
 HEALTH_POLL_S = 0.5
@@ -49,15 +49,32 @@ class _GroupState:
 
     def describe(self) -> dict:
         info = self.info or {}
-        return {"role": self.role, "alive": self.alive, "pid": info.get("pid"), "control": info.get("control"),
-                "transfer": info.get("transfer"), "mesh": info.get("mesh"), "devices": info.get("devices"),
-                "in_flight": self.in_flight, "restarts": self.restarts, "compiling": bool(self.stats.get("compiling")),
-                **({"problem": self.problem} if self.problem else {})}
+        return {
+            "role": self.role,
+            "alive": self.alive,
+            "pid": info.get("pid"),
+            "control": info.get("control"),
+            "transfer": info.get("transfer"),
+            "mesh": info.get("mesh"),
+            "devices": info.get("devices"),
+            "in_flight": self.in_flight,
+            "restarts": self.restarts,
+            "compiling": bool(self.stats.get("compiling")),
+            **({"problem": self.problem} if self.problem else {}),
+        }
 
 
 class RemoteEngine:
-    def __init__(self, deployment: Deployment, store, config, tokenizer, *, max_model_len: int | None = None,
-                 max_waiting: int = 1024):
+    def __init__(
+        self,
+        deployment: Deployment,
+        store,
+        config,
+        tokenizer,
+        *,
+        max_model_len: int | None = None,
+        max_waiting: int = 1024,
+    ):
         self.deployment = deployment
         self.store = store
         self.cfg = config
@@ -100,8 +117,12 @@ class RemoteEngine:
         threading.Thread(target=self._watch, name="jfire-health", daemon=True).start()
         for name, state in self.groups.items():
             i = state.info
-            print(f"jfire: frontend: {name}: {state.role}, pid {i['pid']}, mesh {i['mesh']} ({i['devices']} devices), "
-                  f"control {i['control']}, KV transfer {i['transfer']}", file=sys.stderr, flush=True)
+            print(
+                f"jfire: frontend: {name}: {state.role}, pid {i['pid']}, mesh {i['mesh']} ({i['devices']} devices), "
+                f"control {i['control']}, KV transfer {i['transfer']}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -132,8 +153,12 @@ class RemoteEngine:
         if "error" in info:
             state.problem = f"restart failed: {info['error']}"
             return False
-        print(f"jfire: frontend: group {state.name!r} registered again (pid {info.get('pid')}, control "
-              f"{info.get('control')})", file=sys.stderr, flush=True)
+        print(
+            f"jfire: frontend: group {state.name!r} registered again (pid {info.get('pid')}, control "
+            f"{info.get('control')})",
+            file=sys.stderr,
+            flush=True,
+        )
         state.info, state.slow_polls = info, 0
         state.restarts += 1
         return True
@@ -155,8 +180,9 @@ class RemoteEngine:
         if not down:
             return 200, {"status": "ok", "compiling": compiling, "groups": groups}
         serving = all(any(s.alive for s in self.groups.values() if s.role == role) for role in ("prefill", "decode"))
-        message = f"group(s) {', '.join(down)} down; " + ("serving with the rest" if serving else
-                                                           "no live group for a role: requests fail")
+        message = f"group(s) {', '.join(down)} down; " + (
+            "serving with the rest" if serving else "no live group for a role: requests fail"
+        )
         return (200 if serving else 503), {"status": "degraded", "message": message, "groups": groups}
 
     def stats(self) -> dict:
@@ -181,8 +207,16 @@ class RemoteEngine:
         if sampling.grammar is not None:  # refused here with a clear 400, not by a group mid-request
             self.grammars.validate(sampling.grammar)
 
-    def submit(self, prompt_ids, sampling: SamplingParams, *, request_id: str | None = None, on_output=None,
-               affinity: str | None = None, after: str | None = None):
+    def submit(
+        self,
+        prompt_ids,
+        sampling: SamplingParams,
+        *,
+        request_id: str | None = None,
+        on_output=None,
+        affinity: str | None = None,
+        after: str | None = None,
+    ):
         """`after` (n > 1 sharing a prompt) only matters inside one engine; each choice here
         goes its own way (with `affinity`, to the same prefill group, whose cache it may hit)."""
         from jfire.engine import QueueFull, RequestHandle
@@ -200,8 +234,12 @@ class RemoteEngine:
         emit = on_output or handle.outputs.put
         with self._lock:
             self._active.add(request_id)
-        threading.Thread(target=self._run, args=(request_id, prompt_ids, sampling, emit, affinity),
-                         name=f"jfire-{request_id}", daemon=True).start()
+        threading.Thread(
+            target=self._run,
+            args=(request_id, prompt_ids, sampling, emit, affinity),
+            name=f"jfire-{request_id}",
+            daemon=True,
+        ).start()
         return handle
 
     def cancel(self, request_id: str) -> None:
@@ -213,8 +251,9 @@ class RemoteEngine:
             self._cancelled.add(request_id)
             group = self._prefilling.get(request_id)
         if group is not None:  # called from the server's event loop: the call goes out on a thread
-            threading.Thread(target=self._cancel_prefill, args=(group, request_id), name="jfire-cancel",
-                             daemon=True).start()
+            threading.Thread(
+                target=self._cancel_prefill, args=(group, request_id), name="jfire-cancel", daemon=True
+            ).start()
 
     def _cancel_prefill(self, group: _GroupState, request_id: str) -> None:
         try:
@@ -228,16 +267,27 @@ class RemoteEngine:
     def _pick(self, role: str, affinity: str | None) -> _GroupState:
         live = sorted((s for s in self.groups.values() if s.role == role and s.alive), key=lambda s: s.name)
         if not live:
-            raise JfireError(f"no {role} group is up (all are down: "
-                             f"{', '.join(s.name for s in self.groups.values() if s.role == role)})")
+            raise JfireError(
+                f"no {role} group is up (all are down: "
+                f"{', '.join(s.name for s in self.groups.values() if s.role == role)})"
+            )
         if affinity and role == "prefill":
             return live[affinity_index(affinity, len(live))]
         return min(live, key=lambda s: (s.in_flight, s.stats.get("waiting", 0), -s.stats.get("pages_free", 0)))
 
     def _run(self, request_id, prompt_ids, sampling, emit, affinity) -> None:
         def fail(message: str) -> None:
-            emit(RequestOutput(request_id, [], "", finished=True, finish_reason="error", error=message,
-                               prompt_tokens=len(prompt_ids)))
+            emit(
+                RequestOutput(
+                    request_id,
+                    [],
+                    "",
+                    finished=True,
+                    finish_reason="error",
+                    error=message,
+                    prompt_tokens=len(prompt_ids),
+                )
+            )
 
         try:
             prefill, decode = self._pick("prefill", affinity), self._pick("decode", None)
@@ -279,8 +329,12 @@ class RemoteEngine:
 
     def _prefill(self, group: _GroupState, decode: _GroupState, request_id, prompt_ids, sampling) -> dict | str:
         """The prefill group's answer, or an error message."""
-        body = {"request_id": request_id, "prompt_ids": prompt_ids, "sampling": sampling.to_json(),
-                "shards": decode.info.get("kv_shards", 1)}
+        body = {
+            "request_id": request_id,
+            "prompt_ids": prompt_ids,
+            "sampling": sampling.to_json(),
+            "shards": decode.info.get("kv_shards", 1),
+        }
         if max(group.info.get("processes", 1), decode.info.get("processes", 1)) > 1:
             # A group spanning processes: each process sends or pulls its own blocks of the
             # cache (jfire.disagg.blocks), cut to the decode group's layout.
@@ -289,8 +343,10 @@ class RemoteEngine:
             r = self._http.post(group.info["control"] + "/prefill", json=body)
         except httpx.HTTPError as e:
             self._mark_down(group, f"prefill request failed ({type(e).__name__})")
-            return (f"prefill group {group.name!r} failed before publishing this request's KV cache: "
-                    f"{type(e).__name__} ({e or 'connection lost'}); the process may have stopped")
+            return (
+                f"prefill group {group.name!r} failed before publishing this request's KV cache: "
+                f"{type(e).__name__} ({e or 'connection lost'}); the process may have stopped"
+            )
         if r.status_code != 200:
             return f"prefill group {group.name!r}: {_error_of(r)}"
         with self._lock:  # published, and the frontend knows where: the decode group pulls from here on
@@ -299,13 +355,22 @@ class RemoteEngine:
 
     def _decode(self, group: _GroupState, request_id, prompt_ids, sampling, first: dict, emit) -> str | None:
         """Relays the decode group's outputs; returns an error message if it failed."""
-        body = {"request_id": request_id, "prompt_ids": prompt_ids, "first_token": first["first_token"],
-                "first_logprobs": first.get("first_logprobs"), "sampling": sampling.to_json(),
-                "transfer": first["transfer"]}
+        body = {
+            "request_id": request_id,
+            "prompt_ids": prompt_ids,
+            "first_token": first["first_token"],
+            "first_logprobs": first.get("first_logprobs"),
+            "sampling": sampling.to_json(),
+            "transfer": first["transfer"],
+        }
         arrived = emitted_prompt_logprobs = False
         try:
-            with self._http.stream("POST", group.info["control"] + "/decode", json=body,
-                                   timeout=httpx.Timeout(10.0, read=self.deployment.transfer_timeout_s + 60)) as r:
+            with self._http.stream(
+                "POST",
+                group.info["control"] + "/decode",
+                json=body,
+                timeout=httpx.Timeout(10.0, read=self.deployment.transfer_timeout_s + 60),
+            ) as r:
                 if r.status_code != 200:
                     r.read()
                     return f"decode group {group.name!r}: {_error_of(r)}"
@@ -325,13 +390,24 @@ class RemoteEngine:
                     if out.finished:
                         return None
                     if self._take_cancel(request_id):
-                        emit(RequestOutput(request_id, [], "", finished=True, finish_reason="cancelled",
-                                           prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens))
+                        emit(
+                            RequestOutput(
+                                request_id,
+                                [],
+                                "",
+                                finished=True,
+                                finish_reason="cancelled",
+                                prompt_tokens=out.prompt_tokens,
+                                completion_tokens=out.completion_tokens,
+                            )
+                        )
                         return None  # leaving the stream closes it: the decode group cancels
         except httpx.HTTPError as e:
             self._mark_down(group, f"stream broke ({type(e).__name__})")
-            return (f"decode group {group.name!r} stopped answering mid-stream: {type(e).__name__} "
-                    f"({e or 'connection lost'}); the request was not completed")
+            return (
+                f"decode group {group.name!r} stopped answering mid-stream: {type(e).__name__} "
+                f"({e or 'connection lost'}); the request was not completed"
+            )
         return f"decode group {group.name!r} ended the stream without finishing the request"
 
 

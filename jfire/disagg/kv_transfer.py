@@ -97,8 +97,10 @@ class KVLayout:
 
     def wire_structs(self, num_pages: int, shards: int) -> list[jax.ShapeDtypeStruct]:
         """What travels for num_pages pages: page-major, one struct per cache array."""
-        one = [jax.ShapeDtypeStruct(self.wire_shape(c), self.dtype, sharding=self.wire_sharding(c, shards))
-               for c in self.arrays]
+        one = [
+            jax.ShapeDtypeStruct(self.wire_shape(c), self.dtype, sharding=self.wire_sharding(c, shards))
+            for c in self.arrays
+        ]
         return one * num_pages
 
     def to_wire(self, arrays: list, shards: int) -> list[jax.Array]:
@@ -137,6 +139,7 @@ def _page_sums(stacked: list, axes: list[int]):
     side; a transfer broken off midway (its sender killed) can otherwise arrive as if complete,
     holding stale bytes. One reduction per cache array, not one per page: a program of a
     whole context's pages then compiles in seconds, not a minute."""
+
     def per_page(x, axis):
         bits = _bits(x)
         return jnp.sum(bits, axis=tuple(d for d in range(bits.ndim) if d != axis), dtype=jnp.uint32)
@@ -152,8 +155,10 @@ def checksum(page_sums, num_pages: int) -> int:
 def gather_pages(pages, page_ids, *, arrays: tuple[CacheSpec, ...], replication: int):
     """page_ids [w] -> w * len(arrays) wire arrays, page-major, and the [w] page sums."""
     stacked = [jnp.take(_heads_every(pages[c.name], c, replication), page_ids, axis=c.pages_axis) for c in arrays]
-    taken = [[jax.lax.index_in_dim(x, i, c.pages_axis, keepdims=False) for i in range(page_ids.shape[0])]
-             for x, c in zip(stacked, arrays)]
+    taken = [
+        [jax.lax.index_in_dim(x, i, c.pages_axis, keepdims=False) for i in range(page_ids.shape[0])]
+        for x, c in zip(stacked, arrays)
+    ]
     wire = tuple(taken[a][i] for i in range(page_ids.shape[0]) for a in range(len(arrays)))
     return wire + (_page_sums(stacked, [c.pages_axis for c in arrays]),)
 
@@ -202,12 +207,16 @@ class TransferPrograms:
             if progress:
                 progress(len(self._compiled))
         if self.kind == "insert":
-            self.padding = [jax.device_put(np.zeros(self.layout.wire_shape(c), self.layout.dtype),
-                                           self.layout.page_sharding(c)) for c in self.layout.arrays]
+            self.padding = [
+                jax.device_put(np.zeros(self.layout.wire_shape(c), self.layout.dtype), self.layout.page_sharding(c))
+                for c in self.layout.arrays
+            ]
 
     def _page_structs(self, w: int) -> tuple:
-        one = [jax.ShapeDtypeStruct(self.layout.wire_shape(c), self.layout.dtype, sharding=self.layout.page_sharding(c))
-               for c in self.layout.arrays]
+        one = [
+            jax.ShapeDtypeStruct(self.layout.wire_shape(c), self.layout.dtype, sharding=self.layout.page_sharding(c))
+            for c in self.layout.arrays
+        ]
         return tuple(one * w)
 
     def _lower(self, w: int):
@@ -216,9 +225,11 @@ class TransferPrograms:
         if self.kind == "gather":
             out = tuple(s.sharding for s in self._page_structs(w)) + (self._ids_sharding,)
             return jax.jit(gather_pages, static_argnames=("arrays", "replication"), out_shardings=out).lower(
-                self._pages, ids, **static)
+                self._pages, ids, **static
+            )
         return jax.jit(insert_pages, static_argnames=("arrays", "replication"), donate_argnames=("pages",)).lower(
-            self._pages, self._page_structs(w), ids, **static)
+            self._pages, self._page_structs(w), ids, **static
+        )
 
     def width_for(self, n: int) -> int:
         return next(w for w in self.widths if w >= n)
@@ -345,7 +356,7 @@ class Puller:
         server drops its reference to the arrays too (bounded: if the decode side took it
         after all, this pull would otherwise wait for ever; a pull from this process's own
         server honours an aware-datetime timeout)."""
-        until = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=timeout_s)
+        until = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=timeout_s)
 
         def run():
             try:

@@ -45,8 +45,16 @@ class Options:
     access_log: bool = True  # the frontend's line per request (serve/access_log.py)
 
     def argv(self) -> list[str]:
-        out = ["--model", self.model, "--dtype", self.dtype, "--host", self.host,
-               "--shutdown-grace", f"{self.shutdown_grace:g}"]
+        out = [
+            "--model",
+            self.model,
+            "--dtype",
+            self.dtype,
+            "--host",
+            self.host,
+            "--shutdown-grace",
+            f"{self.shutdown_grace:g}",
+        ]
         if self.port is not None:
             out += ["--port", str(self.port)]
         if not self.access_log:
@@ -56,8 +64,7 @@ class Options:
 
 def process_argv(deployment_arg: str, process_id: int, coordinator: str, options: Options) -> list[str]:
     """The `jfire launch` arguments that run one process of the deployment."""
-    return ["launch", deployment_arg, "--process-id", str(process_id), "--coordinator", coordinator,
-            *options.argv()]
+    return ["launch", deployment_arg, "--process-id", str(process_id), "--coordinator", coordinator, *options.argv()]
 
 
 def process_env(process: Process, base: dict | None = None) -> dict:
@@ -111,12 +118,18 @@ def launch_local(deployment: Deployment, deployment_arg: str, options: Options) 
     if port == 0:
         port = free_port()
     elif not _port_free(port):
-        raise JfireError(f"the coordinator port {port} of deployment {deployment.name!r} is in use; "
-                         "set [coordinator] port = 0 in the deployment file to pick a free one")
+        raise JfireError(
+            f"the coordinator port {port} of deployment {deployment.name!r} is in use; "
+            "set [coordinator] port = 0 in the deployment file to pick a free one"
+        )
     coordinator = f"127.0.0.1:{port}"
     frontend_port = options.port if options.port is not None else deployment.frontend_port
-    print(f"jfire: launch: {deployment.name}: coordinator {coordinator}, frontend http://{options.host}:"
-          f"{frontend_port}, {len(deployment.processes)} processes", file=sys.stderr, flush=True)
+    print(
+        f"jfire: launch: {deployment.name}: coordinator {coordinator}, frontend http://{options.host}:"
+        f"{frontend_port}, {len(deployment.processes)} processes",
+        file=sys.stderr,
+        flush=True,
+    )
     children: list[tuple[Process, subprocess.Popen]] = []
     stopping = False
 
@@ -125,17 +138,23 @@ def launch_local(deployment: Deployment, deployment_arg: str, options: Options) 
         stopping = True
 
     def start(process: Process, started_at: float) -> subprocess.Popen:
-        argv = [sys.executable, "-m", "jfire.cli", *process_argv(deployment_arg, process.process_id, coordinator,
-                                                                  options)]
+        argv = [
+            sys.executable,
+            "-m",
+            "jfire.cli",
+            *process_argv(deployment_arg, process.process_id, coordinator, options),
+        ]
         # A session of its own: Ctrl-C reaches only this launcher, which stops them in order.
         env = {**process_env(process), "JFIRE_LAUNCHED_AT": f"{started_at:.3f}"}
         # Its output comes through here, less the listed noise of JAX and Gloo (quiet.py).
-        child = subprocess.Popen(argv, env=env, start_new_session=True, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE)
+        child = subprocess.Popen(argv, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         quiet.relay(child.stdout, sys.stdout.buffer)
         quiet.relay(child.stderr, sys.stderr.buffer)
-        print(f"jfire: launch: process {process.process_id} {process.label} ({process.devices} devices): "
-              f"pid {child.pid}", file=sys.stderr, flush=True)
+        print(
+            f"jfire: launch: process {process.process_id} {process.label} ({process.devices} devices): pid {child.pid}",
+            file=sys.stderr,
+            flush=True,
+        )
         return child
 
     previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -150,14 +169,21 @@ def launch_local(deployment: Deployment, deployment_arg: str, options: Options) 
             time.sleep(0.2)
             if not ready and _healthy(frontend_url):
                 ready = True
-                print(f"jfire: launch: {deployment.name}: ready, {time.time() - launched_at:.1f} s after launch "
-                      f"(http://{options.host}:{frontend_port})", file=sys.stderr, flush=True)
-            for i, (process, child) in enumerate(children):
+                print(
+                    f"jfire: launch: {deployment.name}: ready, {time.time() - launched_at:.1f} s after launch "
+                    f"(http://{options.host}:{frontend_port})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            for process, child in children:
                 code = child.poll()
                 if code is None or stopping or process.process_id in left_down:
                     continue
-                print(f"jfire: launch: {process.label} (pid {child.pid}) exited with code {code}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"jfire: launch: {process.label} (pid {child.pid}) exited with code {code}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 # Nothing is served without the frontend; a process that fails while the
                 # deployment starts (a bad mesh, a missing model) fails the launch.
                 if process.group is None or not ready:
@@ -173,13 +199,21 @@ def launch_local(deployment: Deployment, deployment_arg: str, options: Options) 
                 first = children[members[0]][0].process_id
                 if restarts[first] < options.max_restarts:
                     restarts[first] += 1
-                    print(f"jfire: launch: restarting {process.group.name if len(members) > 1 else process.label} "
-                          f"(restart {restarts[first]} of {options.max_restarts})", file=sys.stderr, flush=True)
+                    print(
+                        f"jfire: launch: restarting {process.group.name if len(members) > 1 else process.label} "
+                        f"(restart {restarts[first]} of {options.max_restarts})",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     for j in members:
                         children[j] = (children[j][0], start(children[j][0], time.time()))
                 else:
-                    print(f"jfire: launch: {process.label} is left down (restarted {options.max_restarts} times "
-                          "already); the frontend routes around it", file=sys.stderr, flush=True)
+                    print(
+                        f"jfire: launch: {process.label} is left down (restarted {options.max_restarts} times "
+                        "already); the frontend routes around it",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     left_down.update(children[j][0].process_id for j in members)
     finally:
         if ready and not failed:
@@ -188,8 +222,11 @@ def launch_local(deployment: Deployment, deployment_arg: str, options: Options) 
         for s, handler in previous.items():
             signal.signal(s, handler)
     if failed:
-        print("jfire: launch: error: a process exited; see its error above. All processes stopped.",
-              file=sys.stderr, flush=True)
+        print(
+            "jfire: launch: error: a process exited; see its error above. All processes stopped.",
+            file=sys.stderr,
+            flush=True,
+        )
         return 1
     print("jfire: launch: all processes stopped", file=sys.stderr, flush=True)
     return 0
@@ -242,8 +279,15 @@ def _stop_all(children: list[tuple[Process, subprocess.Popen]]) -> None:
                 child.wait()
 
 
-def run_one(deployment: Deployment, process_id: int, coordinator: str, options: Options, engine_config,
-            api_key: str | None, served_name: str) -> int:
+def run_one(
+    deployment: Deployment,
+    process_id: int,
+    coordinator: str,
+    options: Options,
+    engine_config,
+    api_key: str | None,
+    served_name: str,
+) -> int:
     """Runs one process of the deployment in this process."""
     from jfire.memory import trim_freed_memory_periodically
 
@@ -256,8 +300,16 @@ def run_one(deployment: Deployment, process_id: int, coordinator: str, options: 
 
         bind = options.host
         advertise = bind if bind not in ("0.0.0.0", "::") else socket.getfqdn()
-        worker.run(deployment, process, model=options.model, dtype=options.dtype, coordinator=coordinator,
-                   bind_host=bind, advertise_host=advertise, config=engine_config)
+        worker.run(
+            deployment,
+            process,
+            model=options.model,
+            dtype=options.dtype,
+            coordinator=coordinator,
+            bind_host=bind,
+            advertise_host=advertise,
+            config=engine_config,
+        )
     sys.stderr.flush()
     # Skip interpreter teardown: the coordinator client's own shutdown would wait on peers, and
     # a pull still within its deadline would hold the transfer server up.
@@ -277,8 +329,14 @@ def _run_frontend(deployment: Deployment, coordinator: str, options: Options, en
     sock = listen.bind(options.host, port, "the frontend")
     store = cluster.join(coordinator, len(deployment.processes), 0)
     config, tokenizer, _ = load_config_and_tokenizer(options.model)
-    engine = RemoteEngine(deployment, store, config, tokenizer, max_model_len=engine_config.max_model_len,
-                          max_waiting=engine_config.max_waiting)
+    engine = RemoteEngine(
+        deployment,
+        store,
+        config,
+        tokenizer,
+        max_model_len=engine_config.max_model_len,
+        max_waiting=engine_config.max_waiting,
+    )
     engine.start()
     state = ServerState(engine=engine, model_name=served_name, api_key=api_key, access_log=options.access_log)
     app = create_app(state)
@@ -295,8 +353,12 @@ def _run_frontend(deployment: Deployment, coordinator: str, options: Options, en
             threading.Thread(target=drain_then_stop, name="jfire-drain", daemon=True).start()
 
     signal.signal(signal.SIGUSR1, start_draining)
-    print(f"jfire: frontend: serving {served_name!r} on http://{options.host}:{sock.getsockname()[1]} "
-          "(/health says when every group is ready)", file=sys.stderr, flush=True)
+    print(
+        f"jfire: frontend: serving {served_name!r} on http://{options.host}:{sock.getsockname()[1]} "
+        "(/health says when every group is ready)",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=3)).run(sockets=[sock])
     finally:

@@ -69,7 +69,7 @@ def create_control_app(engine, process: Process) -> FastAPI:
         while True:
             try:
                 return await asyncio.wait_for(outputs.get(), timeout=0.25)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 if await request.is_disconnected():
                     engine.cancel(request_id)
                     return None
@@ -101,9 +101,14 @@ def create_control_app(engine, process: Process) -> FastAPI:
             return error(499, "cancelled before it arrived")
         outputs, on_output = attach(request_id)
         try:
-            engine.submit(body["prompt_ids"], SamplingParams.from_json(body["sampling"]), request_id=request_id,
-                          on_output=on_output, shards=int(body.get("shards", 1)),
-                          receiver=body.get("receiver"))
+            engine.submit(
+                body["prompt_ids"],
+                SamplingParams.from_json(body["sampling"]),
+                request_id=request_id,
+                on_output=on_output,
+                shards=int(body.get("shards", 1)),
+                receiver=body.get("receiver"),
+            )
         except (JfireError, TypeError, ValueError) as e:
             return error(400, str(e))
         while True:
@@ -116,9 +121,14 @@ def create_control_app(engine, process: Process) -> FastAPI:
             return error(499, "cancelled")
         if out.finish_reason != "prefilled":
             return error(500, out.error or f"the prefill ended with {out.finish_reason!r}")
-        return {"first_token": out.token_ids[0], "transfer": out.transfer, "prompt_tokens": out.prompt_tokens,
-                "prefix_hit_tokens": out.prefix_hit_tokens, "first_logprobs": (out.logprobs or [None])[0],
-                "prompt_logprobs": out.prompt_logprobs}
+        return {
+            "first_token": out.token_ids[0],
+            "transfer": out.transfer,
+            "prompt_tokens": out.prompt_tokens,
+            "prefix_hit_tokens": out.prefix_hit_tokens,
+            "first_logprobs": (out.logprobs or [None])[0],
+            "prompt_logprobs": out.prompt_logprobs,
+        }
 
     @app.post("/decode")
     async def decode(body: dict, request: Request):
@@ -127,9 +137,15 @@ def create_control_app(engine, process: Process) -> FastAPI:
         request_id = body["request_id"]
         outputs, on_output = attach(request_id)
         try:
-            engine.submit_prefilled(body["prompt_ids"], body["first_token"], SamplingParams.from_json(body["sampling"]),
-                                    body["transfer"], request_id=request_id, on_output=on_output,
-                                    first_logprobs=body.get("first_logprobs"))
+            engine.submit_prefilled(
+                body["prompt_ids"],
+                body["first_token"],
+                SamplingParams.from_json(body["sampling"]),
+                body["transfer"],
+                request_id=request_id,
+                on_output=on_output,
+                first_logprobs=body.get("first_logprobs"),
+            )
         except (JfireError, TypeError, ValueError, KeyError) as e:
             return error(400, str(e))
 
@@ -166,14 +182,24 @@ def _progress_printer(label: str, every_s: float = 2.0):
         now = time.monotonic()
         if now - last >= every_s and done < total:
             last = now
-            print(f"jfire: {label}: compiled {done}/{total} programs ({now - start:.0f} s)", file=sys.stderr,
-                  flush=True)
+            print(
+                f"jfire: {label}: compiled {done}/{total} programs ({now - start:.0f} s)", file=sys.stderr, flush=True
+            )
 
     return progress
 
 
-def run(deployment: Deployment, process: Process, *, model: str, dtype: str, coordinator: str, bind_host: str,
-        advertise_host: str, config: EngineConfig) -> None:
+def run(
+    deployment: Deployment,
+    process: Process,
+    *,
+    model: str,
+    dtype: str,
+    coordinator: str,
+    bind_host: str,
+    advertise_host: str,
+    config: EngineConfig,
+) -> None:
     """Runs one group process until it is told to stop (SIGTERM / Ctrl-C)."""
     from jax.experimental import transfer
 
@@ -199,14 +225,27 @@ def run(deployment: Deployment, process: Process, *, model: str, dtype: str, coo
     server = transfer.start_transfer_server(jax.local_devices()[0].client, f"{bind_host}:0", [f"{bind_host}:0"])
     transfer_address = server.address().replace(bind_host, advertise_host, 1)
     if group.role == "prefill":
-        engine = PrefillEngine(loaded, config, server=server, store=store, group=group.name,
-                               transfer_timeout_s=deployment.transfer_timeout_s)
+        engine = PrefillEngine(
+            loaded,
+            config,
+            server=server,
+            store=store,
+            group=group.name,
+            transfer_timeout_s=deployment.transfer_timeout_s,
+        )
     else:
-        engine = DecodeEngine(loaded, config, server=server, store=store,
-                              transfer_timeout_s=deployment.transfer_timeout_s, group=group.name)
+        engine = DecodeEngine(
+            loaded,
+            config,
+            server=server,
+            store=store,
+            transfer_timeout_s=deployment.transfer_timeout_s,
+            group=group.name,
+        )
     if len(members) > 1:
         channel = lockstep.StepChannel(name, members, process.process_id, store)
         if process.rank > 0:
+
             def ready():  # the leader registers the group once every process's transfer server is known
                 store.key_value_set(cluster.transfer_key(channel.group, process.process_id), transfer_address)
 
@@ -216,8 +255,12 @@ def run(deployment: Deployment, process: Process, *, model: str, dtype: str, coo
         engine.transfer_addresses = {str(process.process_id): transfer_address}
 
         def group_failed(error: BaseException) -> None:  # a group lives and dies whole
-            print(f"jfire: {process.label}: error: the group failed ({type(error).__name__}: {error}); its requests "
-                  "have ended with an error; exiting with status 1", file=sys.stderr, flush=True)
+            print(
+                f"jfire: {process.label}: error: the group failed ({type(error).__name__}: {error}); its requests "
+                "have ended with an error; exiting with status 1",
+                file=sys.stderr,
+                flush=True,
+            )
             threading.Timer(1.0, lambda: os._exit(1)).start()  # let the errors go out first
 
         engine.on_fatal = group_failed
@@ -230,25 +273,39 @@ def run(deployment: Deployment, process: Process, *, model: str, dtype: str, coo
         try:
             engine.start(compile_progress=_progress_printer(process.label))
             for member in members[1:]:
-                address = store.blocking_key_value_get(cluster.transfer_key(engine.step_channel.group, member),
-                                                       600_000)
+                address = store.blocking_key_value_get(cluster.transfer_key(engine.step_channel.group, member), 600_000)
                 engine.transfer_addresses[str(member)] = address
         except BaseException as e:  # reported on /health and to the frontend through the store
             engine.error = e
             cluster.publish_group(store, group.name, {"error": str(e)})
             print(f"jfire: {process.label}: error: engine failed to start: {e}", file=sys.stderr, flush=True)
             return
-        cluster.publish_group(store, group.name, {
-            "role": group.role, "control": control, "transfer": transfer_address, "pid": os.getpid(),
-            "mesh": group.mesh.name, "devices": len(loaded.mesh.devices.flat) if loaded.mesh is not None else 1,
-            "kv_shards": engine.layout.preferred_shards(), "pages_total": engine.pool.num_pages,
-            "processes": len(members), "kv_layout": blocks.describe(engine.layout),
-            "startup_s": engine.startup_s})
+        cluster.publish_group(
+            store,
+            group.name,
+            {
+                "role": group.role,
+                "control": control,
+                "transfer": transfer_address,
+                "pid": os.getpid(),
+                "mesh": group.mesh.name,
+                "devices": len(loaded.mesh.devices.flat) if loaded.mesh is not None else 1,
+                "kv_shards": engine.layout.preferred_shards(),
+                "pages_total": engine.pool.num_pages,
+                "processes": len(members),
+                "kv_layout": blocks.describe(engine.layout),
+                "startup_s": engine.startup_s,
+            },
+        )
         launched_at = os.environ.get("JFIRE_LAUNCHED_AT")  # set by `jfire launch` on this machine
         since = f", {time.time() - float(launched_at):.1f} s after launch" if launched_at else ""
-        print(f"jfire: {process.label}: ready ({group.role}, mesh {group.mesh.name}, "
-              f"{engine.stats()['compiled_programs']} programs compiled in {engine.startup_s:.1f} s{since}); "
-              f"control {control}, KV transfer {transfer_address}", file=sys.stderr, flush=True)
+        print(
+            f"jfire: {process.label}: ready ({group.role}, mesh {group.mesh.name}, "
+            f"{engine.stats()['compiled_programs']} programs compiled in {engine.startup_s:.1f} s{since}); "
+            f"control {control}, KV transfer {transfer_address}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     threading.Thread(target=compile_then_register, name="jfire-compile", daemon=True).start()
     app = create_control_app(engine, process)

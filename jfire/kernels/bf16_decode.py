@@ -60,18 +60,18 @@ class Layout:
 
     @property
     def rows(self) -> int:
-        return math.prod(self.enc_shape[self.unit_axes:self.unit_axes + self.row_axes])
+        return math.prod(self.enc_shape[self.unit_axes : self.unit_axes + self.row_axes])
 
     @property
     def cols(self) -> int:
-        return math.prod(self.enc_shape[self.unit_axes + self.row_axes:])
+        return math.prod(self.enc_shape[self.unit_axes + self.row_axes :])
 
     @property
     def steps(self) -> int:
         """Symbols in the longest lane."""
         return -(-self.cols // self.lanes)
 
-    def encoded(self) -> "Layout":
+    def encoded(self) -> Layout:
         """The same coded form read as the encode-layout tensor itself (no transpose back):
         tensors that differ only in axis order then share one compiled decoder."""
         return dataclasses.replace(self, shape=self.enc_shape, perm=tuple(range(len(self.shape))))
@@ -80,13 +80,21 @@ class Layout:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Layout":
-        return cls(shape=tuple(d["shape"]), perm=tuple(d["perm"]), unit_axes=int(d["unit_axes"]),
-                   row_axes=int(d["row_axes"]), lanes=int(d["lanes"]))
+    def from_dict(cls, d: dict) -> Layout:
+        return cls(
+            shape=tuple(d["shape"]),
+            perm=tuple(d["perm"]),
+            unit_axes=int(d["unit_axes"]),
+            row_axes=int(d["row_axes"]),
+            lanes=int(d["lanes"]),
+        )
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["code_lengths", "lane_bits", "raw", "payload"],
-                   meta_fields=["layout"])
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["code_lengths", "lane_bits", "raw", "payload"],
+    meta_fields=["layout"],
+)
 @dataclasses.dataclass(frozen=True)
 class Compressed:
     """One compressed bf16 tensor (numpy arrays from the encoder, jax arrays on the device)."""
@@ -99,8 +107,10 @@ class Compressed:
 
     @property
     def nbytes(self) -> int:
-        return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
-                   for a in (self.code_lengths, self.lane_bits, self.raw, self.payload))
+        return sum(
+            int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+            for a in (self.code_lengths, self.lane_bits, self.raw, self.payload)
+        )
 
 
 def pad_payload(c: Compressed, words: int) -> Compressed:
@@ -217,9 +227,24 @@ def bf16_decode_reference(c: Compressed, unit=None) -> jax.Array:
 # -- the Pallas kernel ------------------------------------------------------------------------------
 
 
-def _decode_kernel(first_row_ref, word_ref, bit_ref, lut_ref, payload_ref, raw_ref, out_ref, *,
-                   rows: int, unit_rows: int, cols: int, lanes: int, steps: int,
-                   tile_rows: int, tile_lanes: int, last_word: int):
+def _decode_kernel(
+    first_row_ref,
+    word_ref,
+    bit_ref,
+    lut_ref,
+    payload_ref,
+    raw_ref,
+    out_ref,
+    *,
+    rows: int,
+    unit_rows: int,
+    cols: int,
+    lanes: int,
+    steps: int,
+    tile_rows: int,
+    tile_lanes: int,
+    last_word: int,
+):
     """One tile of lanes (tile_rows rows x tile_lanes lanes), stepping one symbol per lane.
 
     Refs are whole arrays, indexed by gather/scatter: word_ref/bit_ref [rows, lanes] lane
@@ -267,8 +292,16 @@ def _decode_rows(c: Compressed, unit, *, interpret: bool, block_lanes: int, num_
     first_row, rows, lut, word, bit = _rows_to_decode(c, unit)
     tile_rows, tile_lanes = _tile(rows, lay.lanes, block_lanes)
     kernel = functools.partial(
-        _decode_kernel, rows=rows, unit_rows=lay.rows, cols=lay.cols, lanes=lay.lanes, steps=lay.steps,
-        tile_rows=tile_rows, tile_lanes=tile_lanes, last_word=c.payload.shape[0] - 2)
+        _decode_kernel,
+        rows=rows,
+        unit_rows=lay.rows,
+        cols=lay.cols,
+        lanes=lay.lanes,
+        steps=lay.steps,
+        tile_rows=tile_rows,
+        tile_lanes=tile_lanes,
+        last_word=c.payload.shape[0] - 2,
+    )
     return pl.pallas_call(
         kernel,
         grid=(pl.cdiv(rows, tile_rows), lay.lanes // tile_lanes),
@@ -276,13 +309,20 @@ def _decode_rows(c: Compressed, unit, *, interpret: bool, block_lanes: int, num_
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         name="jfire_bf16_decode",
-    )(jnp.reshape(first_row, (1,)).astype(jnp.int32), word, bit, lut, c.payload,
-      c.raw.reshape(lay.units * lay.rows, lay.cols))
+    )(
+        jnp.reshape(first_row, (1,)).astype(jnp.int32),
+        word,
+        bit,
+        lut,
+        c.payload,
+        c.raw.reshape(lay.units * lay.rows, lay.cols),
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_lanes", "num_warps"))
-def bf16_decode(c: Compressed, unit=None, *, interpret: bool = False, block_lanes: int = 256,
-                num_warps: int = 4) -> jax.Array:
+def bf16_decode(
+    c: Compressed, unit=None, *, interpret: bool = False, block_lanes: int = 256, num_warps: int = 4
+) -> jax.Array:
     """The tensor, bf16, in its own shape, decoded by the Pallas kernel; with `unit` (which
     may be traced, e.g. a scan's layer index) only that unit, shaped like tensor[unit]."""
     bits = _decode_rows(c, unit, interpret=interpret, block_lanes=block_lanes, num_warps=num_warps)

@@ -28,8 +28,13 @@ MAX_TOKENS = 4  # query tokens per row up to which the kernel runs (decode is 1)
 
 def applies(q, k_pages, chunk=None) -> bool:
     """Whether attention of q [b, t, h, d] over these pages runs on the kernel."""
-    return (chunk is None and q.shape[1] <= MAX_TOKENS and q.dtype == k_pages.dtype == jnp.float32
-            and cpu_matmul.in_place_enabled() and cpu_matmul.available())
+    return (
+        chunk is None
+        and q.shape[1] <= MAX_TOKENS
+        and q.dtype == k_pages.dtype == jnp.float32
+        and cpu_matmul.in_place_enabled()
+        and cpu_matmul.available()
+    )
 
 
 def paged_attention(q, k_pages, v_pages, layer, page_table, positions, sliding_window=None, chunk=None):
@@ -37,9 +42,17 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, positions, sliding_w
     page_size, d], page_table [b, w], positions [b, t], -1 = padding -> zeros), on the kernel
     where it applies and on the reference otherwise."""
     if not applies(q, k_pages, chunk):
-        return paged_attention_reference(q, k_pages, v_pages, layer, page_table, positions,
-                                         sliding_window=sliding_window, chunk=chunk)
+        return paged_attention_reference(
+            q, k_pages, v_pages, layer, page_table, positions, sliding_window=sliding_window, chunk=chunk
+        )
     call = jax.ffi.ffi_call("jfire_paged_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    return call(q, k_pages, v_pages, jnp.asarray(layer, jnp.int32).reshape(1), page_table.astype(jnp.int32),
-                positions.astype(jnp.int32), sliding_window=np.int64(sliding_window or 0),
-                scale=np.float32(1.0 / math.sqrt(q.shape[-1])))
+    return call(
+        q,
+        k_pages,
+        v_pages,
+        jnp.asarray(layer, jnp.int32).reshape(1),
+        page_table.astype(jnp.int32),
+        positions.astype(jnp.int32),
+        sliding_window=np.int64(sliding_window or 0),
+        scale=np.float32(1.0 / math.sqrt(q.shape[-1])),
+    )

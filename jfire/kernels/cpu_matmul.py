@@ -121,8 +121,7 @@ def available() -> bool:
 
 def applies(rows: int, *arrays, max_rows: int = MAX_ROWS) -> bool:
     """Whether a product of `rows` rows over these arrays runs on the kernels."""
-    return (in_place_enabled() and rows <= max_rows and all(a.dtype == jnp.float32 for a in arrays)
-            and available())
+    return in_place_enabled() and rows <= max_rows and all(a.dtype == jnp.float32 for a in arrays) and available()
 
 
 def stacked_matmul(x: jax.Array, stack: jax.Array, layer) -> jax.Array:

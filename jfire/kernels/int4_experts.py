@@ -120,9 +120,9 @@ def default_impl() -> str:
     return _IMPL.value or ("pallas" if jax.default_backend() == "gpu" else "xla")
 
 
-
-def _ragged_kernel(start_ref, end_ref, x_ref, packed_ref, scale_ref, zeros_ref, o_ref, *,
-                   block_rows: int, block_in: int, precision):
+def _ragged_kernel(
+    start_ref, end_ref, x_ref, packed_ref, scale_ref, zeros_ref, o_ref, *, block_rows: int, block_in: int, precision
+):
     """One (expert, out tile): the expert's rows, block_rows at a time, against its weights.
 
     x_ref [a + block_rows, in] (padded so a block starting at any row reads in bounds);
@@ -146,8 +146,9 @@ def _ragged_kernel(start_ref, end_ref, x_ref, packed_ref, scale_ref, zeros_ref, 
             words = packed_ref[:, pl.ds(k * words_per_step, words_per_step)]  # [tn, block_in / 8]
             scale = scale_ref[:, pl.ds(k * groups_per_step, groups_per_step)]  # [tn, block_in / 32]
             w = _unpack(words, scale).astype(compute)  # [tn, block_in]
-            return acc + jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=precision,
-                                             preferred_element_type=jnp.float32)
+            return acc + jax.lax.dot_general(
+                x, w, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+            )
 
         acc = jax.lax.fori_loop(0, steps, in_step, jnp.zeros((block_rows, tn), jnp.float32))
         rows = first + jax.lax.broadcasted_iota(jnp.int32, (block_rows, tn), 0)
@@ -162,8 +163,10 @@ def _ragged_dot_pallas(xs, packed, scale, sizes, *, interpret, block_rows, block
     experts, out, _ = packed.shape
     block_out, block_in = min(block_out, out), min(block_in, n_in)
     if out % block_out or n_in % block_in or block_in % GROUP:
-        raise ValueError(f"out ({out}) must be a multiple of block_out ({block_out}), in ({n_in}) of block_in "
-                         f"({block_in}), and block_in of {GROUP}")
+        raise ValueError(
+            f"out ({out}) must be a multiple of block_out ({block_out}), in ({n_in}) of block_in "
+            f"({block_in}), and block_in of {GROUP}"
+        )
     ends = jnp.minimum(jnp.cumsum(sizes.astype(jnp.int32)), a)
     starts = jnp.minimum(ends - sizes.astype(jnp.int32), a)
     # A row block may start at any row up to a - 1: pad so it never reads or writes out of bounds.
@@ -231,8 +234,9 @@ def _ragged_dot_tiled(xs, packed, scale, sizes, *, block_rows, block_out):
         def row_block(b, acc):
             first = start + b * block_rows
             rows = jax.lax.dynamic_slice_in_dim(x, first, block_rows)  # [block_rows, in]
-            y = jax.lax.dot_general(rows, w, (((1,), (1,)), ((), ())), precision=precision,
-                                    preferred_element_type=jnp.float32)  # [block_rows, block_out]
+            y = jax.lax.dot_general(
+                rows, w, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+            )  # [block_rows, block_out]
             old = jax.lax.dynamic_slice(acc, (first, j * block_out), (block_rows, block_out))
             new = jnp.where(first + row_ids < end, y, old)  # only this expert's rows
             return jax.lax.dynamic_update_slice(acc, new, (first, j * block_out))
@@ -254,8 +258,18 @@ def _out_struct(shape, dtype, like):
 
 
 @functools.partial(jax.jit, static_argnames=("impl", "block_rows", "block_out", "block_in", "num_warps"))
-def ragged_dot_int4(xs, packed, scale, sizes, *, impl: str = "xla", block_rows: int = 16, block_out: int = 64,
-                    block_in: int = 128, num_warps: int = 4):
+def ragged_dot_int4(
+    xs,
+    packed,
+    scale,
+    sizes,
+    *,
+    impl: str = "xla",
+    block_rows: int = 16,
+    block_out: int = 64,
+    block_in: int = 128,
+    num_warps: int = 4,
+):
     """`jax.lax.ragged_dot(xs, dequantize(packed, scale), sizes)` in float32.
 
     xs [a, in], rows sorted by expert: expert g takes sizes[g] consecutive rows, and rows past
@@ -273,8 +287,17 @@ def ragged_dot_int4(xs, packed, scale, sizes, *, impl: str = "xla", block_rows: 
         w = dequantize(packed, scale, xs.dtype)  # [X, in, out]
         return jax.lax.ragged_dot(xs, w, sizes.astype(jnp.int32), preferred_element_type=jnp.float32)
     if impl in ("pallas", "pallas-interpret"):
-        return _ragged_dot_pallas(xs, packed, scale, sizes, interpret=impl == "pallas-interpret",
-                                  block_rows=block_rows, block_out=block_out, block_in=block_in, num_warps=num_warps)
+        return _ragged_dot_pallas(
+            xs,
+            packed,
+            scale,
+            sizes,
+            interpret=impl == "pallas-interpret",
+            block_rows=block_rows,
+            block_out=block_out,
+            block_in=block_in,
+            num_warps=num_warps,
+        )
     if impl == "tiled":
         return _ragged_dot_tiled(xs, packed, scale, sizes, block_rows=block_rows, block_out=block_out)
     raise ValueError(f"unknown impl {impl!r}: expected one of {IMPLS}")

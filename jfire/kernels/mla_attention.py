@@ -24,8 +24,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jfire.kernels.paged_attention import (MASK_VALUE, block_pages, online_softmax_init, online_softmax_step,
-                                          pad_to_multiple, visible_range)
+from jfire.kernels.paged_attention import (
+    MASK_VALUE,
+    block_pages,
+    online_softmax_init,
+    online_softmax_step,
+    pad_to_multiple,
+    visible_range,
+)
 from jfire.kernels.varying import vary_as
 
 
@@ -36,8 +42,18 @@ def local_pages(page_table, first_page, num_local: int):
     return jnp.clip(local, 0, num_local - 1), held
 
 
-def mla_partial_reference(q_latent, q_rope, cache, layer, page_table, positions, *, scale: float, first_page=0,
-                          pages_per_block: int | None = None):
+def mla_partial_reference(
+    q_latent,
+    q_rope,
+    cache,
+    layer,
+    page_table,
+    positions,
+    *,
+    scale: float,
+    first_page=0,
+    pages_per_block: int | None = None,
+):
     """Attention of q_latent [b, t, h, c] and q_rope [b, t, h, r] at positions [b, t] (-1 =
     padding, which sees nothing) over the pages this device holds of cache
     [layers, pages, page_size, c + r]; page_table [b, w] holds global page ids.
@@ -54,16 +70,23 @@ def mla_partial_reference(q_latent, q_rope, cache, layer, page_table, positions,
     first, stop = visible_range(positions, page_size, per_block)
 
     def body(i, carry):
-        ids, held = local_pages(jax.lax.dynamic_slice_in_dim(table, i * per_block, per_block, axis=1),
-                                first_page, num_local)
+        ids, held = local_pages(
+            jax.lax.dynamic_slice_in_dim(table, i * per_block, per_block, axis=1), first_page, num_local
+        )
         kv = cache[layer, ids].reshape(b, block, -1)  # [b, block, c + r]
         latent, rope_key = kv[..., :c], kv[..., c:]
-        s = (jnp.einsum("bthc,bsc->bths", q_latent, latent, preferred_element_type=jnp.float32)
-             + jnp.einsum("bthr,bsr->bths", q_rope, rope_key, preferred_element_type=jnp.float32)) * scale
+        s = (
+            jnp.einsum("bthc,bsc->bths", q_latent, latent, preferred_element_type=jnp.float32)
+            + jnp.einsum("bthr,bsr->bths", q_rope, rope_key, preferred_element_type=jnp.float32)
+        ) * scale
         slots = i * block + jnp.arange(block)
         visible = (slots[None, None, :] <= positions[:, :, None]) & jnp.repeat(held, page_size, axis=1)[:, None, :]
-        return online_softmax_step(carry, s, visible[:, :, None, :], lambda p: jnp.einsum(
-            "bths,bsc->bthc", p.astype(latent.dtype), latent, preferred_element_type=jnp.float32))
+        return online_softmax_step(
+            carry,
+            s,
+            visible[:, :, None, :],
+            lambda p: jnp.einsum("bths,bsc->bthc", p.astype(latent.dtype), latent, preferred_element_type=jnp.float32),
+        )
 
     # Inside a shard_map the body's results vary as its inputs: so must the initial carry.
     init = vary_as(online_softmax_init((b, t, h), c), q_latent, q_rope, cache, table, positions)
@@ -93,8 +116,23 @@ def write_latent(cache, layer, page, slot, entry, first_page=0):
 # -- the Pallas decode kernel ------------------------------------------------------------------
 
 
-def _mla_decode_kernel(layer_ref, first_ref, table_ref, length_ref, ql_ref, qr_ref, cache_ref, acc_ref, m_ref, l_ref,
-                       *, page_size: int, pages_per_block: int, num_blocks: int, scale: float):
+def _mla_decode_kernel(
+    layer_ref,
+    first_ref,
+    table_ref,
+    length_ref,
+    ql_ref,
+    qr_ref,
+    cache_ref,
+    acc_ref,
+    m_ref,
+    l_ref,
+    *,
+    page_size: int,
+    pages_per_block: int,
+    num_blocks: int,
+    scale: float,
+):
     """One (row, block of query heads): online softmax over the row's pages, a block at a time.
 
     ql_ref [g, c] / qr_ref [g, r] hold this block's query heads (padded to a dot-friendly
@@ -116,20 +154,27 @@ def _mla_decode_kernel(layer_ref, first_ref, table_ref, length_ref, ql_ref, qr_r
 
     def attend(i, ids, ok, carry):
         m, l, acc = carry
+
         # A page this device does not hold (or past the length) is never read: its lanes of
         # the load are masked off, and Triton issues no memory access for masked lanes. The
         # ids were clamped into the pool, so even the (unused) addresses stay in bounds.
         def gather(start, size):  # [block, size] of every page's entries, columns start:start+size
             shape = (pages_per_block, page_size, size)
             # Whole-array indices (not slices): the form both Triton and interpret mode gather.
-            index = (layer, jnp.broadcast_to(ids[:, None, None], shape), jax.lax.broadcasted_iota(jnp.int32, shape, 1),
-                     start + jax.lax.broadcasted_iota(jnp.int32, shape, 2))
+            index = (
+                layer,
+                jnp.broadcast_to(ids[:, None, None], shape),
+                jax.lax.broadcasted_iota(jnp.int32, shape, 1),
+                start + jax.lax.broadcasted_iota(jnp.int32, shape, 2),
+            )
             mask = jnp.broadcast_to(ok[:, None, None], shape)
             return plgpu.load(cache_ref.at[index], mask=mask, other=0.0).reshape(block, size).astype(dtype)
 
         latent, rope_key = gather(0, c), gather(c, r)
-        s = (jax.lax.dot_general(ql, latent, dims, precision=exact, preferred_element_type=jnp.float32)
-             + jax.lax.dot_general(qr, rope_key, dims, precision=exact, preferred_element_type=jnp.float32)) * scale
+        s = (
+            jax.lax.dot_general(ql, latent, dims, precision=exact, preferred_element_type=jnp.float32)
+            + jax.lax.dot_general(qr, rope_key, dims, precision=exact, preferred_element_type=jnp.float32)
+        ) * scale
         slot = i * block + jax.lax.broadcasted_iota(jnp.int32, (g, block), 1)
         held = jnp.broadcast_to(ok.astype(jnp.int32)[:, None], (pages_per_block, page_size)).reshape(1, block)
         visible = (slot < length) & (held > 0)
@@ -137,8 +182,9 @@ def _mla_decode_kernel(layer_ref, first_ref, table_ref, length_ref, ql_ref, qr_r
         p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
         correction = jnp.exp(m - m_new)
         l = l * correction + p.sum(axis=-1)
-        acc = acc * correction[:, None] + jax.lax.dot(p.astype(dtype), latent, precision=exact,
-                                                            preferred_element_type=jnp.float32)
+        acc = acc * correction[:, None] + jax.lax.dot(
+            p.astype(dtype), latent, precision=exact, preferred_element_type=jnp.float32
+        )
         return m_new, l, acc
 
     def body(i, carry):
@@ -164,9 +210,21 @@ def _mla_decode_kernel(layer_ref, first_ref, table_ref, length_ref, ql_ref, qr_r
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "pages_per_block", "heads_per_block", "interpret", "num_warps"))
-def mla_paged_decode(q_latent, q_rope, cache, layer, page_table, lengths, *, scale: float, first_page=0,
-                     pages_per_block: int = 2, heads_per_block: int = 16, interpret: bool = False,
-                     num_warps: int = 4):
+def mla_paged_decode(
+    q_latent,
+    q_rope,
+    cache,
+    layer,
+    page_table,
+    lengths,
+    *,
+    scale: float,
+    first_page=0,
+    pages_per_block: int = 2,
+    heads_per_block: int = 16,
+    interpret: bool = False,
+    num_warps: int = 4,
+):
     """Decode MLA with a Pallas (Triton-style GPU) kernel: one query per row, the partial
     softmax of `mla_partial_reference` at positions = lengths - 1.
 
@@ -202,8 +260,13 @@ def mla_paged_decode(q_latent, q_rope, cache, layer, page_table, lengths, *, sca
     page_table = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, num_blocks * pages_per_block - w)))
     q_latent = jnp.pad(q_latent, ((0, 0), (0, h_pad - h), (0, 0)))
     q_rope = jnp.pad(q_rope, ((0, 0), (0, h_pad - h), (0, 0)))
-    kernel = functools.partial(_mla_decode_kernel, page_size=page_size, pages_per_block=pages_per_block,
-                               num_blocks=num_blocks, scale=float(scale))
+    kernel = functools.partial(
+        _mla_decode_kernel,
+        page_size=page_size,
+        pages_per_block=pages_per_block,
+        num_blocks=num_blocks,
+        scale=float(scale),
+    )
     scalar = pl.BlockSpec((1,), lambda j, i: (0,))
     heads = pl.BlockSpec((None, hb), lambda j, i: (i, j))
     acc, m, l = pl.pallas_call(
@@ -220,11 +283,21 @@ def mla_paged_decode(q_latent, q_rope, cache, layer, page_table, lengths, *, sca
             pl.BlockSpec(cache.shape, lambda j, i: (0, 0, 0, 0)),  # the whole pool
         ],
         out_specs=[pl.BlockSpec((None, hb, c), lambda j, i: (i, j, 0)), heads, heads],
-        out_shape=[jax.ShapeDtypeStruct((b, h_pad, c), jnp.float32), jax.ShapeDtypeStruct((b, h_pad), jnp.float32),
-                   jax.ShapeDtypeStruct((b, h_pad), jnp.float32)],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, h_pad, c), jnp.float32),
+            jax.ShapeDtypeStruct((b, h_pad), jnp.float32),
+            jax.ShapeDtypeStruct((b, h_pad), jnp.float32),
+        ],
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
         name="jfire_mla_paged_decode",
-    )(jnp.reshape(layer, (1,)).astype(jnp.int32), jnp.reshape(first_page, (1,)).astype(jnp.int32), page_table,
-      lengths.astype(jnp.int32), q_latent, q_rope, cache)
+    )(
+        jnp.reshape(layer, (1,)).astype(jnp.int32),
+        jnp.reshape(first_page, (1,)).astype(jnp.int32),
+        page_table,
+        lengths.astype(jnp.int32),
+        q_latent,
+        q_rope,
+        cache,
+    )
     return acc[:, :h], m[:, :h], l[:, :h]

@@ -70,8 +70,17 @@ def visible_range(positions, page_size: int, pages_per_block: int, sliding_windo
     return jnp.minimum(start, stop), stop
 
 
-def paged_attention_reference(q, k_pages, v_pages, layer, page_table, positions, sliding_window=None, chunk=None,
-                              pages_per_block: int | None = None):
+def paged_attention_reference(
+    q,
+    k_pages,
+    v_pages,
+    layer,
+    page_table,
+    positions,
+    sliding_window=None,
+    chunk=None,
+    pages_per_block: int | None = None,
+):
     """q [b, t, h, d] at positions [b, t]; pages as above; page_table [b, w]. Returns [b, t, h, d].
 
     Flash-style: a loop over blocks of `pages_per_block` pages (default: BLOCK_POSITIONS'
@@ -94,8 +103,12 @@ def paged_attention_reference(q, k_pages, v_pages, layer, page_table, positions,
         s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
         slots = i * block + jnp.arange(block)
         visible = _visible(slots, positions, sliding_window, chunk)[:, None, None]  # [b, 1, 1, t, s]
-        return online_softmax_step(carry, s, visible, lambda p: jnp.einsum(
-            "bkgts,bskd->bkgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32))
+        return online_softmax_step(
+            carry,
+            s,
+            visible,
+            lambda p: jnp.einsum("bkgts,bskd->bkgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32),
+        )
 
     # Inside a shard_map the body's results vary as its inputs: so must the initial carry.
     init = vary_as(online_softmax_init((b, kvh, g, t), d), q, k_pages, v_pages, table, positions)
@@ -106,8 +119,11 @@ def paged_attention_reference(q, k_pages, v_pages, layer, page_table, positions,
 
 def online_softmax_init(shape: tuple[int, ...], width: int):
     """(m, l, acc) before the first block: running max, sum and weighted sum [*shape, width]."""
-    return (jnp.full(shape, MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32),
-            jnp.zeros((*shape, width), jnp.float32))
+    return (
+        jnp.full(shape, MASK_VALUE, jnp.float32),
+        jnp.zeros(shape, jnp.float32),
+        jnp.zeros((*shape, width), jnp.float32),
+    )
 
 
 def online_softmax_step(carry, s, visible, weigh):
@@ -152,9 +168,22 @@ def _visible(slots, positions, sliding_window, chunk):
 # -- the Pallas decode kernel ------------------------------------------------------------------
 
 
-def _decode_kernel(layer_ref, chunk_ref, table_ref, length_ref, q_ref, k_ref, v_ref, o_ref, *,
-                   page_size: int, pages_per_block: int, num_blocks: int, scale: float,
-                   sliding_window: int | None):
+def _decode_kernel(
+    layer_ref,
+    chunk_ref,
+    table_ref,
+    length_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    *,
+    page_size: int,
+    pages_per_block: int,
+    num_blocks: int,
+    scale: float,
+    sliding_window: int | None,
+):
     """One (row, kv head) pair: online softmax over the row's pages, a block of pages at a time.
 
     q_ref [g, d] holds the query heads sharing this kv head (padded to a dot-friendly count);
@@ -169,8 +198,9 @@ def _decode_kernel(layer_ref, chunk_ref, table_ref, length_ref, q_ref, k_ref, v_
     first_visible = 0 if sliding_window is None else jnp.maximum(length - sliding_window, 0)
     # Chunked local attention: the query (at length - 1) sees only its own chunk.
     chunk = chunk_ref[0]
-    first_visible = jnp.where(chunk > 0, jnp.maximum(first_visible, (length - 1) // jnp.maximum(chunk, 1) * chunk),
-                              first_visible)
+    first_visible = jnp.where(
+        chunk > 0, jnp.maximum(first_visible, (length - 1) // jnp.maximum(chunk, 1) * chunk), first_visible
+    )
 
     def body(i, carry):
         m, l, acc = carry
@@ -196,8 +226,20 @@ def _decode_kernel(layer_ref, chunk_ref, table_ref, length_ref, q_ref, k_ref, v_
 
 
 @functools.partial(jax.jit, static_argnames=("sliding_window", "pages_per_block", "interpret", "num_warps"))
-def paged_attention(q, k_pages, v_pages, layer, page_table, lengths, *, sliding_window=None, chunk=0,
-                    pages_per_block: int = 8, interpret: bool = False, num_warps: int = 4):
+def paged_attention(
+    q,
+    k_pages,
+    v_pages,
+    layer,
+    page_table,
+    lengths,
+    *,
+    sliding_window=None,
+    chunk=0,
+    pages_per_block: int = 8,
+    interpret: bool = False,
+    num_warps: int = 4,
+):
     """Decode attention with a Pallas (Triton-style GPU) kernel: one query per row.
 
     q [b, h, d]; k/v pages [layers, k, num_pages, page_size, d]; layer a scalar; page_table
@@ -217,8 +259,12 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, lengths, *, sliding_
     g_pad = max(16, 1 << (g - 1).bit_length())
     q = jnp.pad(q.reshape(b, kvh, g, d), ((0, 0), (0, 0), (0, g_pad - g), (0, 0)))
     kernel = functools.partial(
-        _decode_kernel, page_size=page_size, pages_per_block=pages_per_block, num_blocks=w // pages_per_block,
-        scale=1.0 / math.sqrt(d), sliding_window=sliding_window,
+        _decode_kernel,
+        page_size=page_size,
+        pages_per_block=pages_per_block,
+        num_blocks=w // pages_per_block,
+        scale=1.0 / math.sqrt(d),
+        sliding_window=sliding_window,
     )
     pool = pl.BlockSpec((layers, None, num_pages, page_size, d), lambda i, j: (0, j, 0, 0, 0))
     out = pl.pallas_call(
@@ -238,6 +284,13 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, lengths, *, sliding_
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
         name="jfire_paged_decode_attention",
-    )(jnp.reshape(layer, (1,)).astype(jnp.int32), jnp.reshape(chunk, (1,)).astype(jnp.int32), page_table.astype(jnp.int32), lengths.astype(jnp.int32),
-      q, k_pages, v_pages)
+    )(
+        jnp.reshape(layer, (1,)).astype(jnp.int32),
+        jnp.reshape(chunk, (1,)).astype(jnp.int32),
+        page_table.astype(jnp.int32),
+        lengths.astype(jnp.int32),
+        q,
+        k_pages,
+        v_pages,
+    )
     return out[:, :, :g].reshape(b, h, d)

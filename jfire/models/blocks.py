@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -39,15 +40,21 @@ def rope_params(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
     if kind == "linear":
         return theta, RopeScaling("linear", float(rope["factor"]))
     if kind == "llama3":
-        return theta, RopeScaling("llama3", float(rope["factor"]), float(rope.get("low_freq_factor", 1.0)),
-                                  float(rope.get("high_freq_factor", 4.0)),
-                                  int(rope.get("original_max_position_embeddings", 8192)))
+        return theta, RopeScaling(
+            "llama3",
+            float(rope["factor"]),
+            float(rope.get("low_freq_factor", 1.0)),
+            float(rope.get("high_freq_factor", 4.0)),
+            int(rope.get("original_max_position_embeddings", 8192)),
+        )
     raise JfireError(f"unsupported rope scaling {kind!r}; jfire supports 'default', 'linear' and 'llama3'")
 
 
 def rope_inv_freq(head_dim: int, theta: float, s: RopeScaling | None) -> np.ndarray:
     """Inverse rotary frequencies [d/2], computed the way transformers does (float32)."""
-    inv = (1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))).astype(np.float32)
+    inv = (1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))).astype(
+        np.float32
+    )
     if s is None:
         return inv
     if s.kind == "linear":
@@ -59,7 +66,9 @@ def rope_inv_freq(head_dim: int, theta: float, s: RopeScaling | None) -> np.ndar
     scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
     # Scout's config has high == low factor: an empty band, whose blend is never used.
     with np.errstate(divide="ignore", invalid="ignore"):
-        smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+        smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+            s.high_freq_factor - s.low_freq_factor
+        )
         blended = (1 - smooth) * scaled / s.factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return np.where(medium, blended, scaled).astype(np.float32)
@@ -80,14 +89,19 @@ class Yarn:
     truncate: bool = True
 
     @classmethod
-    def from_hf(cls, rope: Mapping[str, Any], max_position_embeddings: int) -> "Yarn":
+    def from_hf(cls, rope: Mapping[str, Any], max_position_embeddings: int) -> Yarn:
         original = int(rope["original_max_position_embeddings"])
         factor = rope.get("factor")
-        return cls(factor=float(factor) if factor is not None else max_position_embeddings / original,
-                   original_max_position_embeddings=original, beta_fast=float(rope.get("beta_fast") or 32),
-                   beta_slow=float(rope.get("beta_slow") or 1), mscale=rope.get("mscale"),
-                   mscale_all_dim=rope.get("mscale_all_dim"), attention_factor=rope.get("attention_factor"),
-                   truncate=bool(rope.get("truncate", True)))
+        return cls(
+            factor=float(factor) if factor is not None else max_position_embeddings / original,
+            original_max_position_embeddings=original,
+            beta_fast=float(rope.get("beta_fast") or 32),
+            beta_slow=float(rope.get("beta_slow") or 1),
+            mscale=rope.get("mscale"),
+            mscale_all_dim=rope.get("mscale_all_dim"),
+            attention_factor=rope.get("attention_factor"),
+            truncate=bool(rope.get("truncate", True)),
+        )
 
     def cos_sin_factor(self) -> float:
         """What cos and sin are multiplied by (transformers' `attention_factor`)."""
@@ -99,8 +113,13 @@ class Yarn:
 
     def inv_freq(self, dim: int, theta: float) -> np.ndarray:
         """Inverse frequencies [dim/2] as transformers' `_compute_yarn_parameters` makes them."""
+
         def correction_dim(rotations):
-            return dim * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+            return (
+                dim
+                * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi))
+                / (2 * math.log(theta))
+            )
 
         low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
         if self.truncate:
@@ -172,18 +191,18 @@ def layer_matmuls(x: jax.Array, p, names, n_in: int = 1) -> tuple[jax.Array, ...
 
     if isinstance(p, StackedLayer):
         stacks = [p.stack[name] for name in names]
-        lead, k = x.shape[:x.ndim - n_in], math.prod(x.shape[x.ndim - n_in:])
+        lead, k = x.shape[: x.ndim - n_in], math.prod(x.shape[x.ndim - n_in :])
         if cpu_matmul.applies(math.prod(lead), x, *stacks):
-            flat = [s.reshape(s.shape[0], k, math.prod(s.shape[1 + n_in:])) for s in stacks]
+            flat = [s.reshape(s.shape[0], k, math.prod(s.shape[1 + n_in :])) for s in stacks]
             outs = cpu_matmul.stacked_matmuls(x.reshape(*lead, k), flat, p.index)
-            return tuple(y.reshape(*lead, *s.shape[1 + n_in:]) for y, s in zip(outs, stacks))
+            return tuple(y.reshape(*lead, *s.shape[1 + n_in :]) for y, s in zip(outs, stacks))
     return tuple(flat_matmul(x, p[name], n_in) for name in names)
 
 
 def flat_matmul(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
     """x [..., in...] @ w [in..., out...] over the n_in input dims, as one 2-D product (XLA:CPU
     otherwise transposes a weight with several input dims on every call)."""
-    lead, k = x.shape[:x.ndim - n_in], math.prod(x.shape[x.ndim - n_in:])
+    lead, k = x.shape[: x.ndim - n_in], math.prod(x.shape[x.ndim - n_in :])
     out_dims = w.shape[n_in:]
     y = jnp.einsum("...k,kn->...n", x.reshape(*lead, k), w.reshape(k, math.prod(out_dims)))
     return y.reshape(*lead, *out_dims)

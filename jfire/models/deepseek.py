@@ -26,7 +26,8 @@ Einsum letters: b batch, t tokens, e embed, h heads, c latent, f ffn, x experts.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Mapping
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 from jfire.checkpoint.fp8 import BLOCK as FP8_BLOCK
 from jfire.errors import JfireError
@@ -34,8 +35,11 @@ from jfire.models.blocks import Yarn, lm_head, pre_norm_decoder
 from jfire.models.family import CacheSpec, Family, MeshShape, Segment
 from jfire.models.params import ParamSpec
 
-SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration",
-                           "Kimi_K25ForConditionalGeneration")
+SUPPORTED_ARCHITECTURES = (
+    "DeepseekV3ForCausalLM",
+    "KimiK25ForConditionalGeneration",
+    "Kimi_K25ForConditionalGeneration",
+)
 _MULTIMODAL_PREFIX = "language_model."
 _VISION_PREFIXES = ("vision_tower.", "mm_projector.")
 
@@ -88,7 +92,7 @@ class DeepseekV3Config(Family):
     # -- construction -------------------------------------------------------------------------
 
     @classmethod
-    def from_hf(cls, hf: Mapping[str, Any]) -> "DeepseekV3Config":
+    def from_hf(cls, hf: Mapping[str, Any]) -> DeepseekV3Config:
         arch = (hf.get("architectures") or ["DeepseekV3ForCausalLM"])[0]
         prefix = ""
         quant = hf.get("quantization_config")
@@ -104,8 +108,10 @@ class DeepseekV3Config(Family):
         if act != "silu":
             raise JfireError(f"unsupported hidden_act {act!r}; DeepSeek-V3 uses 'silu'")
         if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
-            raise JfireError("jfire's DeepSeek-V3 routes with scoring_func 'sigmoid' and topk_method 'noaux_tc' "
-                             f"(this config has {hf.get('scoring_func')!r}, {hf.get('topk_method')!r})")
+            raise JfireError(
+                "jfire's DeepSeek-V3 routes with scoring_func 'sigmoid' and topk_method 'noaux_tc' "
+                f"(this config has {hf.get('scoring_func')!r}, {hf.get('topk_method')!r})"
+            )
         rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
         theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
         kind = rope.get("rope_type", rope.get("type", "default"))
@@ -183,8 +189,13 @@ class DeepseekV3Config(Family):
         specs = []
         for s in self.segments():
             layers = "layers" if s.piped else "layers_unpiped"
-            specs.append(CacheSpec("latent" if s.piped else "latent_dense", (layers, "latent_pages", "page_slots", "latent"),
-                                   (s.count, None, None, self.latent_width)))
+            specs.append(
+                CacheSpec(
+                    "latent" if s.piped else "latent_dense",
+                    (layers, "latent_pages", "page_slots", "latent"),
+                    (s.count, None, None, self.latent_width),
+                )
+            )
         return tuple(specs)
 
     def param_specs(self) -> tuple[ParamSpec, ...]:
@@ -206,7 +217,9 @@ class DeepseekV3Config(Family):
         layers = "layers" if segment.piped else "layers_unpiped"
 
         def spec(name, shape, axes, hf_name, **kw):
-            return ParamSpec(s + name, (L, *shape), (layers, *axes), hf + hf_name, None, first_layer=segment.first, **kw)
+            return ParamSpec(
+                s + name, (L, *shape), (layers, *axes), hf + hf_name, None, first_layer=segment.first, **kw
+            )
 
         specs = [spec("attn_norm", (E,), ("embed",), "input_layernorm.weight", init="ones")]
         if self.q_lora_rank:
@@ -216,11 +229,18 @@ class DeepseekV3Config(Family):
                 # gathered for q_b, whose heads are split.
                 spec("wq_a", (E, Q), ("embed", "q_lora"), "self_attn.q_a_proj.weight", n_in=1),
                 spec("q_a_norm", (Q,), ("q_lora",), "self_attn.q_a_layernorm.weight", init="ones"),
-                spec("wq_b", (Q, H, Dn + R), ("q_lora_in", "q_heads", "mla_head_dim"), "self_attn.q_b_proj.weight",
-                     n_in=1),
+                spec(
+                    "wq_b",
+                    (Q, H, Dn + R),
+                    ("q_lora_in", "q_heads", "mla_head_dim"),
+                    "self_attn.q_b_proj.weight",
+                    n_in=1,
+                ),
             ]
         else:
-            specs.append(spec("wq", (E, H, Dn + R), ("embed", "q_heads", "mla_head_dim"), "self_attn.q_proj.weight", n_in=1))
+            specs.append(
+                spec("wq", (E, H, Dn + R), ("embed", "q_heads", "mla_head_dim"), "self_attn.q_proj.weight", n_in=1)
+            )
         specs += [
             # Split over its input (one all-reduce of the small latent): every device needs the whole latent.
             spec("wkv_a", (E, C + R), ("embed_split", "latent"), "self_attn.kv_a_proj_with_mqa.weight", n_in=1),
@@ -240,8 +260,14 @@ class DeepseekV3Config(Family):
         specs += [
             spec("router", (E, X), ("embed_split", "experts_replicated"), "mlp.gate.weight", n_in=1),
             # Added to the scores only to choose experts; float32 as transformers keeps it.
-            spec("router_bias", (X,), ("experts_replicated",), "mlp.gate.e_score_correction_bias", init="zeros",
-                 dtype="float32"),
+            spec(
+                "router_bias",
+                (X,),
+                ("experts_replicated",),
+                "mlp.gate.e_score_correction_bias",
+                init="zeros",
+                dtype="float32",
+            ),
         ]
         specs += self._expert_specs(spec, X, E, F)
         if self.num_shared_experts:
@@ -257,31 +283,75 @@ class DeepseekV3Config(Family):
         name = "mlp.experts.{e}.%s_proj.%s"
         if not (self.int4_group_size or self.fp8_experts):
             return [
-                spec("we_gate", (X, E, F), ("experts", "embed", "ffn"), name % ("gate", "weight"), n_in=1, per_expert=True),
+                spec(
+                    "we_gate",
+                    (X, E, F),
+                    ("experts", "embed", "ffn"),
+                    name % ("gate", "weight"),
+                    n_in=1,
+                    per_expert=True,
+                ),
                 spec("we_up", (X, E, F), ("experts", "embed", "ffn"), name % ("up", "weight"), n_in=1, per_expert=True),
-                spec("we_down", (X, F, E), ("experts", "ffn", "embed"), name % ("down", "weight"), n_in=1, per_expert=True),
+                spec(
+                    "we_down",
+                    (X, F, E),
+                    ("experts", "ffn", "embed"),
+                    name % ("down", "weight"),
+                    n_in=1,
+                    per_expert=True,
+                ),
             ]
         # Quantized, kept in the source's [out, in] layout beside its scales.
         raw = dict(per_expert=True, flat_source=False)
         out = []
-        for proj, (o, i), axes in (("gate", (F, E), ("ffn", "embed")), ("up", (F, E), ("ffn", "embed")),
-                                   ("down", (E, F), ("embed", "ffn"))):
+        for proj, (o, i), axes in (
+            ("gate", (F, E), ("ffn", "embed")),
+            ("up", (F, E), ("ffn", "embed")),
+            ("down", (E, F), ("embed", "ffn")),
+        ):
             if self.fp8_experts:
                 blocks = (-(-o // FP8_BLOCK), -(-i // FP8_BLOCK))
                 out += [
-                    spec(f"we_{proj}.fp8", (X, o, i), ("experts", *axes), name % (proj, "weight"),
-                         init="fp8", dtype="float8_e4m3fn", **raw),
-                    spec(f"we_{proj}.scale_inv", (X, *blocks), ("experts", axes[0] + "_blocks", axes[1] + "_blocks"),
-                         name % (proj, "weight_scale_inv"), init="fp8_scale", dtype="float32", **raw),
+                    spec(
+                        f"we_{proj}.fp8",
+                        (X, o, i),
+                        ("experts", *axes),
+                        name % (proj, "weight"),
+                        init="fp8",
+                        dtype="float8_e4m3fn",
+                        **raw,
+                    ),
+                    spec(
+                        f"we_{proj}.scale_inv",
+                        (X, *blocks),
+                        ("experts", axes[0] + "_blocks", axes[1] + "_blocks"),
+                        name % (proj, "weight_scale_inv"),
+                        init="fp8_scale",
+                        dtype="float32",
+                        **raw,
+                    ),
                 ]
                 continue
             # Packed int4: [out, in / 8] words with [out, in / group] scales.
             G = self.int4_group_size
             out += [
-                spec(f"we_{proj}.packed", (X, o, i // 8), ("experts", axes[0], axes[1] + "_packed"),
-                     name % (proj, "weight_packed"), init="int4", dtype="int32", **raw),
-                spec(f"we_{proj}.scale", (X, o, i // G), ("experts", axes[0], axes[1] + "_groups"),
-                     name % (proj, "weight_scale"), init="int4_scale", **raw),
+                spec(
+                    f"we_{proj}.packed",
+                    (X, o, i // 8),
+                    ("experts", axes[0], axes[1] + "_packed"),
+                    name % (proj, "weight_packed"),
+                    init="int4",
+                    dtype="int32",
+                    **raw,
+                ),
+                spec(
+                    f"we_{proj}.scale",
+                    (X, o, i // G),
+                    ("experts", axes[0], axes[1] + "_groups"),
+                    name % (proj, "weight_scale"),
+                    init="int4_scale",
+                    **raw,
+                ),
             ]
         return out
 
@@ -298,24 +368,39 @@ class DeepseekV3Config(Family):
             if width % tp:
                 problems.append(f"tp={tp} does not divide the {what} {width}")
         if self.int4_group_size and (self.moe_intermediate_size // self.int4_group_size) % tp:
-            problems.append(f"tp={tp} does not divide the expert width's {self.moe_intermediate_size // self.int4_group_size} "
-                            f"int4 groups of {self.int4_group_size}")
+            problems.append(
+                f"tp={tp} does not divide the expert width's {self.moe_intermediate_size // self.int4_group_size} "
+                f"int4 groups of {self.int4_group_size}"
+            )
         if self.fp8_experts and tp > 1 and (self.moe_intermediate_size // tp) % FP8_BLOCK:
-            problems.append(f"tp={tp} does not split the expert width {self.moe_intermediate_size} into whole "
-                            f"FP8 scale blocks of {FP8_BLOCK} (each shard needs a multiple of {FP8_BLOCK})")
+            problems.append(
+                f"tp={tp} does not split the expert width {self.moe_intermediate_size} into whole "
+                f"FP8 scale blocks of {FP8_BLOCK} (each shard needs a multiple of {FP8_BLOCK})"
+            )
         if self.num_experts % ep:
             problems.append(f"ep={ep} does not divide the {self.num_experts} experts")
         return problems
 
     # -- the forward pass ----------------------------------------------------------------------
 
-    def decoder(self, params, tokens, positions, pages, page_table, *, attention_impl=None, layer_stack=None,
-                parallel=None):
+    def decoder(
+        self, params, tokens, positions, pages, page_table, *, attention_impl=None, layer_stack=None, parallel=None
+    ):
         from jfire.models.mla import run_segment
 
-        return pre_norm_decoder(self, params, tokens, positions, pages, page_table, run=run_segment,
-                                eps=self.rms_norm_eps, attention_impl=attention_impl, layer_stack=layer_stack,
-                                parallel=parallel)
+        return pre_norm_decoder(
+            self,
+            params,
+            tokens,
+            positions,
+            pages,
+            page_table,
+            run=run_segment,
+            eps=self.rms_norm_eps,
+            attention_impl=attention_impl,
+            layer_stack=layer_stack,
+            parallel=parallel,
+        )
 
     def logits(self, params, hidden):
         return lm_head(hidden, params, self.tie_word_embeddings)
@@ -328,13 +413,19 @@ def _int4_group_size(quant: Mapping[str, Any] | None) -> int | None:
     if not quant or quant.get("quant_method") != "compressed-tensors":
         return None
     if quant.get("format") != "pack-quantized":
-        raise JfireError(f"compressed-tensors format {quant.get('format')!r} is not supported; jfire reads "
-                         "'pack-quantized' int4 experts")
+        raise JfireError(
+            f"compressed-tensors format {quant.get('format')!r} is not supported; jfire reads "
+            "'pack-quantized' int4 experts"
+        )
     sizes = set()
     for name, group in (quant.get("config_groups") or {}).items():
         w = group.get("weights") or {}
-        if w.get("num_bits") != 4 or w.get("type", "int") != "int" or not w.get("symmetric", True) \
-                or w.get("strategy") != "group":
+        if (
+            w.get("num_bits") != 4
+            or w.get("type", "int") != "int"
+            or not w.get("symmetric", True)
+            or w.get("strategy") != "group"
+        ):
             raise JfireError(f"quantization group {name!r} is {w}; jfire reads symmetric int4 weights in groups")
         sizes.add(int(w["group_size"]))
     if len(sizes) != 1:
@@ -352,6 +443,8 @@ def _is_block_fp8(quant: Mapping[str, Any] | None) -> bool:
         return False
     fmt, block = quant.get("fmt", "e4m3"), list(quant.get("weight_block_size") or [])
     if fmt != "e4m3" or block != [FP8_BLOCK, FP8_BLOCK]:
-        raise JfireError(f"FP8 quantization with fmt {fmt!r} and weight_block_size {block or None} is not supported; "
-                         f"jfire reads e4m3 weights in {FP8_BLOCK} x {FP8_BLOCK} blocks, as DeepSeek-V3 and Kimi K2 ship")
+        raise JfireError(
+            f"FP8 quantization with fmt {fmt!r} and weight_block_size {block or None} is not supported; "
+            f"jfire reads e4m3 weights in {FP8_BLOCK} x {FP8_BLOCK} blocks, as DeepSeek-V3 and Kimi K2 ship"
+        )
     return True

@@ -32,6 +32,7 @@ def routed_experts(h, router_w, we_gate, we_up, we_down, *, router: moe.Router, 
     if parallel is None:
         out = moe.experts_dropless(x, weights, experts, we_gate, we_up, we_down, scale_input=router.scale_input)
     else:
-        out = moe.experts_parallel(x, weights, experts, we_gate, we_up, we_down, mesh=parallel.mesh,
-                                   scale_input=router.scale_input)
+        out = moe.experts_parallel(
+            x, weights, experts, we_gate, we_up, we_down, mesh=parallel.mesh, scale_input=router.scale_input
+        )
     return out.reshape(b, t, e).astype(h.dtype)

@@ -21,7 +21,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, ClassVar, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
 
 import jax
 import numpy as np
@@ -57,7 +58,7 @@ class CacheSpec:
     def page_shape(self, page_size: int) -> tuple[int, ...]:
         """One page of this array (the pages axis dropped): the KV wire format's unit."""
         full, i = self.shape(1, page_size), self.pages_axis
-        return full[:i] + full[i + 1:]
+        return full[:i] + full[i + 1 :]
 
     def page_axes(self) -> tuple[str, ...]:
         return tuple(a for i, a in enumerate(self.axes) if i != self.pages_axis)
@@ -173,8 +174,10 @@ class Family:
         if shape.pp > 1:
             segments = [s for s in self.segments() if s.piped]
             if len(segments) != 1:
-                problems.append(f"pp={shape.pp} needs one uniform stack of layers, but this model has "
-                                f"{len(segments)} segments ({', '.join(f'{s.count} {s.kind}' for s in segments)})")
+                problems.append(
+                    f"pp={shape.pp} needs one uniform stack of layers, but this model has "
+                    f"{len(segments)} segments ({', '.join(f'{s.count} {s.kind}' for s in segments)})"
+                )
             elif shape.pp > segments[0].count:
                 problems.append(f"pp={shape.pp} is more stages than the {segments[0].count} layers")
             elif segments[0].count % shape.pp:
@@ -192,8 +195,18 @@ class Family:
 
     # -- the forward pass ------------------------------------------------------------------------
 
-    def decoder(self, params: dict, tokens, positions, pages: dict, page_table, *, attention_impl=None,
-                layer_stack=None, parallel=None):
+    def decoder(
+        self,
+        params: dict,
+        tokens,
+        positions,
+        pages: dict,
+        page_table,
+        *,
+        attention_impl=None,
+        layer_stack=None,
+        parallel=None,
+    ):
         """Runs tokens [b, t] at positions [b, t] (-1 = padding) against the paged cache;
         returns (hidden [b, t, e], pages). `layer_stack(run, stack, x, positions, pages,
         page_table)` replaces running a segment's stack (the pipeline plugs in here);
@@ -205,8 +218,19 @@ class Family:
         raise NotImplementedError
 
 
-def run_segments(cfg: Family, params: dict, x, positions, pages: dict, page_table, *, run: Callable,
-                 attention_impl=None, layer_stack=None, parallel=None):
+def run_segments(
+    cfg: Family,
+    params: dict,
+    x,
+    positions,
+    pages: dict,
+    page_table,
+    *,
+    run: Callable,
+    attention_impl=None,
+    layer_stack=None,
+    parallel=None,
+):
     """Runs every segment of `cfg` in order. `run(segment, stack, x, positions, pages,
     page_table, layer_offset, cache_offset, attention_impl=, parallel=)` is the family's
     scanned layer loop: `layer_offset` is the model layer of the stack's first entry (for
@@ -234,8 +258,18 @@ class _SegmentRun:
     parallel: Any
 
     def __call__(self, stack, x, positions, pages, page_table, layer_offset, cache_offset):
-        return self.run(self.segment, stack, x, positions, pages, page_table, layer_offset, cache_offset,
-                        attention_impl=self.attention_impl, parallel=self.parallel)
+        return self.run(
+            self.segment,
+            stack,
+            x,
+            positions,
+            pages,
+            page_table,
+            layer_offset,
+            cache_offset,
+            attention_impl=self.attention_impl,
+            parallel=self.parallel,
+        )
 
 
 def _revive(annotation, value, cls):

@@ -19,16 +19,31 @@ Layers with experts and dense layers form separate runs (segments).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Mapping
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import jax
-import jax.numpy as jnp
 
 from jfire.errors import JfireError
 from jfire.kernels.cpu_attention import paged_attention
-from jfire.models.blocks import (RopeScaling, pre_norm_decoder, gqa_mesh_problems, kv_cache_specs, repeat_kv_heads, apply_rope, cache_slots, layer_matmul, layer_matmuls, lm_head, rms_norm,
-                                 rope_angles, rope_inv_freq, rope_params, write_heads)
-from jfire.models.family import CacheSpec, Family, MeshShape, segments_of, scan_layers
+from jfire.models.blocks import (
+    RopeScaling,
+    apply_rope,
+    cache_slots,
+    gqa_mesh_problems,
+    kv_cache_specs,
+    layer_matmul,
+    layer_matmuls,
+    lm_head,
+    pre_norm_decoder,
+    repeat_kv_heads,
+    rms_norm,
+    rope_angles,
+    rope_inv_freq,
+    rope_params,
+    write_heads,
+)
+from jfire.models.family import CacheSpec, Family, MeshShape, scan_layers, segments_of
 from jfire.models.params import ParamSpec
 
 # HF `architectures[0]` -> the name GGUF files use for the same family (None: not read from GGUF).
@@ -43,12 +58,20 @@ SUPPORTED_ARCHITECTURES = {
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # Routers (jfire.models.moe.Router kinds) and where each family keeps its experts on disk.
 _MOE = {
-    "MixtralForCausalLM": ("softmax_topk", "block_sparse_moe.gate.weight",
-                           ("block_sparse_moe.experts.{e}.w1.weight", "block_sparse_moe.experts.{e}.w3.weight",
-                            "block_sparse_moe.experts.{e}.w2.weight")),
-    "Qwen3MoeForCausalLM": ("softmax", "mlp.gate.weight",
-                            ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
-                             "mlp.experts.{e}.down_proj.weight")),
+    "MixtralForCausalLM": (
+        "softmax_topk",
+        "block_sparse_moe.gate.weight",
+        (
+            "block_sparse_moe.experts.{e}.w1.weight",
+            "block_sparse_moe.experts.{e}.w3.weight",
+            "block_sparse_moe.experts.{e}.w2.weight",
+        ),
+    ),
+    "Qwen3MoeForCausalLM": (
+        "softmax",
+        "mlp.gate.weight",
+        ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight", "mlp.experts.{e}.down_proj.weight"),
+    ),
 }
 
 
@@ -92,13 +115,14 @@ class LlamaConfig(Family):
         if self.head_dim % 2:
             raise JfireError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
-            raise JfireError(f"num_experts_per_tok ({self.experts_per_token}) must be between 1 and the "
-                             f"{self.num_experts} experts")
+            raise JfireError(
+                f"num_experts_per_tok ({self.experts_per_token}) must be between 1 and the {self.num_experts} experts"
+            )
 
     # -- construction -------------------------------------------------------------------
 
     @classmethod
-    def from_hf(cls, hf: Mapping[str, Any]) -> "LlamaConfig":
+    def from_hf(cls, hf: Mapping[str, Any]) -> LlamaConfig:
         """Builds the config from a Hugging Face `config.json` dict (transformers 4.x or 5.x)."""
         archs = hf.get("architectures") or []
         arch = archs[0] if archs else None
@@ -123,15 +147,24 @@ class LlamaConfig(Family):
         layers = int(hf["num_hidden_layers"])
         moe = {}
         if arch == "MixtralForCausalLM":
-            moe = dict(num_experts=int(hf["num_local_experts"]), experts_per_token=int(hf["num_experts_per_tok"]),
-                       moe_intermediate_size=int(hf["intermediate_size"]), router="softmax_topk")
+            moe = dict(
+                num_experts=int(hf["num_local_experts"]),
+                experts_per_token=int(hf["num_experts_per_tok"]),
+                moe_intermediate_size=int(hf["intermediate_size"]),
+                router="softmax_topk",
+            )
         elif arch == "Qwen3MoeForCausalLM":
             step = int(hf.get("decoder_sparse_step", 1) or 1)
             only = set(int(i) for i in hf.get("mlp_only_layers") or ())
             dense = tuple(i for i in range(layers) if i in only or (i + 1) % step)
-            moe = dict(num_experts=int(hf.get("num_experts") or hf["num_local_experts"]), experts_per_token=int(hf["num_experts_per_tok"]),
-                       moe_intermediate_size=int(hf["moe_intermediate_size"]), router="softmax",
-                       norm_topk_prob=bool(hf.get("norm_topk_prob", False)), dense_layers=dense)
+            moe = dict(
+                num_experts=int(hf.get("num_experts") or hf["num_local_experts"]),
+                experts_per_token=int(hf["num_experts_per_tok"]),
+                moe_intermediate_size=int(hf["moe_intermediate_size"]),
+                router="softmax",
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                dense_layers=dense,
+            )
         return cls(
             architecture=arch,
             vocab_size=int(hf["vocab_size"]),
@@ -156,7 +189,7 @@ class LlamaConfig(Family):
         )
 
     @classmethod
-    def from_gguf(cls, meta: Mapping[str, Any], has_output_tensor: bool) -> "LlamaConfig":
+    def from_gguf(cls, meta: Mapping[str, Any], has_output_tensor: bool) -> LlamaConfig:
         """Builds the config from GGUF metadata (`general.architecture` and its `ARCH.*` keys)."""
         arch = meta.get("general.architecture")
         if arch not in GGUF_ARCHITECTURES:
@@ -164,8 +197,10 @@ class LlamaConfig(Family):
                 f"unsupported GGUF architecture {arch!r}; jfire supports " + ", ".join(sorted(GGUF_ARCHITECTURES))
             )
         if meta.get(f"{arch}.expert_count"):
-            raise JfireError(f"this GGUF file holds a mixture-of-experts model ({arch}.expert_count = "
-                             f"{meta[f'{arch}.expert_count']}); jfire reads MoE models from HF directories only")
+            raise JfireError(
+                f"this GGUF file holds a mixture-of-experts model ({arch}.expert_count = "
+                f"{meta[f'{arch}.expert_count']}); jfire reads MoE models from HF directories only"
+            )
 
         def key(name, default=None):
             value = meta.get(f"{arch}.{name}", default)
@@ -175,7 +210,9 @@ class LlamaConfig(Family):
 
         num_heads = int(key("attention.head_count"))
         hidden = int(key("embedding_length"))
-        head_dim = int(meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count") or hidden // num_heads)
+        head_dim = int(
+            meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count") or hidden // num_heads
+        )
         vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
         scaling = None
         if meta.get(f"{arch}.rope.scaling.type") == "linear":
@@ -219,8 +256,9 @@ class LlamaConfig(Family):
         """
         E, V = self.hidden_size, self.vocab_size
         specs = [
-            ParamSpec("embed", (V, E), ("vocab", "embed"), "model.embed_tokens.weight", "token_embd.weight",
-                      flat_source=False),
+            ParamSpec(
+                "embed", (V, E), ("vocab", "embed"), "model.embed_tokens.weight", "token_embd.weight", flat_source=False
+            ),
             ParamSpec("final_norm", (E,), ("embed",), "model.norm.weight", "output_norm.weight", init="ones"),
         ]
         for segment in self.segments():
@@ -235,21 +273,55 @@ class LlamaConfig(Family):
         hf, s = "model.layers.{i}.", segment.name + "."
 
         def spec(name, shape, axes, hf_name, gguf, **kw):
-            return ParamSpec(s + name, (L, *shape), ("layers", *axes), hf + hf_name if hf_name else None, gguf,
-                             first_layer=segment.first, **kw)
+            return ParamSpec(
+                s + name,
+                (L, *shape),
+                ("layers", *axes),
+                hf + hf_name if hf_name else None,
+                gguf,
+                first_layer=segment.first,
+                **kw,
+            )
 
         specs = [
             spec("attn_norm", (E,), ("embed",), "input_layernorm.weight", "blk.{i}.attn_norm.weight", init="ones"),
-            spec("wq", (E, H, D), ("embed", "q_heads", "head_dim"), "self_attn.q_proj.weight", "blk.{i}.attn_q.weight",
-                 n_in=1, gguf_rotary_heads=H),
-            spec("wk", (E, K, D), ("embed", "kv_heads", "head_dim"), "self_attn.k_proj.weight", "blk.{i}.attn_k.weight",
-                 n_in=1, gguf_rotary_heads=K),
-            spec("wv", (E, K, D), ("embed", "kv_heads", "head_dim"), "self_attn.v_proj.weight", "blk.{i}.attn_v.weight",
-                 n_in=1),
-            spec("wo", (H, D, E), ("q_heads", "head_dim", "embed"), "self_attn.o_proj.weight",
-                 "blk.{i}.attn_output.weight", n_in=2),
-            spec("mlp_norm", (E,), ("embed",), "post_attention_layernorm.weight", "blk.{i}.ffn_norm.weight",
-                 init="ones"),
+            spec(
+                "wq",
+                (E, H, D),
+                ("embed", "q_heads", "head_dim"),
+                "self_attn.q_proj.weight",
+                "blk.{i}.attn_q.weight",
+                n_in=1,
+                gguf_rotary_heads=H,
+            ),
+            spec(
+                "wk",
+                (E, K, D),
+                ("embed", "kv_heads", "head_dim"),
+                "self_attn.k_proj.weight",
+                "blk.{i}.attn_k.weight",
+                n_in=1,
+                gguf_rotary_heads=K,
+            ),
+            spec(
+                "wv",
+                (E, K, D),
+                ("embed", "kv_heads", "head_dim"),
+                "self_attn.v_proj.weight",
+                "blk.{i}.attn_v.weight",
+                n_in=1,
+            ),
+            spec(
+                "wo",
+                (H, D, E),
+                ("q_heads", "head_dim", "embed"),
+                "self_attn.o_proj.weight",
+                "blk.{i}.attn_output.weight",
+                n_in=2,
+            ),
+            spec(
+                "mlp_norm", (E,), ("embed",), "post_attention_layernorm.weight", "blk.{i}.ffn_norm.weight", init="ones"
+            ),
         ]
         if segment.kind == "moe":
             X, I = self.num_experts, self.moe_intermediate_size
@@ -268,16 +340,28 @@ class LlamaConfig(Family):
             ]
         if self.qkv_bias:
             specs += [
-                spec("bq", (H, D), ("q_heads", "head_dim"), "self_attn.q_proj.bias", "blk.{i}.attn_q.bias", init="zeros"),
-                spec("bk", (K, D), ("kv_heads", "head_dim"), "self_attn.k_proj.bias", "blk.{i}.attn_k.bias", init="zeros"),
-                spec("bv", (K, D), ("kv_heads", "head_dim"), "self_attn.v_proj.bias", "blk.{i}.attn_v.bias", init="zeros"),
+                spec(
+                    "bq", (H, D), ("q_heads", "head_dim"), "self_attn.q_proj.bias", "blk.{i}.attn_q.bias", init="zeros"
+                ),
+                spec(
+                    "bk", (K, D), ("kv_heads", "head_dim"), "self_attn.k_proj.bias", "blk.{i}.attn_k.bias", init="zeros"
+                ),
+                spec(
+                    "bv", (K, D), ("kv_heads", "head_dim"), "self_attn.v_proj.bias", "blk.{i}.attn_v.bias", init="zeros"
+                ),
             ]
         if self.o_bias:
-            specs.append(spec("bo", (E,), ("embed",), "self_attn.o_proj.bias", "blk.{i}.attn_output.bias", init="zeros"))
+            specs.append(
+                spec("bo", (E,), ("embed",), "self_attn.o_proj.bias", "blk.{i}.attn_output.bias", init="zeros")
+            )
         if self.qk_norm:
             specs += [
-                spec("q_norm", (D,), ("head_dim",), "self_attn.q_norm.weight", "blk.{i}.attn_q_norm.weight", init="ones"),
-                spec("k_norm", (D,), ("head_dim",), "self_attn.k_norm.weight", "blk.{i}.attn_k_norm.weight", init="ones"),
+                spec(
+                    "q_norm", (D,), ("head_dim",), "self_attn.q_norm.weight", "blk.{i}.attn_q_norm.weight", init="ones"
+                ),
+                spec(
+                    "k_norm", (D,), ("head_dim",), "self_attn.k_norm.weight", "blk.{i}.attn_k_norm.weight", init="ones"
+                ),
             ]
         return specs
 
@@ -304,18 +388,41 @@ class LlamaConfig(Family):
 
     # -- the forward pass --------------------------------------------------------------------
 
-    def decoder(self, params, tokens, positions, pages, page_table, *, attention_impl=None, layer_stack=None,
-                parallel=None):
-        return pre_norm_decoder(self, params, tokens, positions, pages, page_table, run=run_segment,
-                                eps=self.rms_norm_eps, attention_impl=attention_impl, layer_stack=layer_stack,
-                                parallel=parallel)
+    def decoder(
+        self, params, tokens, positions, pages, page_table, *, attention_impl=None, layer_stack=None, parallel=None
+    ):
+        return pre_norm_decoder(
+            self,
+            params,
+            tokens,
+            positions,
+            pages,
+            page_table,
+            run=run_segment,
+            eps=self.rms_norm_eps,
+            attention_impl=attention_impl,
+            layer_stack=layer_stack,
+            parallel=parallel,
+        )
 
     def logits(self, params, hidden):
         return lm_head(hidden, params, self.tie_word_embeddings)
 
 
-def run_segment(cfg: LlamaConfig, segment, stack: dict, x, positions, pages: dict, page_table, layer_offset,
-                cache_offset, *, attention_impl=None, parallel=None):
+def run_segment(
+    cfg: LlamaConfig,
+    segment,
+    stack: dict,
+    x,
+    positions,
+    pages: dict,
+    page_table,
+    layer_offset,
+    cache_offset,
+    *,
+    attention_impl=None,
+    parallel=None,
+):
     """One segment's stacked layers over activations x [b, t, e]; layer j of the stack reads
     and writes cache layer cache_offset + j.
 
@@ -354,9 +461,15 @@ def run_segment(cfg: LlamaConfig, segment, stack: dict, x, positions, pages: dic
             from jfire.models.moe import Router
 
             with jax.named_scope("experts"):
-                x = x + routed_experts(h, p["router"], p["we_gate"], p["we_up"], p["we_down"],
-                                       router=Router(cfg.router, cfg.experts_per_token, cfg.norm_topk_prob),
-                                       parallel=parallel)
+                x = x + routed_experts(
+                    h,
+                    p["router"],
+                    p["we_gate"],
+                    p["we_up"],
+                    p["we_down"],
+                    router=Router(cfg.router, cfg.experts_per_token, cfg.norm_topk_prob),
+                    parallel=parallel,
+                )
         else:
             with jax.named_scope("mlp"):
                 gate, up = layer_matmuls(h, p, ("w_gate", "w_up"))

@@ -21,7 +21,8 @@ f ffn, v vocab, x experts.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Mapping
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -29,9 +30,24 @@ import numpy as np
 
 from jfire.errors import JfireError
 from jfire.kernels.paged_attention import paged_attention_reference
-from jfire.models.blocks import (RopeScaling, pre_norm_decoder, gqa_mesh_problems, kv_cache_specs, repeat_kv_heads, apply_rope_interleaved, cache_slots, gated_mlp, lm_head,
-                                 out_projection, rms_norm, rope_angles, rope_inv_freq, rope_params, write_heads)
-from jfire.models.family import CacheSpec, Family, MeshShape, segments_of, scan_layers
+from jfire.models.blocks import (
+    RopeScaling,
+    apply_rope_interleaved,
+    cache_slots,
+    gated_mlp,
+    gqa_mesh_problems,
+    kv_cache_specs,
+    lm_head,
+    out_projection,
+    pre_norm_decoder,
+    repeat_kv_heads,
+    rms_norm,
+    rope_angles,
+    rope_inv_freq,
+    rope_params,
+    write_heads,
+)
+from jfire.models.family import CacheSpec, Family, MeshShape, scan_layers, segments_of
 from jfire.models.params import ParamSpec
 
 # Both layouts serve the same text model; the multimodal one nests it under `language_model.`.
@@ -73,13 +89,15 @@ class Llama4Config(Family):
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
-            raise JfireError(f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
-                             f"({self.num_kv_heads})")
+            raise JfireError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
+                f"({self.num_kv_heads})"
+            )
 
     # -- construction -------------------------------------------------------------------------
 
     @classmethod
-    def from_hf(cls, hf: Mapping[str, Any]) -> "Llama4Config":
+    def from_hf(cls, hf: Mapping[str, Any]) -> Llama4Config:
         arch = (hf.get("architectures") or [None])[0]
         prefix = ""
         if arch == "Llama4ForConditionalGeneration" or "text_config" in hf:
@@ -161,8 +179,9 @@ class Llama4Config(Family):
         hf, s = self.hf_prefix + "model.layers.{i}.", segment.name + "."
 
         def spec(name, shape, axes, hf_name, **kw):
-            return ParamSpec(s + name, (L, *shape), ("layers", *axes), hf + hf_name, None, first_layer=segment.first,
-                             **kw)
+            return ParamSpec(
+                s + name, (L, *shape), ("layers", *axes), hf + hf_name, None, first_layer=segment.first, **kw
+            )
 
         specs = [
             spec("attn_norm", (E,), ("embed",), "input_layernorm.weight", init="ones"),
@@ -178,12 +197,29 @@ class Llama4Config(Family):
             fused = dict(flat_source=False, source_full=2 * F)
             specs += [
                 spec("router", (E, X), ("embed", "experts_replicated"), "feed_forward.router.weight", n_in=1),
-                spec("we_gate", (X, E, F), ("experts", "embed", "ffn"), "feed_forward.experts.gate_up_proj",
-                     take=(0, F), **fused),
-                spec("we_up", (X, E, F), ("experts", "embed", "ffn"), "feed_forward.experts.gate_up_proj",
-                     take=(F, 2 * F), **fused),
-                spec("we_down", (X, F, E), ("experts", "ffn", "embed"), "feed_forward.experts.down_proj",
-                     flat_source=False),
+                spec(
+                    "we_gate",
+                    (X, E, F),
+                    ("experts", "embed", "ffn"),
+                    "feed_forward.experts.gate_up_proj",
+                    take=(0, F),
+                    **fused,
+                ),
+                spec(
+                    "we_up",
+                    (X, E, F),
+                    ("experts", "embed", "ffn"),
+                    "feed_forward.experts.gate_up_proj",
+                    take=(F, 2 * F),
+                    **fused,
+                ),
+                spec(
+                    "we_down",
+                    (X, F, E),
+                    ("experts", "ffn", "embed"),
+                    "feed_forward.experts.down_proj",
+                    flat_source=False,
+                ),
                 spec("ws_gate", (E, F), ("embed", "ffn"), "feed_forward.shared_expert.gate_proj.weight", n_in=1),
                 spec("ws_up", (E, F), ("embed", "ffn"), "feed_forward.shared_expert.up_proj.weight", n_in=1),
                 spec("ws_down", (F, E), ("ffn", "embed"), "feed_forward.shared_expert.down_proj.weight", n_in=1),
@@ -222,18 +258,41 @@ class Llama4Config(Family):
 
     # -- the forward pass ----------------------------------------------------------------------
 
-    def decoder(self, params, tokens, positions, pages, page_table, *, attention_impl=None, layer_stack=None,
-                parallel=None):
-        return pre_norm_decoder(self, params, tokens, positions, pages, page_table, run=run_segment,
-                                eps=self.rms_norm_eps, attention_impl=attention_impl, layer_stack=layer_stack,
-                                parallel=parallel)
+    def decoder(
+        self, params, tokens, positions, pages, page_table, *, attention_impl=None, layer_stack=None, parallel=None
+    ):
+        return pre_norm_decoder(
+            self,
+            params,
+            tokens,
+            positions,
+            pages,
+            page_table,
+            run=run_segment,
+            eps=self.rms_norm_eps,
+            attention_impl=attention_impl,
+            layer_stack=layer_stack,
+            parallel=parallel,
+        )
 
     def logits(self, params, hidden):
         return lm_head(hidden, params, self.tie_word_embeddings)
 
 
-def run_segment(cfg: Llama4Config, segment, stack: dict, x, positions, pages: dict, page_table, layer_offset,
-                cache_offset, *, attention_impl=None, parallel=None):
+def run_segment(
+    cfg: Llama4Config,
+    segment,
+    stack: dict,
+    x,
+    positions,
+    pages: dict,
+    page_table,
+    layer_offset,
+    cache_offset,
+    *,
+    attention_impl=None,
+    parallel=None,
+):
     """One segment's stacked layers over x [b, t, e]; see jfire.models.llama.run_segment."""
     cos, sin = rope_angles(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
     page, slot = cache_slots(positions, page_table, pages["k"].shape[2], pages["k"].shape[3])
@@ -268,8 +327,15 @@ def run_segment(cfg: Llama4Config, segment, stack: dict, x, positions, pages: di
             from jfire.models.moe import Router
 
             with jax.named_scope("experts"):
-                routed = routed_experts(h, p["router"], p["we_gate"], p["we_up"], p["we_down"],
-                                        router=Router("sigmoid_input", cfg.experts_per_token), parallel=parallel)
+                routed = routed_experts(
+                    h,
+                    p["router"],
+                    p["we_gate"],
+                    p["we_up"],
+                    p["we_down"],
+                    router=Router("sigmoid_input", cfg.experts_per_token),
+                    parallel=parallel,
+                )
                 x = x + gated_mlp(h, p["ws_gate"], p["ws_up"], p["ws_down"]) + routed
         else:
             with jax.named_scope("mlp"):

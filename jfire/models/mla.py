@@ -25,8 +25,16 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jfire.kernels import mla_attention
-from jfire.models.blocks import apply_rope_interleaved, apply_rope, cache_slots, gated_mlp, out_projection, rms_norm, rope_angles
-from jfire.models.blocks import rope_inv_freq
+from jfire.models.blocks import (
+    apply_rope,
+    apply_rope_interleaved,
+    cache_slots,
+    gated_mlp,
+    out_projection,
+    rms_norm,
+    rope_angles,
+    rope_inv_freq,
+)
 from jfire.models.family import scan_layers
 
 PAGE_AXES = ("ep", "tp")  # the mesh axes the latent pages are split over (sharding.RULES["latent_pages"])
@@ -52,8 +60,20 @@ def _rope_tables(cfg, positions):
     return cos * factor, sin * factor
 
 
-def run_segment(cfg, segment, stack: dict, x, positions, pages: dict, page_table, layer_offset, cache_offset, *,
-                attention_impl=None, parallel=None):
+def run_segment(
+    cfg,
+    segment,
+    stack: dict,
+    x,
+    positions,
+    pages: dict,
+    page_table,
+    layer_offset,
+    cache_offset,
+    *,
+    attention_impl=None,
+    parallel=None,
+):
     """One segment's stacked layers over x [b, t, e]; layer j of the stack reads and writes
     layer cache_offset + j of its segment's latent array."""
     name = "latent" if segment.piped else "latent_dense"
@@ -82,8 +102,20 @@ def run_segment(cfg, segment, stack: dict, x, positions, pages: dict, page_table
             k_rope = rope(kv[..., None, C:], cos, sin)[:, :, 0]
             entry = jnp.concatenate([latent, k_rope], axis=-1)  # [b, t, c + r]: what the cache keeps
             q_latent = jnp.einsum("bthd,chd->bthc", q_nope, p["wkv_b"][..., :Dn])
-            out, cache = attend(q_latent, q_rope, entry, cache, i, page, slot, page_table, positions, scale=scale,
-                                attention_impl=attention_impl, parallel=parallel)
+            out, cache = attend(
+                q_latent,
+                q_rope,
+                entry,
+                cache,
+                i,
+                page,
+                slot,
+                page_table,
+                positions,
+                scale=scale,
+                attention_impl=attention_impl,
+                parallel=parallel,
+            )
             out = jnp.einsum("bthc,chd->bthd", out.astype(x.dtype), p["wkv_b"][..., Dn:])
             x = x + out_projection(out, p["wo"])
         h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
@@ -92,10 +124,24 @@ def run_segment(cfg, segment, stack: dict, x, positions, pages: dict, page_table
             from jfire.models.moe import Router
 
             with jax.named_scope("experts"):
-                router = Router("sigmoid_grouped", cfg.experts_per_token, cfg.norm_topk_prob, n_group=cfg.n_group,
-                                topk_group=cfg.topk_group, scaling=cfg.routed_scaling_factor)
-                routed = routed_experts(h, p["router"], p["we_gate"], p["we_up"], p["we_down"], router=router,
-                                        bias=p["router_bias"], parallel=parallel)
+                router = Router(
+                    "sigmoid_grouped",
+                    cfg.experts_per_token,
+                    cfg.norm_topk_prob,
+                    n_group=cfg.n_group,
+                    topk_group=cfg.topk_group,
+                    scaling=cfg.routed_scaling_factor,
+                )
+                routed = routed_experts(
+                    h,
+                    p["router"],
+                    p["we_gate"],
+                    p["we_up"],
+                    p["we_down"],
+                    router=router,
+                    bias=p["router_bias"],
+                    parallel=parallel,
+                )
                 x = x + routed
                 if cfg.num_shared_experts:
                     x = x + gated_mlp(h, p["ws_gate"], p["ws_up"], p["ws_down"])
@@ -108,8 +154,21 @@ def run_segment(cfg, segment, stack: dict, x, positions, pages: dict, page_table
     return x, {**pages, name: cache}
 
 
-def attend(q_latent, q_rope, entry, cache, layer, page, slot, page_table, positions, *, scale, attention_impl=None,
-           parallel=None):
+def attend(
+    q_latent,
+    q_rope,
+    entry,
+    cache,
+    layer,
+    page,
+    slot,
+    page_table,
+    positions,
+    *,
+    scale,
+    attention_impl=None,
+    parallel=None,
+):
     """Writes entry [b, t, c + r] at (page, slot) and attends: returns (out [b, t, h, c]
     float32, cache). Over a mesh the cache's pages are split over PAGE_AXES (see the module
     docstring); queries enter replicated and the merged output leaves replicated."""
@@ -131,8 +190,11 @@ def attend(q_latent, q_rope, entry, cache, layer, page, slot, page_table, positi
 
     cache_spec = P(None, PAGE_AXES, None, None)
     return jax.shard_map(
-        shard, mesh=parallel.shard_map_mesh(), axis_names=frozenset(PAGE_AXES),
-        in_specs=(P(), P(), P(), cache_spec, P(), P(), P(), P(), P()), out_specs=(P(), cache_spec),
+        shard,
+        mesh=parallel.shard_map_mesh(),
+        axis_names=frozenset(PAGE_AXES),
+        in_specs=(P(), P(), P(), cache_spec, P(), P(), P(), P(), P()),
+        out_specs=(P(), cache_spec),
     )(q_latent, q_rope, entry, cache, jnp.asarray(layer, jnp.int32), page, slot, page_table, positions)
 
 

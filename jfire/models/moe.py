@@ -207,8 +207,9 @@ def experts_dense_reference(x, weights, experts, w_gate, w_up, w_down, *, scale_
         return out.astype(x.dtype)
 
 
-def experts_parallel(x, weights, experts, w_gate, w_up, w_down, *, mesh, scale_input: bool,
-                     ep_axis: str = "ep", tp_axis: str = "tp"):
+def experts_parallel(
+    x, weights, experts, w_gate, w_up, w_down, *, mesh, scale_input: bool, ep_axis: str = "ep", tp_axis: str = "tp"
+):
     """Expert parallelism: experts split over `ep_axis`, each expert's f width over `tp_axis`.
 
     Tokens (x, weights, experts) enter replicated; the weights stay where they are,
@@ -240,9 +241,17 @@ def experts_parallel(x, weights, experts, w_gate, w_up, w_down, *, mesh, scale_i
 
     with jax.named_scope("experts_parallel"):
         return jax.shard_map(
-            shard, mesh=mesh, axis_names=frozenset(axes),
-            in_specs=(P(), P(), P(), _expert_spec(w_gate, "in_out", ep_axis, tp_axis),
-                      _expert_spec(w_up, "in_out", ep_axis, tp_axis), _expert_spec(w_down, "out_in", ep_axis, tp_axis)),
+            shard,
+            mesh=mesh,
+            axis_names=frozenset(axes),
+            in_specs=(
+                P(),
+                P(),
+                P(),
+                _expert_spec(w_gate, "in_out", ep_axis, tp_axis),
+                _expert_spec(w_up, "in_out", ep_axis, tp_axis),
+                _expert_spec(w_down, "out_in", ep_axis, tp_axis),
+            ),
             out_specs=P(),
         )(x, weights, experts, w_gate, w_up, w_down)
 

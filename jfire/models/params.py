@@ -29,7 +29,9 @@ class ParamSpec:
     take: tuple[int, int] | None = None  # a slice [start, stop) of the source's last axis (fused tensors)
     source_full: int | None = None  # with `take`: the size of that last axis in the source
     gguf_rotary_heads: int | None = None  # llama.cpp permutes Q/K rows for rotary: heads to undo it
-    dtype: str | None = None  # stored in this dtype whatever the model's (packed int4 words, FP8 experts, a float32 bias)
+    dtype: str | None = (
+        None  # stored in this dtype whatever the model's (packed int4 words, FP8 experts, a float32 bias)
+    )
 
     @property
     def per_layer(self) -> bool:
@@ -43,7 +45,7 @@ class ParamSpec:
     @property
     def unit_shape(self) -> tuple[int, ...]:
         """One source tensor's worth in this param's layout: one layer's (and expert's) slice."""
-        return self.shape[(1 if self.per_layer else 0) + (1 if self.per_expert else 0):]
+        return self.shape[(1 if self.per_layer else 0) + (1 if self.per_expert else 0) :]
 
     @property
     def source_shape(self) -> tuple[int, ...]:
@@ -53,12 +55,12 @@ class ParamSpec:
             if self.take is not None:
                 return (*shape[:-1], self.source_full)
             return (math.prod(shape),) if self.flat_source else shape
-        return (math.prod(shape[self.n_in:]), math.prod(shape[: self.n_in]))
+        return (math.prod(shape[self.n_in :]), math.prod(shape[: self.n_in]))
 
     def from_source(self, tensor: np.ndarray) -> np.ndarray:
         """One source tensor (already shape-checked) in this param's per-unit layout."""
         if self.take is not None:
-            tensor = tensor[..., self.take[0]:self.take[1]]
+            tensor = tensor[..., self.take[0] : self.take[1]]
         if self.n_in is not None:
             tensor = tensor.T
         return tensor.reshape(self.unit_shape)

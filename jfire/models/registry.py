@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from jfire.errors import JfireError
 from jfire.models import deepseek, llama, llama4
@@ -20,11 +21,19 @@ HF_ARCHITECTURES: dict[str, type[Family]] = {
     **{arch: deepseek.DeepseekV3Config for arch in deepseek.SUPPORTED_ARCHITECTURES},
 }
 # HF model_type -> architecture, for configs that name no architecture.
-HF_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                  "llama4_text": "Llama4ForCausalLM", "llama4": "Llama4ForConditionalGeneration",
-                  "deepseek_v3": "DeepseekV3ForCausalLM", "kimi_k2": "DeepseekV3ForCausalLM",
-                  "kimi_k25": "KimiK25ForConditionalGeneration"}
+HF_MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "llama4_text": "Llama4ForCausalLM",
+    "llama4": "Llama4ForConditionalGeneration",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "kimi_k2": "DeepseekV3ForCausalLM",
+    "kimi_k25": "KimiK25ForConditionalGeneration",
+}
 GGUF_ARCHITECTURES: dict[str, type[Family]] = {arch: llama.LlamaConfig for arch in llama.GGUF_ARCHITECTURES}
 
 
@@ -33,8 +42,9 @@ def config_from_hf(hf: Mapping[str, Any]) -> Family:
     arch = archs[0] if archs else HF_MODEL_TYPES.get(hf.get("model_type"))
     family = HF_ARCHITECTURES.get(arch)
     if family is None:
-        raise JfireError(f"unsupported architecture {arch!r} in config.json; jfire supports "
-                         + ", ".join(sorted(HF_ARCHITECTURES)))
+        raise JfireError(
+            f"unsupported architecture {arch!r} in config.json; jfire supports " + ", ".join(sorted(HF_ARCHITECTURES))
+        )
     return family.from_hf({**hf, "architectures": [arch]})
 
 
@@ -42,8 +52,9 @@ def config_from_gguf(meta: Mapping[str, Any], has_output_tensor: bool) -> Family
     arch = meta.get("general.architecture")
     family = GGUF_ARCHITECTURES.get(arch)
     if family is None:
-        raise JfireError(f"unsupported GGUF architecture {arch!r}; jfire supports "
-                         + ", ".join(sorted(GGUF_ARCHITECTURES)))
+        raise JfireError(
+            f"unsupported GGUF architecture {arch!r}; jfire supports " + ", ".join(sorted(GGUF_ARCHITECTURES))
+        )
     return family.from_gguf(meta, has_output_tensor)
 
 
@@ -51,6 +62,8 @@ def config_from_dict(family: str, d: Mapping[str, Any]) -> Family:
     """A config saved in a checkpoint manifest (`family` and `config`)."""
     cls = FAMILIES.get(family)
     if cls is None:
-        raise JfireError(f"this checkpoint is of model family {family!r}, which this jfire does not know "
-                         f"(families: {', '.join(sorted(FAMILIES))})")
+        raise JfireError(
+            f"this checkpoint is of model family {family!r}, which this jfire does not know "
+            f"(families: {', '.join(sorted(FAMILIES))})"
+        )
     return cls.from_dict(d)

@@ -45,6 +45,18 @@ from jfire.tool_calls.formats import FORMATS, Hermes, KimiK2, Llama3Json, Llama4
 from jfire.tool_calls.prompts import default_tool_prompt, format_for, prepare_messages, template_takes_tools
 from jfire.tool_calls.stream import ToolCall, ToolCallStream, new_call_id
 
-__all__ = ["FORMATS", "Hermes", "KimiK2", "Llama3Json", "Llama4Pythonic", "ToolCall", "ToolCallFormat",
-           "ToolCallStream", "default_tool_prompt", "format_for", "new_call_id", "prepare_messages",
-           "template_takes_tools"]
+__all__ = [
+    "FORMATS",
+    "Hermes",
+    "KimiK2",
+    "Llama3Json",
+    "Llama4Pythonic",
+    "ToolCall",
+    "ToolCallFormat",
+    "ToolCallStream",
+    "default_tool_prompt",
+    "format_for",
+    "new_call_id",
+    "prepare_messages",
+    "template_takes_tools",
+]

@@ -6,8 +6,16 @@ from __future__ import annotations
 import json
 import re
 
-from jfire.tool_calls.scan import (_DIGITS, _JSON_NAME, _PY_NAME, _Cursor, _json_or_none, _JsonArguments, _Mismatch,
-                                   _PythonArguments)
+from jfire.tool_calls.scan import (
+    _DIGITS,
+    _JSON_NAME,
+    _PY_NAME,
+    _Cursor,
+    _json_or_none,
+    _JsonArguments,
+    _Mismatch,
+    _PythonArguments,
+)
 from jfire.tool_calls.stream import ToolCall, ToolCallStream
 
 
@@ -38,8 +46,11 @@ def _json_rule(schema) -> str:
 
 def _chosen_tools(tools: list[dict], only: str | None) -> list[tuple[str, dict]]:
     functions = [t["function"] for t in tools if t.get("type", "function") == "function"]
-    chosen = [(f["name"], f.get("parameters") or {"type": "object", "properties": {}})
-              for f in functions if only is None or f["name"] == only]
+    chosen = [
+        (f["name"], f.get("parameters") or {"type": "object", "properties": {}})
+        for f in functions
+        if only is None or f["name"] == only
+    ]
     if not chosen:
         raise ValueError(f"no tool named {only!r} among the request's tools" if only else "no tools to call")
     return chosen
@@ -84,15 +95,19 @@ class ToolCallFormat:
     def stream_parser(self) -> ToolCallStream:
         return ToolCallStream(self)
 
-    def grammar(self, tools: list[dict], *, only: str | None = None, parallel: bool = True,
-                special_tokens: bool = False) -> str:
+    def grammar(
+        self, tools: list[dict], *, only: str | None = None, parallel: bool = True, special_tokens: bool = False
+    ) -> str:
         """A Lark grammar for llguidance whose sentences are one call (with `parallel`, one or more)
         of one of `tools` (or of the tool named `only`), its arguments satisfying the tool's
         schema. `special_tokens` writes <|...|> markers as special tokens, as llguidance needs when
         the tokenizer has them (Kimi K2's); otherwise they are text."""
         chosen = _chosen_tools(tools, only)
-        rules = [rule for i, (name, params) in enumerate(chosen)
-                 for rule in self._call_rules(f"call_{i}", name, params, special_tokens)]
+        rules = [
+            rule
+            for i, (name, params) in enumerate(chosen)
+            for rule in self._call_rules(f"call_{i}", name, params, special_tokens)
+        ]
         begin, separator, end = self._frame(special_tokens)
         calls = f"call ({separator} call)*" if parallel and separator else "call+" if parallel else "call"
         start = " ".join(part for part in (begin, calls, end) if part)
@@ -131,8 +146,10 @@ class _JsonObjectCalls(ToolCallFormat):
         return name
 
     def _call_text(self, call: dict) -> str:
-        return (f'{{"name": {json.dumps(call["function"]["name"])}, '
-                f'"{self.arguments_key}": {json.dumps(_arguments_of(call), ensure_ascii=False)}}}')
+        return (
+            f'{{"name": {json.dumps(call["function"]["name"])}, '
+            f'"{self.arguments_key}": {json.dumps(_arguments_of(call), ensure_ascii=False)}}}'
+        )
 
     def _call_rules(self, rule, name, params, special_tokens):
         before, after = self.call_wrap
@@ -145,9 +162,11 @@ class Hermes(_JsonObjectCalls):
     openers = ("<tool_call>",)
     arguments_key = "arguments"
     call_wrap = ("<tool_call>\n", "\n</tool_call>")
-    instructions = ("For each function call, return a json object with function name and arguments within "
-                    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
-                    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+    instructions = (
+        "For each function call, return a json object with function name and arguments within "
+        "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    )
 
     def head(self, c, first):
         c.expect("<tool_call>")
@@ -168,9 +187,11 @@ class Llama3Json(_JsonObjectCalls):
     name = "llama3_json"
     openers = ("<|python_tag|>", "{")
     arguments_key = "parameters"
-    instructions = ("To call functions, respond with only JSON objects in the format "
-                    '{"name": function name, "parameters": dictionary of argument name and its value}, '
-                    'separated by "; " when you call more than one. Do not use variables.')
+    instructions = (
+        "To call functions, respond with only JSON objects in the format "
+        '{"name": function name, "parameters": dictionary of argument name and its value}, '
+        'separated by "; " when you call more than one. Do not use variables.'
+    )
 
     def head(self, c, first):
         if first:
@@ -196,9 +217,11 @@ class Llama3Json(_JsonObjectCalls):
 class Llama4Pythonic(ToolCallFormat):
     name = "llama4_pythonic"
     openers = ("<|python_start|>", "[")
-    instructions = ("If you decide to invoke any of the function(s), you MUST put it in the format of "
-                    "[func_name1(params_name1=params_value1, params_name2=params_value2...), func_name2(params)]\n"
-                    "You SHOULD NOT include any other text in the response if you call a function")
+    instructions = (
+        "If you decide to invoke any of the function(s), you MUST put it in the format of "
+        "[func_name1(params_name1=params_value1, params_name2=params_value2...), func_name2(params)]\n"
+        "You SHOULD NOT include any other text in the response if you call a function"
+    )
 
     def head(self, c, first):
         if first:
@@ -227,9 +250,12 @@ class Llama4Pythonic(ToolCallFormat):
         return False
 
     def render_calls(self, calls):
-        rendered = (f"{call['function']['name']}("
-                    + ", ".join(f"{k}={_python_value(v)}" for k, v in _arguments_of(call).items()) + ")"
-                    for call in calls)
+        rendered = (
+            f"{call['function']['name']}("
+            + ", ".join(f"{k}={_python_value(v)}" for k, v in _arguments_of(call).items())
+            + ")"
+            for call in calls
+        )
         return "[" + ", ".join(rendered) + "]"
 
     def _frame(self, special_tokens):
@@ -241,8 +267,10 @@ class Llama4Pythonic(ToolCallFormat):
         # schema's order, required ones always; only the schema's properties are offered.
         shared = {k: params[k] for k in ("$defs", "definitions") if k in params}
         properties = [(k, v) for k, v in (params.get("properties") or {}).items() if k.isidentifier()]
-        rules = [f"{rule}_{i}: {_lark(k + '=')} {_json_rule({**(v if isinstance(v, dict) else {}), **shared})}"
-                 for i, (k, v) in enumerate(properties)]
+        rules = [
+            f"{rule}_{i}: {_lark(k + '=')} {_json_rule({**(v if isinstance(v, dict) else {}), **shared})}"
+            for i, (k, v) in enumerate(properties)
+        ]
         required = set(params.get("required", []))
         kwargs = _kwargs_expression([(f"{rule}_{i}", k in required) for i, (k, _) in enumerate(properties)])
         return [" ".join(filter(None, [f"{rule}:", _lark(name + "("), kwargs, _lark(")")])), *rules]
@@ -261,6 +289,7 @@ def _python_value(value) -> str:
 
 def _kwargs_expression(items: list[tuple[str, bool]]) -> str:
     """Lark for the rules `items` in order, ", "-separated, the ones not required optional."""
+
     def after_one(i):  # items i.. once an earlier one was written
         if i == len(items):
             return ""
@@ -282,10 +311,12 @@ def _kwargs_expression(items: list[tuple[str, bool]]) -> str:
 class KimiK2(ToolCallFormat):
     name = "kimi_k2"
     openers = ("<|tool_calls_section_begin|>",)
-    instructions = ("To call functions, write one tool-call section holding every call:\n"
-                    "<|tool_calls_section_begin|><|tool_call_begin|>functions.<function-name>:<call-number>"
-                    "<|tool_call_argument_begin|><args-json-object><|tool_call_end|><|tool_calls_section_end|>\n"
-                    "with one <|tool_call_begin|>...<|tool_call_end|> per call, numbered from 0.")
+    instructions = (
+        "To call functions, write one tool-call section holding every call:\n"
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.<function-name>:<call-number>"
+        "<|tool_call_argument_begin|><args-json-object><|tool_call_end|><|tool_calls_section_end|>\n"
+        "with one <|tool_call_begin|>...<|tool_call_end|> per call, numbered from 0."
+    )
 
     def head(self, c, first):
         if first:
@@ -312,19 +343,27 @@ class KimiK2(ToolCallFormat):
             call_id = call.get("id") or ""
             if not re.fullmatch(r"functions\.[\w.\-]+:\d+", call_id):
                 call_id = f"functions.{call['function']['name']}:{i}"
-            parts.append(f"<|tool_call_begin|>{call_id}<|tool_call_argument_begin|>"
-                         f"{json.dumps(_arguments_of(call), ensure_ascii=False)}<|tool_call_end|>")
+            parts.append(
+                f"<|tool_call_begin|>{call_id}<|tool_call_argument_begin|>"
+                f"{json.dumps(_arguments_of(call), ensure_ascii=False)}<|tool_call_end|>"
+            )
         return "<|tool_calls_section_begin|>" + "".join(parts) + "<|tool_calls_section_end|>"
 
     def _frame(self, special_tokens):
-        return (_marker("<|tool_calls_section_begin|>", special_tokens), "",
-                _marker("<|tool_calls_section_end|>", special_tokens))
+        return (
+            _marker("<|tool_calls_section_begin|>", special_tokens),
+            "",
+            _marker("<|tool_calls_section_end|>", special_tokens),
+        )
 
     def _call_rules(self, rule, name, params, special_tokens):
-        begin, arguments, end = (_marker(f"<|tool_call_{part}|>", special_tokens)
-                                 for part in ("begin", "argument_begin", "end"))
-        return [f"{rule}: {begin} {_lark(f'functions.{name}:')} /[0-9]{{1,9}}/ {arguments} {rule}_args {end}",
-                f"{rule}_args: {_json_rule(params)}"]
+        begin, arguments, end = (
+            _marker(f"<|tool_call_{part}|>", special_tokens) for part in ("begin", "argument_begin", "end")
+        )
+        return [
+            f"{rule}: {begin} {_lark(f'functions.{name}:')} /[0-9]{{1,9}}/ {arguments} {rule}_args {end}",
+            f"{rule}_args: {_json_rule(params)}",
+        ]
 
 
 FORMATS: dict[str, ToolCallFormat] = {f.name: f for f in (Hermes(), Llama3Json(), Llama4Pythonic(), KimiK2())}

@@ -9,10 +9,17 @@ import re
 from jfire.tool_calls.formats import FORMATS, ToolCallFormat
 from jfire.tool_calls.scan import _json_or_none
 
-
-_FORMAT_BY_MODEL_TYPE = {"qwen2": "hermes", "qwen2_moe": "hermes", "qwen3": "hermes", "qwen3_moe": "hermes",
-                         "llama": "llama3_json", "llama4": "llama4_pythonic", "llama4_text": "llama4_pythonic",
-                         "kimi_k2": "kimi_k2", "kimi_k25": "kimi_k2"}
+_FORMAT_BY_MODEL_TYPE = {
+    "qwen2": "hermes",
+    "qwen2_moe": "hermes",
+    "qwen3": "hermes",
+    "qwen3_moe": "hermes",
+    "llama": "llama3_json",
+    "llama4": "llama4_pythonic",
+    "llama4_text": "llama4_pythonic",
+    "kimi_k2": "kimi_k2",
+    "kimi_k25": "kimi_k2",
+}
 
 
 def format_for(chat_template: str | None, model_type: str | None = None) -> ToolCallFormat:
@@ -39,13 +46,16 @@ def default_tool_prompt(tools: list[dict], fmt: ToolCallFormat) -> str:
     """System-prompt text listing the tools and how to call them, for templates without tool
     support (worded like Hermes' and Qwen's own tool prompt)."""
     signatures = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
-    return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-            f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{signatures}\n"
-            f"</tools>\n\n{fmt.instructions}")
+    return (
+        "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+        f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{signatures}\n"
+        f"</tools>\n\n{fmt.instructions}"
+    )
 
 
-def prepare_messages(messages: list[dict], tools: list[dict] | None, chat_template: str | None,
-                     fmt: ToolCallFormat) -> list[dict]:
+def prepare_messages(
+    messages: list[dict], tools: list[dict] | None, chat_template: str | None, fmt: ToolCallFormat
+) -> list[dict]:
     """OpenAI chat messages made renderable by the chat template.
 
     A template with tool support gets them as they are, except that tool calls' `arguments` JSON

@@ -8,8 +8,8 @@ import ast
 import json
 import re
 
-
 # ---- reading framing: "not yet" versus "never" ---------------------------------------------------
+
 
 class _NeedMore(Exception):
     """The text so far could still go either way."""
@@ -33,7 +33,7 @@ class _Cursor:
         """Whether `literal` comes next (left unread)."""
         if self.text.startswith(literal, self.pos):
             return True
-        rest = self.text[self.pos:]
+        rest = self.text[self.pos :]
         if not self.final and len(rest) < len(literal) and literal.startswith(rest):
             raise _NeedMore
         return False
@@ -75,6 +75,7 @@ _DIGITS = re.compile(r"\d{1,9}")
 
 
 # ---- arguments -----------------------------------------------------------------------------------
+
 
 class _Scanner:
     """Finds where a value ends in text that arrives in pieces, resuming where it stopped (so a
@@ -132,13 +133,13 @@ class _JsonArguments:
         end = self.scanner.end(text)
         if end is None and final:
             raise _Mismatch  # unterminated
-        if end is not None and not isinstance(_json_or_none(text[self.start:end]), dict):
+        if end is not None and not isinstance(_json_or_none(text[self.start : end]), dict):
             raise _Mismatch
         return end
 
     def take(self, text: str) -> str:
         """The arguments JSON read since the last take."""
-        fragment, self.sent = text[self.sent:self.scanner.at], self.scanner.at
+        fragment, self.sent = text[self.sent : self.scanner.at], self.scanner.at
         return fragment
 
     def abort(self) -> tuple[str, int]:
@@ -175,7 +176,7 @@ class _PythonArguments:
                 if final:
                     raise _Mismatch
                 return None
-            value = _python_literal(text[self.value_start:end])
+            value = _python_literal(text[self.value_start : end])
             self.out += f"{', ' if self.count else '{'}{json.dumps(self.key)}: {value}"
             self.count, self.key = self.count + 1, None
             self.pos = end + (text[end] == ",")  # a closing ")" is read by the next round
@@ -210,8 +211,12 @@ _JSON_LITERALS = {"true": True, "false": False, "null": None}
 def _literal(node: ast.AST):
     if isinstance(node, ast.Constant) and (node.value is None or isinstance(node.value, (str, int, float))):
         return node.value
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) and isinstance(node.operand, ast.Constant) \
-            and type(node.operand.value) in (int, float):
+    if (
+        isinstance(node, ast.UnaryOp)
+        and isinstance(node.op, ast.USub)
+        and isinstance(node.operand, ast.Constant)
+        and type(node.operand.value) in (int, float)
+    ):
         return -node.operand.value
     if isinstance(node, (ast.List, ast.Tuple)):
         return [_literal(e) for e in node.elts]

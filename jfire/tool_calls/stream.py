@@ -93,8 +93,14 @@ class ToolCallStream:
         c = _Cursor(self._text, self._pos, final)
         name, call_id = self._fmt.head(c, self._first)
         self._step, self._pos, self._call_args = self._arguments, c.pos, self._fmt.arguments(c.pos)
-        self._emit({"index": self._calls, "id": call_id or new_call_id(), "type": "function",
-                    "function": {"name": name, "arguments": ""}})
+        self._emit(
+            {
+                "index": self._calls,
+                "id": call_id or new_call_id(),
+                "type": "function",
+                "function": {"name": name, "arguments": ""},
+            }
+        )
         self._committed = self._eager
         return True
 
@@ -154,7 +160,7 @@ class ToolCallStream:
             self._emit({"index": self._calls, "function": {"arguments": fragment}})
 
     def _send_content(self, upto: int, *, hold_space: bool) -> None:
-        chunk = self._text[self._content_from:upto]
+        chunk = self._text[self._content_from : upto]
         if hold_space:
             chunk = chunk.rstrip()  # trailing whitespace may be framing before a call
         elif self._after_block and not chunk.strip():
@@ -167,7 +173,7 @@ class ToolCallStream:
 
     def _partial_opener(self) -> int:
         """The length of the longest end of the text that an opener begins with."""
-        tail = self._text[self._search_from:]
+        tail = self._text[self._search_from :]
         return max((k for o in self._fmt.openers for k in range(1, len(o)) if tail.endswith(o[:k])), default=0)
 
 
