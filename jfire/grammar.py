@@ -58,10 +58,6 @@ def json_object_grammar() -> str:
     return json_schema_grammar({"type": "object"})
 
 
-def lark_grammar(text: str) -> str:
-    return _library().LLMatcher.grammar_from_lark(text)
-
-
 class Grammars:
     """Matchers for one tokenizer. The llguidance tokenizer takes about a second to build, so
     it is built once, on the first constrained request."""

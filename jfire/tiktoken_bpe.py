@@ -23,7 +23,7 @@ from pathlib import Path
 
 import tiktoken
 
-from jfire.tokenizer import TokenizerError
+from jfire.errors import TokenizerError
 
 __all__ = ["KIMI_PATTERN", "TiktokenBPE", "read_ranks", "write_ranks"]
 

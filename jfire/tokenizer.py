@@ -23,7 +23,7 @@ import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
 
-from jfire.errors import JfireError
+from jfire.errors import TokenizerError
 
 if TYPE_CHECKING:
     import gguf
@@ -31,10 +31,6 @@ if TYPE_CHECKING:
     from jfire.tiktoken_bpe import TiktokenBPE
 
 __all__ = ["Tokenizer", "StreamDecoder", "TokenizerError", "find_stop", "holdback"]
-
-
-class TokenizerError(JfireError, ValueError):
-    """A tokenizer that cannot be built or used as asked."""
 
 
 # GGUF token_type values (llama.cpp's llama_token_type).

@@ -31,6 +31,7 @@ from jfire.checkpoint import codec, store
 from jfire.errors import JfireError
 from jfire.kernels.bf16_decode import CODE_BITS, Compressed, Layout, pad_payload
 from jfire.kernels.layer_weights import decode, default_decoder
+from jfire.models.family import Family
 from jfire.models.params import get_path, set_path
 from jfire.sharding import RULES
 
@@ -262,7 +263,7 @@ def save(dst: Path, config, params: dict, progress=None) -> dict:
 
 def restore(
     path: Path, manifest: dict, dtype, *, decoder: str | None = None, keep_compressed: bool = False, shardings=None
-) -> tuple[object, dict]:
+) -> tuple[Family, dict]:
     """Config and params of a compressed checkpoint, decoded on the device and checked.
 
     With `shardings` the decoded params are then placed by them; each device decoding only

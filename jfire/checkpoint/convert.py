@@ -9,10 +9,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from jfire.checkpoint import store
-from jfire.checkpoint.load import count_source_tensors, open_source, parse_dtype, read_params
-from jfire.checkpoint.sources import GGUFSource
+from jfire.checkpoint.read import count_source_tensors, open_source, parse_dtype, read_params, tokenizer_of
 from jfire.errors import JfireError
-from jfire.tokenizer import Tokenizer
 
 
 def convert(src: Path, dst: Path, dtype: str = "bfloat16", *, progress: bool = True, compress: bool = False) -> Path:
@@ -32,7 +30,7 @@ def convert(src: Path, dst: Path, dtype: str = "bfloat16", *, progress: bool = T
     bar = tqdm(total=count_source_tensors(config), desc=f"converting {src.name}", unit="tensor", disable=not progress)
     params = read_params(source, config, target, progress=lambda name: bar.update())
     bar.close()
-    tokenizer = Tokenizer.from_gguf(source.reader) if isinstance(source, GGUFSource) else Tokenizer.from_dir(src)
+    tokenizer = tokenizer_of(source)
 
     dst.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))

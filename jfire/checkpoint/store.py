@@ -104,20 +104,16 @@ def config_of(manifest: dict) -> Family:
     return config_from_dict(manifest.get("family", "llama"), manifest["config"])
 
 
-def restore(path: Path, dtype, shardings: dict | None = None, keep_compressed: bool = False) -> tuple[Family, dict]:
-    """Config and params from a checkpoint, cast to `dtype` as they are read. With
-    `shardings` (a tree of NamedShardings) each device reads only its own shards. With
-    `keep_compressed` a compressed checkpoint's layer weights stay compressed on the device."""
+def restore(path: Path, dtype, shardings: dict | None = None) -> tuple[Family, dict]:
+    """Config and params from a plain checkpoint, cast to `dtype` as they are read. With
+    `shardings` (a tree of NamedShardings) each device reads only its own shards. A compressed
+    checkpoint is read by jfire.checkpoint.compressed.restore (jfire.checkpoint.load picks)."""
     import orbax.checkpoint as ocp
 
     path = Path(path).absolute()
     manifest = read_manifest(path)
     if manifest["format"] == COMPRESSED_FORMAT:
-        from jfire.checkpoint import compressed
-
-        return compressed.restore(path, manifest, dtype, shardings=shardings, keep_compressed=keep_compressed)
-    if keep_compressed:
-        raise JfireError(f"{path} is not compressed; --keep-compressed needs a checkpoint converted with --compress")
+        raise JfireError(f"{path} is a compressed checkpoint: read it with jfire.checkpoint.compressed.restore")
     config = config_of(manifest)
     target = abstract_params(config.param_specs(), dtype)
     if shardings is None:

@@ -1,6 +1,2 @@
-"""Model families. Each family module exposes a frozen config dataclass with `from_hf()` /
-`from_gguf()` / `param_specs()`, and pure `forward` / `decoder` functions."""
-
-from jfire.models.llama import SUPPORTED_ARCHITECTURES, LlamaConfig
-
-__all__ = ["LlamaConfig", "SUPPORTED_ARCHITECTURES"]
+"""Model families: the seam every family implements (family.py), the registry that picks one
+for a checkpoint (registry.py), and the families. Importing the package loads none of them."""

@@ -160,10 +160,6 @@ class Family:
     def segments(self) -> tuple[Segment, ...]:
         raise NotImplementedError
 
-    @property
-    def total_layers(self) -> int:
-        return sum(s.count for s in self.segments())
-
     def kv_bytes_per_token(self, dtype) -> int:
         """Cache bytes one token of one sequence takes, over all layers and cache arrays."""
         return sum(c.values_per_token() for c in self.cache_specs()) * np.dtype(dtype).itemsize

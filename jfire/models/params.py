@@ -65,12 +65,6 @@ class ParamSpec:
             tensor = tensor.T
         return tensor.reshape(self.unit_shape)
 
-    def to_source(self, array: np.ndarray) -> np.ndarray:
-        """Inverse of from_source (not for sliced fused tensors): one unit back in the HF layout."""
-        if self.n_in is None:
-            return array.reshape(self.source_shape)
-        return array.reshape(math.prod(self.unit_shape[: self.n_in]), -1).T
-
 
 def spec_dtype(spec: ParamSpec, model_dtype) -> np.dtype:
     """The dtype a param is held in: its own, or the model's."""

@@ -5,12 +5,28 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from jfire.tool_calls.scan import _Cursor, _Mismatch, _NeedMore
 
-if TYPE_CHECKING:
-    from jfire.tool_calls.formats import ToolCallFormat
+
+class CallSyntax(Protocol):
+    """What the state machine asks of a format (jfire.tool_calls.formats.ToolCallFormat)."""
+
+    openers: tuple[str, ...]  # texts at which a block of calls may begin
+
+    def head(self, c: _Cursor, first: bool) -> tuple[str, str | None]:
+        """Read a call up to its arguments (from the block's opening when `first`):
+        (function name, the call's id where the format writes one)."""
+        ...
+
+    def arguments(self, start: int):
+        """The reader of a call's arguments starting at `start`."""
+        ...
+
+    def after_call(self, c: _Cursor) -> bool:
+        """Read what follows a call's arguments: whether another call of the block follows."""
+        ...
 
 
 def new_call_id() -> str:
@@ -33,7 +49,7 @@ class ToolCallStream:
     With `eager` (streaming) a call is committed once its name is known; without (parse()) once it
     is complete, so that a malformed call can still go back to being content."""
 
-    def __init__(self, fmt: ToolCallFormat, *, eager: bool = True):
+    def __init__(self, fmt: CallSyntax, *, eager: bool = True):
         self._fmt, self._eager = fmt, eager
         self._text = ""
         self._step = self._content  # what reads the text next: _content, _head, _arguments or _tail
