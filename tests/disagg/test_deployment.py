@@ -136,9 +136,31 @@ def test_local_launch_runs_each_process_with_the_same_options():
                     "--max-batch", "4"]
 
 
-def test_a_group_that_cannot_start_fails_the_launch_with_its_reason(tmp_path):
-    """tp=2 does not divide the default model's 9 heads: the prefill process refuses its mesh,
-    and the launch stops every process and exits instead of waiting for a group that never comes."""
+def test_a_group_that_cannot_start_fails_the_launch_with_its_reason(tmp_path, tiny_hf_dir):
+    """A model whose config promises a wider MLP than its weights hold passes the launcher's
+    own check (the config reads, the meshes fit), then every group process refuses it as it
+    reads the weights: the launch stops every process and exits instead of waiting for groups
+    that never come."""
+    import json
+    import shutil
+
+    model = tmp_path / "mismatched"
+    shutil.copytree(tiny_hf_dir("llama2"), model)
+    config = json.loads((model / "config.json").read_text())
+    config["intermediate_size"] += 8
+    (model / "config.json").write_text(json.dumps(config))
+    from jfire.disagg.launch import free_port
+
+    r = subprocess.run([sys.executable, "-m", "jfire.cli", "launch", "local-1p1d", "--model", str(model),
+                        "--port", str(free_port())], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "has shape" in r.stderr and "but the config implies" in r.stderr
+    assert "a process exited; see its error above. All processes stopped." in r.stderr
+
+
+def test_a_group_mesh_the_model_cannot_take_is_refused_before_any_process_starts(tmp_path):
+    """tp=2 does not divide the default model's 9 heads: one line and exit status 2 from the
+    launcher, which started nothing."""
     path = tmp_path / "bad-mesh.toml"
     path.write_text((REPO / "meshes" / "local-1p1d.toml").read_text().replace(
         'role = "prefill"\nmesh = "single"\ndevices_per_process = 1', 'role = "prefill"\nmesh = "tp=2"\n'
@@ -147,9 +169,10 @@ def test_a_group_that_cannot_start_fails_the_launch_with_its_reason(tmp_path):
 
     r = subprocess.run([sys.executable, "-m", "jfire.cli", "launch", str(path), "--port", str(free_port())],
                        capture_output=True, text=True, cwd=REPO, timeout=300)
-    assert r.returncode == 1, r.stderr[-3000:]
-    assert "mesh 'tp=2' does not fit: tp=2 does not divide the 9 attention heads" in r.stderr
-    assert "a process exited; see its error above. All processes stopped." in r.stderr
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert r.stderr.splitlines() == [
+        "jfire: error: group 'prefill-0' of deployment 'local-1p1d': mesh 'tp=2' does not fit: tp=2 does not divide "
+        "the 9 attention heads; tp=2 and the 3 KV heads do not divide one another. Would fit: pp=1,tp=1, pp=2,tp=1"]
 
 
 def test_ssh_launcher_dry_run_of_a_group_spanning_hosts(tmp_path):
