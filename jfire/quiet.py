@@ -39,11 +39,16 @@ def relay(source: BinaryIO, sink: BinaryIO) -> threading.Thread:
     the (daemon) thread doing it, which ends when source closes."""
 
     def run():
+        out: BinaryIO | None = sink
         with source:
             for line in iter(source.readline, b""):
-                if not is_noise(line):
-                    sink.write(line)
-                    sink.flush()
+                if out is None or is_noise(line):
+                    continue
+                try:
+                    out.write(line)
+                    out.flush()
+                except (OSError, ValueError):  # the reader went away: keep draining, or the writer blocks
+                    out = None
 
     thread = threading.Thread(target=run, name="jfire-relay", daemon=True)
     thread.start()

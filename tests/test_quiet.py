@@ -75,3 +75,17 @@ def test_a_group_process_stdout_goes_to_stderr_less_the_noise():
     assert run.returncode == 0, run.stderr
     assert run.stdout == "jfire's own output\n"
     assert run.stderr.splitlines() == [KEPT[3]]
+
+
+def test_a_relay_whose_reader_left_keeps_draining_so_the_child_never_blocks():
+    """`jfire launch ... | head`: once the reader is gone the relay drops lines instead of
+    stopping, so the processes writing to it are never stuck on a full pipe."""
+    code = "import os\nfor i in range(20000):\n    os.write(2, b'x' * 100 + b'\\n')\n"
+    child = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE)
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # nobody reads what is relayed
+    with os.fdopen(write_end, "wb") as sink:
+        relay = quiet.relay(child.stderr, sink)
+        assert child.wait(60) == 0  # 2 MB: far more than a pipe holds
+        relay.join(30)
+        assert not relay.is_alive()
