@@ -84,7 +84,7 @@ def test_a_relay_whose_reader_left_keeps_draining_so_the_child_never_blocks():
     child = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE)
     read_end, write_end = os.pipe()
     os.close(read_end)  # nobody reads what is relayed
-    with os.fdopen(write_end, "wb") as sink:
+    with os.fdopen(write_end, "wb", buffering=0) as sink:
         relay = quiet.relay(child.stderr, sink)
         assert child.wait(60) == 0  # 2 MB: far more than a pipe holds
         relay.join(30)
