@@ -615,8 +615,9 @@ def cmd_serve(args) -> int:
     from concurrent.futures import ThreadPoolExecutor
 
     from jfire.checkpoint.load import load_model
-    from jfire.memory import trim_freed_memory_periodically
+    from jfire.memory import limit_malloc_arenas, trim_freed_memory_periodically
 
+    limit_malloc_arenas()  # before the threads that allocate start (jfire/memory.py)
     trim_freed_memory_periodically()  # a long-running server gives back what it freed
     if args.max_queue < 1:
         raise JfireError(f"--max-queue must be >= 1, got {args.max_queue}")

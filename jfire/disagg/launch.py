@@ -289,8 +289,9 @@ def run_one(
     served_name: str,
 ) -> int:
     """Runs one process of the deployment in this process."""
-    from jfire.memory import trim_freed_memory_periodically
+    from jfire.memory import limit_malloc_arenas, trim_freed_memory_periodically
 
+    limit_malloc_arenas()  # before the threads that allocate start (jfire/memory.py)
     trim_freed_memory_periodically()  # a long-running server gives back what it freed
     process = deployment.process(process_id)
     if process.group is None:
