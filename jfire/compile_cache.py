@@ -175,6 +175,17 @@ def _key(lowered: jax.stages.Lowered, devices: list, options: dict | None = None
         lowered.as_text(),
         str(lowered.in_tree),
         str(lowered.out_tree),
+        *_setting_parts(devices, options),
+    ):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def _setting_parts(devices: list, options: dict | None) -> tuple[str, ...]:
+    """What both keys hold besides the program: the compiler options, the versions, the devices
+    (model and ids), the process and its cluster's size, XLA_FLAGS."""
+    return (
         repr(sorted((options or {}).items())),
         jfire.__version__,
         jax.__version__,
@@ -185,10 +196,7 @@ def _key(lowered: jax.stages.Lowered, devices: list, options: dict | None = None
         str(jax.process_index()),
         str(jax.process_count()),
         os.environ.get("XLA_FLAGS", ""),
-    ):
-        h.update(part.encode())
-        h.update(b"\0")
-    return h.hexdigest()
+    )
 
 
 # jax settings that never change a compiled program (where caches and logs go, runtime guards,
@@ -210,16 +218,7 @@ def _program_key(fn, args: tuple, static: dict, devices: list, options: dict | N
         repr(sorted(static.items())),
         str(jax.tree.structure(args)),
         repr(jax.tree.leaves(args)),
-        repr(sorted((options or {}).items())),
-        jfire.__version__,
-        jax.__version__,
-        jaxlib.__version__,
-        devices[0].client.platform_version,
-        devices[0].device_kind,
-        repr([d.id for d in devices]),
-        str(jax.process_index()),
-        str(jax.process_count()),
-        os.environ.get("XLA_FLAGS", ""),
+        *_setting_parts(devices, options),
         repr(settings),
     ):
         h.update(part.encode())
