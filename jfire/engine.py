@@ -15,7 +15,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -24,12 +24,14 @@ import numpy as np
 
 from jfire import sharding
 from jfire.checkpoint.load import LoadedModel
-from jfire.errors import JfireError
+from jfire.errors import EngineStopped, JfireError, QueueFull
 from jfire.grammar import Grammars, ban, fill_mask
 from jfire.kernels import cpu_matmul
 from jfire.kv_cache import BlockPool, init_pages, page_bytes
 from jfire.pipeline import Pipeline
 from jfire.programs import ATTENTION_IMPLS, QUICK_COMPILE, Buckets, CompiledPrograms
+from jfire.request_checks import RequestChecks, context_limit
+from jfire.requests import Completion, RequestHandle, RequestOutput
 from jfire.sampling import PenaltyState, RowSampling, SamplingParams, init_penalty_state, mask_words, set_penalty_slot
 from jfire.scheduler import Chunk, Phase, Scheduler, Sequence, Step
 from jfire.sharding import to_host
@@ -46,45 +48,6 @@ def enable_compilation_cache(path: str) -> None:
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
-def context_limit(cfg, requested: int | None) -> int:
-    """Tokens a request may span: `requested` (--max-context), else the model's context capped
-    at 4096; never more than the model's."""
-    return min(requested or min(cfg.max_position_embeddings, 4096), cfg.max_position_embeddings)
-
-
-def check_request(
-    prompt_ids: list[int], sampling: SamplingParams, cfg, max_model_len: int, has_tokenizer: bool
-) -> None:
-    """The checks any engine (local, or a frontend in front of remote groups) makes before
-    accepting a request: JfireError says what is wrong and what would be right."""
-    if not prompt_ids:
-        raise JfireError("the prompt is empty; give at least one token")
-    bad = [i for i in prompt_ids if not 0 <= i < cfg.vocab_size]
-    if bad:
-        raise JfireError(f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
-    n, limit = len(prompt_ids), max_model_len
-    if n >= limit:
-        raise JfireError(
-            f"the prompt has {n} tokens but the context holds {limit}; shorten the prompt to at most {limit - 1} tokens"
-        )
-    if n + sampling.max_tokens > limit:
-        raise JfireError(
-            f"prompt ({n} tokens) + max_tokens ({sampling.max_tokens}) exceeds the context of "
-            f"{limit}; use max_tokens <= {limit - n}"
-        )
-    if sampling.stop and not has_tokenizer:
-        raise JfireError("stop strings need a tokenizer; this model has none (use EOS or max_tokens)")
-
-
-class QueueFull(JfireError):
-    """The waiting queue is at its bound; retry later."""
-
-
-class EngineStopped(JfireError):
-    """The engine failed and serves nothing more (a server answers 503 and exits non-zero, so
-    a supervisor restarts it)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,75 +80,6 @@ class EngineConfig:
     def __post_init__(self):
         if self.attention not in ATTENTION_IMPLS:
             raise JfireError(f"unknown attention {self.attention!r}; use one of {', '.join(ATTENTION_IMPLS)}")
-
-
-@dataclasses.dataclass
-class RequestOutput:
-    request_id: str
-    token_ids: list[int]  # new ids since the last output
-    text: str  # new text since the last output ("" without a tokenizer)
-    finished: bool = False
-    finish_reason: str | None = None  # "stop", "length", "cancelled" or "error"
-    error: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    prefix_hit_tokens: int = 0
-    transfer: dict | None = None  # prefill role: where the decode side pulls this request's KV
-    # With SamplingParams.logprobs, per token of token_ids: [logprob, [[id, logprob], ...]]
-    logprobs: list | None = None
-    # With SamplingParams.prompt_logprobs, on the first output: the same for prompt tokens 1..n-1
-    prompt_logprobs: list | None = None
-
-
-@dataclasses.dataclass
-class Completion:
-    prompt_ids: list[int]
-    token_ids: list[int]  # generated ids, including an EOS that ended the sequence
-    text: str | None  # None when the model has no tokenizer
-    finish_reason: str
-    ttft_s: float = 0.0
-    latency_s: float = 0.0
-
-
-class RequestHandle:
-    """The caller's end of a request: iterate outputs as they arrive, or wait for the result."""
-
-    def __init__(self, engine: Engine, request_id: str, prompt_ids: list[int], has_tokenizer: bool):
-        self.engine = engine
-        self.request_id = request_id
-        self.prompt_ids = prompt_ids
-        self.outputs: queue.Queue[RequestOutput] = queue.Queue()
-        self._has_tokenizer = has_tokenizer
-        self.submitted_at = time.perf_counter()
-
-    def __iter__(self) -> Iterator[RequestOutput]:
-        while True:
-            out = self.outputs.get()
-            yield out
-            if out.finished:
-                return
-
-    def cancel(self) -> None:
-        self.engine.cancel(self.request_id)
-
-    def result(self) -> Completion:
-        ids, text, first = [], [], None
-        for out in self:
-            if first is None and out.token_ids:
-                first = time.perf_counter()
-            ids += out.token_ids
-            text.append(out.text)
-            if out.finished and out.finish_reason == "error":
-                raise JfireError(out.error or "request failed")
-        end = time.perf_counter()
-        return Completion(
-            self.prompt_ids,
-            ids,
-            "".join(text) if self._has_tokenizer else None,
-            out.finish_reason,
-            ttft_s=(first or end) - self.submitted_at,
-            latency_s=end - self.submitted_at,
-        )
 
 
 @dataclasses.dataclass
@@ -293,6 +187,18 @@ class Engine:
         )
         self.eos_ids = frozenset(self.cfg.eos_token_ids) | (model.tokenizer.eos_ids if model.tokenizer else frozenset())
         self.grammars = Grammars(model.tokenizer, self.cfg.vocab_size, self.eos_ids)
+        # What a server reads (jfire.client.EngineClient).
+        self.tokenizer = model.tokenizer
+        self.vocab_size = self.cfg.vocab_size
+        self.model_type: str | None = getattr(self.cfg, "model_type", None)
+        self.checks = RequestChecks(
+            self.cfg.vocab_size,
+            self.max_model_len,
+            self.grammars,
+            model.tokenizer is not None,
+            self.scheduler.pages_needed,
+            self.pool.num_pages,
+        )
         self._commands: queue.Queue = queue.Queue()
         self._live: dict[str, _Live] = {}
         self._outbox: list[tuple[_Live, RequestOutput]] = []  # outputs of this step, sent after stats
@@ -453,17 +359,12 @@ class Engine:
 
     # -- the API -------------------------------------------------------------------------------
 
+    def is_ready(self) -> bool:
+        return self.ready.is_set()
+
     def validate(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
-        """Raises JfireError when this request can never run; nothing is queued."""
-        check_request(prompt_ids, sampling, self.cfg, self.max_model_len, self.model.tokenizer is not None)
-        if sampling.grammar is not None:
-            self.grammars.validate(sampling.grammar)
-        needed = self.scheduler.pages_needed(len(prompt_ids) + sampling.max_tokens)
-        if needed > self.pool.num_pages:
-            raise JfireError(
-                f"this request needs {needed} KV pages "
-                f"but the pool has {self.pool.num_pages}; lower max_tokens or enlarge the KV cache"
-            )
+        """Raises RequestError when this request can never run; nothing is queued."""
+        self.checks.check(prompt_ids, sampling)
 
     def submit(
         self,

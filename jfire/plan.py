@@ -405,8 +405,9 @@ def plan(
     devices=None,
 ) -> dict:
     """The memory plan of `model` on `spec` as a JSON-ready dict (see `format_plan`)."""
-    from jfire.engine import EngineConfig, context_limit
+    from jfire.engine import EngineConfig
     from jfire.programs import Buckets
+    from jfire.request_checks import context_limit
 
     if dtype not in DTYPES:
         raise JfireError(f"unknown dtype {dtype!r}; use one of: {', '.join(DTYPES)}")

@@ -1,7 +1,7 @@
 """The frontend of a split deployment: the OpenAI-compatible service in front of the groups.
 
-`RemoteEngine` has the interface serve/app.py uses of the local engine (submit, cancel,
-stats, health), so the HTTP service is the same code in both modes. Each request:
+`RemoteEngine` implements `jfire.client.EngineClient`, the interface serve/ uses of the local
+engine too, so the HTTP service is the same code in both modes. Each request:
   1. picks a prefill group (the `x-session-affinity` key hashes to one, so a conversation's
      prefix cache keeps hitting; otherwise the least loaded) and a decode group (least loaded);
   2. asks the prefill group to run the prompt: it answers with the first token and where its
@@ -21,15 +21,15 @@ import itertools
 import json
 import sys
 import threading
-from types import SimpleNamespace
 
 import httpx
 
 from jfire.disagg import cluster
 from jfire.disagg.deployment import Deployment
-from jfire.engine import RequestOutput, check_request, context_limit
-from jfire.errors import JfireError
+from jfire.errors import JfireError, QueueFull
 from jfire.grammar import Grammars
+from jfire.request_checks import RequestChecks, context_limit
+from jfire.requests import RequestHandle, RequestOutput
 from jfire.sampling import SamplingParams
 
 HEALTH_POLL_S = 0.5
@@ -77,19 +77,24 @@ class RemoteEngine:
     ):
         self.deployment = deployment
         self.store = store
-        self.cfg = config
-        self.model = SimpleNamespace(tokenizer=tokenizer, config=config)
+        self.tokenizer = tokenizer
+        self.vocab_size = config.vocab_size
+        self.model_type = getattr(config, "model_type", None)
         eos = frozenset(config.eos_token_ids) | (tokenizer.eos_ids if tokenizer else frozenset())
-        self.grammars = Grammars(tokenizer, config.vocab_size, eos)
         self.max_model_len = context_limit(config, max_model_len)
+        # The page check is the decode group's: it knows its pool.
+        self.checks = RequestChecks(
+            config.vocab_size, self.max_model_len, Grammars(tokenizer, config.vocab_size, eos), tokenizer is not None
+        )
         self.max_waiting = max_waiting
         self.groups = {g.name: _GroupState(g.name, g.role) for g in deployment.groups}
         self.ready = threading.Event()
         self.stopping = False  # drained: the launcher is stopping the groups
         self.error: BaseException | None = None
+        self.on_fatal = None  # the frontend fails requests one by one; it never fails for good
         self._http = httpx.Client(timeout=httpx.Timeout(10.0, read=600.0), limits=httpx.Limits(max_connections=512))
         self._lock = threading.Lock()
-        self._active: set[str] = set()  # requests submitted and not yet ended
+        self._active: dict[str, _Stream] = {}  # requests submitted and not yet ended
         self._cancelled: set[str] = set()  # of those, the ones a client gave up on
         self._prefilling: dict[str, _GroupState] = {}  # request id -> the prefill group running its prompt
         self._counts = collections.Counter()
@@ -201,11 +206,11 @@ class RemoteEngine:
 
     # -- requests --------------------------------------------------------------------------
 
+    def is_ready(self) -> bool:
+        return self.ready.is_set()
+
     def validate(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
-        # The page check is the decode group's: it knows its pool.
-        check_request(prompt_ids, sampling, self.cfg, self.max_model_len, self.model.tokenizer is not None)
-        if sampling.grammar is not None:  # refused here with a clear 400, not by a group mid-request
-            self.grammars.validate(sampling.grammar)
+        self.checks.check(prompt_ids, sampling)
 
     def submit(
         self,
@@ -219,8 +224,6 @@ class RemoteEngine:
     ):
         """`after` (n > 1 sharing a prompt) only matters inside one engine; each choice here
         goes its own way (with `affinity`, to the same prefill group, whose cache it may hit)."""
-        from jfire.engine import QueueFull, RequestHandle
-
         if self.error is not None:
             raise JfireError(f"the deployment failed to start: {self.error}")
         prompt_ids = [int(i) for i in prompt_ids]
@@ -230,13 +233,13 @@ class RemoteEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         # Both groups must draw from the same seed: prefill samples the first token, decode the rest.
         sampling = SamplingParams(**{**sampling.__dict__, "seed": sampling.resolved_seed()})
-        handle = RequestHandle(self, request_id, prompt_ids, self.model.tokenizer is not None)
-        emit = on_output or handle.outputs.put
+        handle = RequestHandle(self, request_id, prompt_ids, self.tokenizer is not None)
+        stream = _Stream(on_output or handle.outputs.put)
         with self._lock:
-            self._active.add(request_id)
+            self._active[request_id] = stream
         threading.Thread(
             target=self._run,
-            args=(request_id, prompt_ids, sampling, emit, affinity),
+            args=(request_id, prompt_ids, sampling, stream.emit, affinity),
             name=f"jfire-{request_id}",
             daemon=True,
         ).start()
@@ -254,6 +257,15 @@ class RemoteEngine:
             threading.Thread(
                 target=self._cancel_prefill, args=(group, request_id), name="jfire-cancel", daemon=True
             ).start()
+
+    def fail_all(self, message: str) -> None:
+        """Ends every request in flight with finish_reason "error" and this message, and
+        cancels each where it runs (a server shutting down after its grace period)."""
+        with self._lock:
+            active = list(self._active.items())
+        for request_id, stream in active:
+            stream.emit(RequestOutput(request_id, [], "", finished=True, finish_reason="error", error=message))
+            self.cancel(request_id)
 
     def _cancel_prefill(self, group: _GroupState, request_id: str) -> None:
         try:
@@ -321,7 +333,7 @@ class RemoteEngine:
                 prefill.in_flight -= 1
                 decode.in_flight -= 1
                 self._cancelled.discard(request_id)
-                self._active.discard(request_id)
+                self._active.pop(request_id, None)
 
     def _take_cancel(self, request_id: str) -> bool:
         with self._lock:
@@ -409,6 +421,21 @@ class RemoteEngine:
                 f"({e or 'connection lost'}); the request was not completed"
             )
         return f"decode group {group.name!r} ended the stream without finishing the request"
+
+
+class _Stream:
+    """A request's outputs on their way to its consumer: nothing after the one that finished
+    it (a request failed by fail_all while its thread still relays)."""
+
+    def __init__(self, emit):
+        self._emit, self._finished, self._lock = emit, False, threading.Lock()
+
+    def emit(self, out: RequestOutput) -> None:
+        with self._lock:
+            if self._finished:
+                return
+            self._finished = out.finished
+        self._emit(out)
 
 
 def affinity_index(key: str, n: int) -> int:

@@ -32,8 +32,9 @@ from jfire import lockstep
 from jfire.disagg import blocks, cluster
 from jfire.disagg.deployment import Deployment, Process
 from jfire.disagg.engines import DecodeEngine, PrefillEngine
-from jfire.engine import EngineConfig, RequestOutput
+from jfire.engine import EngineConfig
 from jfire.errors import JfireError
+from jfire.requests import RequestOutput
 from jfire.sampling import SamplingParams
 
 CANCELLED_KEPT = 1024

@@ -1,0 +1,60 @@
+"""The one interface a server uses to reach an engine.
+
+`jfire.engine.Engine` (prefill and decode in this process) and the deployment frontend's
+`RemoteEngine` (groups in other processes) both implement it, and `serve/` depends on
+nothing else: the model's tokenizer and limits, readiness and health, submitting,
+cancelling and failing requests, and stats.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from jfire.sampling import SamplingParams
+
+
+class EngineClient(Protocol):
+    tokenizer: object | None  # jfire.tokenizer.Tokenizer; None for a model served by token ids
+    vocab_size: int
+    model_type: str | None  # the checkpoint's model_type (chooses chat and tool-call formats)
+    max_model_len: int  # tokens a request may span
+    error: BaseException | None  # why the engine stopped serving, once it has
+    # Called once the engine has failed for good, after ending every request it held.
+    on_fatal: Callable[[BaseException], None] | None
+
+    def is_ready(self) -> bool:
+        """Whether requests are taken (programs compiled, groups registered)."""
+        ...
+
+    def health(self) -> tuple[int, dict]:
+        """(HTTP status, body) for /health."""
+        ...
+
+    def validate(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
+        """Raises jfire.errors.RequestError (naming the field) when the request can never run."""
+        ...
+
+    def submit(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        request_id: str | None = None,
+        on_output: Callable | None = None,
+        affinity: str | None = None,
+        after: str | None = None,
+    ):
+        """Queues a request; returns its RequestHandle. Outputs (RequestOutput) go to
+        `on_output`, called on an engine thread, or to the handle."""
+        ...
+
+    def cancel(self, request_id: str) -> None: ...
+
+    def fail_all(self, message: str) -> None:
+        """Ends every request held with finish_reason "error" and this message."""
+        ...
+
+    def stats(self) -> dict: ...
+
+    def shutdown(self) -> None: ...
