@@ -29,7 +29,7 @@ def percentiles(values, ps=(50, 90, 99)) -> dict:
 
 def run_wave(engine: Engine, concurrency: int, prompt_len: int, output_len: int, seed: int) -> dict:
     rng = np.random.default_rng(seed)
-    vocab = engine.cfg.vocab_size
+    vocab = engine.vocab_size
     sampling = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     prompts = [[int(x) for x in rng.integers(100, vocab, size=prompt_len)] for _ in range(concurrency)]
     first: dict[int, float] = {}

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from jfire.engine_config import ATTENTION_IMPLS
 from jfire.errors import JfireError
 
 
@@ -110,7 +111,7 @@ def _lead_or_follow(args, engine) -> int | None:
 
     channel = lockstep.StepChannel("colocated", list(range(args.num_processes)), args.process_id)
     if args.process_id == 0:
-        engine.step_channel = channel
+        engine.runner.step_channel = channel
         return None
     return lockstep.follow(engine, channel)
 
@@ -127,7 +128,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--attention",
         default="reference",
-        choices=["reference", "pallas", "pallas-interpret"],
+        choices=ATTENTION_IMPLS,
         help="decode attention: plain jnp, or the Pallas kernel (GPU; -interpret runs it on CPU)",
     )
     p.add_argument(
@@ -138,11 +139,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "dispatches the next step first, overlapping the host's work with the device's)",
     )
     p.add_argument(
+        "--no-cpu-kernels",
         "--no-cpu-matmul",
-        dest="cpu_matmul",
+        dest="cpu_kernels",
         action="store_false",
-        help="on a float32 CPU device, use XLA's dots instead of jfire's matmul kernels that read "
-        "each layer's weights in place (slower decode, for comparison)",
+        help="on a float32 CPU device, use XLA's dots and attention instead of jfire's CPU kernels "
+        "that read each layer's weights and each page's keys and values in place (slower decode, for "
+        "comparison; --no-cpu-matmul is the old name)",
     )
     p.add_argument(
         "--quick-compile",
@@ -159,7 +162,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args, *, single: bool):
-    from jfire.engine import EngineConfig, default_compilation_cache_dir
+    from jfire.compile_cache import default_compilation_cache_dir
+    from jfire.engine import EngineConfig
 
     cache = args.compile_cache or os.environ.get("JFIRE_COMPILE_CACHE") or default_compilation_cache_dir()
     limits = dict(max_batch=1, max_prefill_rows=1, aot=False) if single else {}
@@ -182,7 +186,7 @@ def engine_config(args, *, single: bool):
         prefill_budget=args.prefill_budget,
         max_model_len=getattr(args, "max_context", None),
         run_ahead=args.run_ahead,
-        cpu_matmul=args.cpu_matmul,
+        cpu_kernels=args.cpu_kernels,
         quick_compile=args.quick_compile,
         compilation_cache_dir=None if cache == "off" else cache,
         **limits,
@@ -338,7 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--decoder",
         default="reference",
-        choices=["reference", "pallas", "pallas-interpret"],
+        choices=ATTENTION_IMPLS,
         help="decoder for the round-trip check (default: reference, the plain-jnp one)",
     )
     r.add_argument("--json", action="store_true", help="print the report as one JSON object")
@@ -687,7 +691,7 @@ def cmd_launch(args) -> int:
         flag
         for flag, on in (
             ("--no-run-ahead", not args.run_ahead),
-            ("--no-cpu-matmul", not args.cpu_matmul),
+            ("--no-cpu-kernels", not args.cpu_kernels),
             ("--quick-compile", args.quick_compile),
         )
         if on

@@ -237,3 +237,15 @@ def source_digest() -> str:
         h.update(b"\0")
         h.update(path.read_bytes())
     return h.hexdigest()
+
+
+def default_compilation_cache_dir() -> str:
+    return str(Path.home() / ".cache" / "jfire" / "xla")
+
+
+def enable_compilation_cache(path: str) -> None:
+    """JAX's persistent compilation cache: a second start-up loads programs instead of compiling."""
+    Path(path).mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -4,7 +4,7 @@ A group too large for one host runs as N processes. Each holds its own devices o
 mesh (`jax.distributed`; collectives cross processes: gloo on CPU, NCCL on GPUs) and every
 process must call the same compiled program, with the same inputs, in the same order. The
 leader (the group's first process) runs the scheduler like any engine; every device call it
-makes (`Engine._device_call`: which program, its shape, its host inputs) goes first to each
+makes (`ModelRunner.call`: which program, its shape, its host inputs) goes first to each
 follower through the jax.distributed key-value store, numbered. Followers only replay calls,
 in order: one that receives a number out of sequence, or a call to a program it does not
 have, fails loudly rather than run something the leader did not.
@@ -63,7 +63,7 @@ def fingerprint(engine) -> dict:
         "pages": engine.pool.num_pages,
         "page_size": config.page_size,
         "max_model_len": engine.max_model_len,
-        "buckets": repr(engine.buckets),
+        "buckets": repr(engine.runner.buckets),
         "attention": config.attention,
     }
 
@@ -241,12 +241,12 @@ def _replay(engine, channel: StepChannel, on_ready) -> int:
             kind, key, inputs = channel.receive()
             if kind == "stop":
                 return 0
-            if kind not in engine.CALL_KINDS:
+            if kind not in engine.runner.call_kinds:
                 raise JfireError(
                     f"process {channel.me} received an unknown call {kind!r}: the group's processes "
                     "run different jfire versions"
                 )
-            out = engine._apply(kind, key, inputs)
+            out = engine.runner.apply(kind, key, inputs)
             if hasattr(out, "ids"):  # errors surface at the call that caused them
                 out.ids.block_until_ready()
     finally:

@@ -18,12 +18,12 @@ import jax
 import jax.numpy as jnp
 
 from jfire import compile_cache
+from jfire.engine_config import ATTENTION_IMPLS
+from jfire.errors import JfireError
 from jfire.kernels import cpu_matmul as cpu_matmul_kernels
 from jfire.kernels.paged_attention import paged_attention
 from jfire.models.family import Family
 from jfire.sampling import PenaltyState, RowSampling, mask_words, prompt_logprobs, sample
-
-ATTENTION_IMPLS = ("reference", "pallas", "pallas-interpret")
 
 # Compiler options of a quick compile (EngineConfig.quick_compile): XLA's backend (LLVM)
 # optimisation off. A tiny model's programs compile about 3x faster on this CPU; the default
@@ -31,8 +31,17 @@ ATTENTION_IMPLS = ("reference", "pallas", "pallas-interpret")
 QUICK_COMPILE = {"xla_backend_optimization_level": 0}
 
 
-def _decode_attention(attention: str):
-    """The model's attention hook for decode: None (the reference) or the Pallas kernels."""
+def decode_attention(attention: str, mesh=None):
+    """The one place the decode attention backend is chosen: the model's attention hook,
+    None (the reference) or the Pallas kernels. Refuses a name it does not know, and the
+    kernels on a tensor-parallel mesh (they run on one device per group)."""
+    if attention not in ATTENTION_IMPLS:
+        raise JfireError(f"unknown attention {attention!r}; use one of {', '.join(ATTENTION_IMPLS)}")
+    if attention != "reference" and mesh is not None and mesh.shape["tp"] > 1:
+        raise JfireError(
+            "the Pallas attention kernel runs on one device per tensor-parallel group only; "
+            "use --attention reference with tp > 1"
+        )
     return None if attention == "reference" else PallasDecode(interpret=attention == "pallas-interpret")
 
 
@@ -198,7 +207,7 @@ def decode(
             positions[:, None],
             pages,
             page_table,
-            attention_impl=_decode_attention(attention),
+            attention_impl=decode_attention(attention),
             layer_stack=layer_stack,
             parallel=parallel,
         )

@@ -44,6 +44,8 @@ class Sequence:
     # Another sequence with the same prompt (n > 1): admitted once that one's prompt blocks are
     # cached, so it reuses them instead of computing them again.
     after: Sequence | None = None
+    # The llguidance matcher of a constrained request: which tokens it may sample next.
+    matcher: object | None = None
 
     def __post_init__(self):
         if not self.tokens:
@@ -101,6 +103,17 @@ class Scheduler:
         self.prefix_hit_tokens = 0
         self.prompt_tokens = 0
         self.preemptions = 0
+
+    @classmethod
+    def for_engine(cls, pool: BlockPool, config) -> Scheduler:
+        """The scheduler of an engine with these settings (an EngineConfig)."""
+        return cls(
+            pool,
+            max_batch=config.max_batch,
+            prefill_budget=config.prefill_budget,
+            max_prefill_rows=config.max_prefill_rows,
+            prefix_caching=config.prefix_caching,
+        )
 
     # -- membership --------------------------------------------------------------------------
 
@@ -243,6 +256,52 @@ class Scheduler:
         self.preemptions += 1
         self.waiting.appendleft(victim)
         preempted.append(victim)
+
+    def rows_ahead(self, rows: list[Sequence | None], max_model_len: int) -> list[Sequence | None] | None:
+        """For running ahead (the engine dispatches a decode step before reading the ids of the
+        one in flight): the rows of the step after `rows`, in the same places (a row that the
+        step in flight surely ends, by its length, becomes padding), each with pages for one
+        more token. None where that step cannot be dispatched before the ids are read: a row's
+        next token needs a mask built from this one (a grammar, min_tokens), no row goes on, or
+        the pool has no page for a row's next token (the next normal step preempts as it must)."""
+        following: list[Sequence | None] = []
+        for seq in rows:
+            going_on = (
+                seq is not None
+                and seq.phase is Phase.RUNNING
+                and seq.num_generated + 1 < seq.sampling.max_tokens
+                and len(seq.tokens) + 1 < max_model_len
+            )
+            if (
+                seq is not None
+                and going_on
+                and (seq.matcher is not None or seq.num_generated + 1 < seq.sampling.min_tokens)
+            ):
+                return None
+            following.append(seq if going_on else None)
+        if not any(following):
+            return None
+        for seq in filter(None, following):
+            need = self.pages_needed(len(seq.tokens) + 1) - len(seq.pages)
+            pages = self.pool.allocate(need) if need > 0 else []
+            if pages is None:
+                return None
+            seq.pages += pages
+        return following
+
+    def stats(self) -> dict:
+        pool = self.pool.stats()
+        return {
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "pages_total": pool.total,
+            "pages_used": pool.used,
+            "pages_free": pool.free,
+            "pages_cached": pool.cached,
+            "prefix_hit_tokens": self.prefix_hit_tokens,
+            "preemptions": self.preemptions,
+            "prompt_tokens": self.prompt_tokens,
+        }
 
     def on_step_done(self, step: Step) -> None:
         """Advances the computed counts after the programs ran (before new tokens are appended)."""

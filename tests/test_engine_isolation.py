@@ -11,6 +11,7 @@ import threading
 import httpx
 import pytest
 
+from jfire import faults
 from jfire.checkpoint.load import load_model
 from jfire.engine import Engine, EngineConfig, EngineStopped
 from jfire.errors import JfireError
@@ -59,14 +60,11 @@ def test_a_request_whose_processing_fails_ends_alone(model, alone, monkeypatch):
     """A fault injected into one request's output processing (as a detokenizer or stop-string
     bug would raise): that request ends with an error naming it, its pages are freed, and the
     requests batched with it produce exactly what they produce alone."""
-    original = Engine._append
-
-    def failing(self, live, token, logprobs=None):
-        if live.seq.request_id == "victim" and live.seq.num_generated >= 3:
+    def failing(seq, token):
+        if seq.request_id == "victim" and seq.num_generated >= 3:
             raise ValueError("injected fault")
-        return original(self, live, token, logprobs)
 
-    monkeypatch.setattr(Engine, "_append", failing)
+    monkeypatch.setattr(faults, "before_output", failing)
     with Engine(model, config()) as engine:
         victim = engine.submit(PROMPTS[2], GREEDY, request_id="victim")
         others = [engine.submit(p, GREEDY) for p in PROMPTS[:2]]

@@ -30,9 +30,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from jfire import lockstep
 from jfire.disagg import blocks, cluster
+from jfire.disagg.connectors import DecodeConnector, PrefillConnector
 from jfire.disagg.deployment import Deployment, Process
-from jfire.disagg.engines import DecodeEngine, PrefillEngine
-from jfire.engine import EngineConfig
+from jfire.engine import Engine, EngineConfig
 from jfire.errors import JfireError
 from jfire.requests import RequestOutput
 from jfire.sampling import SamplingParams
@@ -107,8 +107,7 @@ def create_control_app(engine, process: Process) -> FastAPI:
                 SamplingParams.from_json(body["sampling"]),
                 request_id=request_id,
                 on_output=on_output,
-                shards=int(body.get("shards", 1)),
-                receiver=body.get("receiver"),
+                kv_params={"shards": int(body.get("shards", 1)), "receiver": body.get("receiver")},
             )
         except (JfireError, TypeError, ValueError) as e:
             return error(400, str(e))
@@ -138,14 +137,16 @@ def create_control_app(engine, process: Process) -> FastAPI:
         request_id = body["request_id"]
         outputs, on_output = attach(request_id)
         try:
-            engine.submit_prefilled(
+            engine.submit(
                 body["prompt_ids"],
-                body["first_token"],
                 SamplingParams.from_json(body["sampling"]),
-                body["transfer"],
                 request_id=request_id,
                 on_output=on_output,
-                first_logprobs=body.get("first_logprobs"),
+                kv_params={
+                    "first_token": int(body["first_token"]),
+                    "transfer": body["transfer"],
+                    "first_logprobs": body.get("first_logprobs"),
+                },
             )
         except (JfireError, TypeError, ValueError, KeyError) as e:
             return error(400, str(e))
@@ -225,24 +226,16 @@ def run(
         raise
     server = transfer.start_transfer_server(jax.local_devices()[0].client, f"{bind_host}:0", [f"{bind_host}:0"])
     transfer_address = server.address().replace(bind_host, advertise_host, 1)
+    connector: PrefillConnector | DecodeConnector
     if group.role == "prefill":
-        engine = PrefillEngine(
-            loaded,
-            config,
-            server=server,
-            store=store,
-            group=group.name,
-            transfer_timeout_s=deployment.transfer_timeout_s,
+        connector = PrefillConnector(
+            server=server, store=store, group=group.name, transfer_timeout_s=deployment.transfer_timeout_s
         )
     else:
-        engine = DecodeEngine(
-            loaded,
-            config,
-            server=server,
-            store=store,
-            transfer_timeout_s=deployment.transfer_timeout_s,
-            group=group.name,
+        connector = DecodeConnector(
+            server=server, store=store, transfer_timeout_s=deployment.transfer_timeout_s, group=group.name
         )
+    engine = Engine(loaded, config, connector)
     if len(members) > 1:
         channel = lockstep.StepChannel(name, members, process.process_id, store)
         if process.rank > 0:
@@ -252,8 +245,9 @@ def run(
 
             lockstep.follow(engine, channel, on_ready=ready)
             return
-        engine.step_channel = channel
-        engine.transfer_addresses = {str(process.process_id): transfer_address}
+        engine.runner.step_channel = channel
+        if isinstance(connector, PrefillConnector):
+            connector.transfer_addresses = {str(process.process_id): transfer_address}
 
         def group_failed(error: BaseException) -> None:  # a group lives and dies whole
             print(
@@ -274,8 +268,11 @@ def run(
         try:
             engine.start(compile_progress=_progress_printer(process.label))
             for member in members[1:]:
-                address = store.blocking_key_value_get(cluster.transfer_key(engine.step_channel.group, member), 600_000)
-                engine.transfer_addresses[str(member)] = address
+                address = store.blocking_key_value_get(
+                    cluster.transfer_key(engine.runner.step_channel.group, member), 600_000
+                )
+                if isinstance(connector, PrefillConnector):
+                    connector.transfer_addresses[str(member)] = address
         except BaseException as e:  # reported on /health and to the frontend through the store
             engine.error = e
             cluster.publish_group(store, group.name, {"error": str(e)})
@@ -291,10 +288,10 @@ def run(
                 "pid": os.getpid(),
                 "mesh": group.mesh.name,
                 "devices": len(loaded.mesh.devices.flat) if loaded.mesh is not None else 1,
-                "kv_shards": engine.layout.preferred_shards(),
+                "kv_shards": connector.layout.preferred_shards(),
                 "pages_total": engine.pool.num_pages,
                 "processes": len(members),
-                "kv_layout": blocks.describe(engine.layout),
+                "kv_layout": blocks.describe(connector.layout),
                 "startup_s": engine.startup_s,
             },
         )

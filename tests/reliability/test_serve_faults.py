@@ -498,17 +498,13 @@ def test_sigterm_under_load_ends_every_stream_cleanly_and_exits_0(server, refere
 FAILING = [7, 7, 7, 7]
 WRAPPER = f"""
 import sys
-from jfire import cli
-from jfire.engine import Engine
+from jfire import cli, faults
 
-decode = Engine._decode_call
-
-def failing_decode(self, seqs, key, inputs):
+def failing_decode(seqs):
     if any(s is not None and s.prompt_ids == {FAILING} for s in seqs):
         raise RuntimeError("injected device failure")
-    return decode(self, seqs, key, inputs)
 
-Engine._decode_call = failing_decode
+faults.before_decode = failing_decode
 sys.exit(cli.main(["serve", *sys.argv[1:]]))
 """
 

@@ -1,0 +1,491 @@
+"""The two roles of a split deployment, as KV connectors over JAX's transfer server.
+
+`PrefillConnector`: the engine runs only prefill programs. When a prompt is done it samples
+the first token; the connector gathers the request's pages into wire arrays, publishes them
+on the transfer server, and the request ends with finish_reason "prefilled" and where to pull
+from. Its pages stay referenced until the decode side acknowledges (a key in the cluster
+store) or the transfer times out.
+
+`DecodeConnector`: the engine runs only decode programs. A prefilled request waits until the
+pool has pages for all of it (prompt + max_tokens, so a decode group never needs to preempt,
+which would mean recomputing a prompt it has no program for), then its KV is pulled straight
+into those pages, acknowledged, and it joins the running batch with its first token.
+
+A group spanning processes sends and pulls in blocks (jfire.disagg.blocks): each process its
+own share, through device calls every process of the group runs ("publish", "release";
+"pull", "insert", "forget").
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import sys
+import time
+
+import jax
+
+from jfire.disagg import blocks, cluster
+from jfire.disagg.kv_transfer import KVLayout, Pull, Puller, TransferPrograms, new_uuid, placeholder, transfer_widths
+from jfire.errors import JfireError
+from jfire.kv_connector import Failed, KVConnector, Loaded, Progress
+from jfire.outputs import LiveRequest
+from jfire.sampling import SamplingParams
+from jfire.scheduler import Phase, Sequence
+
+ACK_POLL_S = 0.01
+CONTROL_POLL_S = 0.2  # how often a prefill group reads renewals and pulls a decode group gave up on
+
+
+def kv_layout(engine) -> KVLayout:
+    model = engine.model
+    return KVLayout(model.config, model.kv_replication, engine.config.page_size, model.dtype_of_params, model.mesh)
+
+
+def transfer_programs(engine, layout: KVLayout, kind: str) -> TransferPrograms:
+    widths = transfer_widths(engine.runner.buckets.pages_per_row, engine.config.page_size)
+    return TransferPrograms(layout, engine.runner.pages, widths, kind)
+
+
+@dataclasses.dataclass
+class _Published:
+    pages: list[int]
+    arrays: list | None  # kept alive until acknowledged: the transfer server reads them when pulled
+    structs: list | None
+    deadline: float
+
+
+class PrefillConnector(KVConnector):
+    role = "prefill"
+    program_kinds = ("prefill",)
+    ends_after_prompt = True
+
+    def __init__(self, *, server, store, group: str, transfer_timeout_s: float):
+        self.server, self.store, self.group = server, store, group
+        self.puller = Puller(server)  # drains only: pulls of our own transfers nobody took
+        self.transfer_timeout_s = transfer_timeout_s
+        self.transfer_addresses: dict[str, str] = {}  # a group spanning processes: process -> its transfer server
+        self._sent: dict[int, list] = {}  # blocks this process published, per transfer, until released
+        self.sent_bytes = 0  # KV bytes this process published
+        self._published: dict[int, _Published] = {}
+        self._placeholders: dict[int, tuple[list, float]] = {}  # uuid -> (zeros published, when to drop them)
+        self._last_ack_poll = self._last_control_poll = 0.0
+        self.transfer_counts: collections.Counter = collections.Counter()
+
+    def bind(self, engine) -> None:
+        super().bind(engine)
+        self.pool, self.runner = engine.pool, engine.runner
+        self.layout = kv_layout(engine)
+        self.gather = transfer_programs(engine, self.layout, "gather")
+        self.runner.add_calls({"publish": self._publish_blocks, "release": self._release_blocks})
+
+    def side_programs(self) -> list:
+        return [self.gather]
+
+    def shutdown(self) -> None:
+        self.puller.shutdown()
+
+    def check(self, request_id, prompt_ids, sampling: SamplingParams, kv_params) -> SamplingParams:
+        if request_id is None:
+            raise JfireError("a prefill request needs its request id")
+        # Only the prompt runs here; the decode group checks the whole request.
+        return dataclasses.replace(sampling, max_tokens=1, stop=())
+
+    def request_finished(self, seq: Sequence, kv_params: dict | None) -> dict:
+        """The prompt is done: publish its KV; the request ends here with the first token."""
+        kv_params = kv_params or {}
+        pages = seq.pages[: self.engine.scheduler.pages_needed(len(seq.prompt_ids))]
+        self.pool.retain(pages)
+        shards = self.layout.usable_shards(int(kv_params.get("shards", 1)))
+        receiver = kv_params.get("receiver")
+        uuid = new_uuid()
+        transfer = {
+            "uuid": uuid,
+            "num_pages": len(pages),
+            "group": self.group,
+            "pages": pages,
+            "bytes": len(pages) * self.layout.page_nbytes,
+        }
+        deadline = time.monotonic() + self.transfer_timeout_s
+        if receiver is not None:  # groups spanning processes: every process sends its own blocks
+            transfer.update(
+                protocol="blocks",
+                sender=blocks.describe(self.layout),
+                addresses=self.transfer_addresses,
+                checksum=self.runner.call("publish", uuid, (pages, receiver)),
+            )
+            self._published[uuid] = _Published(pages, None, None, deadline)
+        else:
+            gathered, sent_checksum = self.gather.gather(self.runner.pages, pages)
+            arrays = self.layout.to_wire(gathered, shards)
+            self.server.await_pull(uuid, arrays)
+            self._published[uuid] = _Published(pages, arrays, self.layout.wire_structs(len(pages), shards), deadline)
+            transfer.update(address=self.server.address(), shards=shards, checksum=sent_checksum)
+        self.transfer_counts["published"] += 1
+        return transfer
+
+    # -- worker side: every process of a group spanning processes ---------------------------------
+
+    def _publish_blocks(self, uuid: int, inputs) -> int:
+        """Gathers a request's pages and sends this process's blocks of them, keyed by the
+        transfer's uuid; returns the checksum."""
+        pages, receiver = inputs
+        gathered, sent_checksum = self.gather.gather(self.runner.pages, pages)
+        plan, me = blocks.BlockPlan(self.layout, blocks.describe(self.layout), receiver), jax.process_index()
+        sent = []
+        for _, q in sorted(pair for pair in plan.pairs() if pair[0] == me):
+            pair_uuid, pieces = blocks.pair_uuid(uuid, me, q), blocks.pieces_to_send(plan, gathered, q)
+            self.server.await_pull(pair_uuid, pieces)
+            sent.append((pair_uuid, pieces))
+            self.sent_bytes += sum(x.nbytes for x in pieces)
+        self._sent[uuid] = sent
+        blocks.report_bytes(self.store, self.group, self.sent_bytes)
+        return sent_checksum
+
+    def _release_blocks(self, uuid: int, drain_it: bool) -> None:
+        """Drops this process's blocks of a transfer (drain_it: also takes them off the
+        transfer server)."""
+        for pair_uuid, pieces in self._sent.pop(uuid, []):
+            if drain_it:
+                structs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in pieces]
+                self.puller.drain(pair_uuid, structs, self.transfer_timeout_s)
+
+    # -- scheduler side ------------------------------------------------------------------------
+
+    def poll_interval(self) -> float | None:
+        return 0.02 if self._published else None
+
+    def update(self) -> Progress:
+        now = time.monotonic()
+        if now - self._last_control_poll >= CONTROL_POLL_S:
+            self._last_control_poll = now
+            self._answer_abandoned_pulls(now)
+            self._renew(now)
+        if self._published and now - self._last_ack_poll >= ACK_POLL_S:
+            self._last_ack_poll = now
+            for uuid, value in cluster.take_all(self.store, cluster.ack_key(self.group, "")):
+                if uuid in self._published:
+                    # Nobody will pull a dropped one: take it off the transfer server too.
+                    self._release(uuid, drain_it=value == cluster.DROPPED)
+                    self.transfer_counts["dropped" if value == cluster.DROPPED else "acknowledged"] += 1
+        for uuid, published in list(self._published.items()):
+            if now > published.deadline:
+                self._release(uuid, drain_it=True)
+                self.transfer_counts["expired"] += 1
+        return Progress()
+
+    def _release(self, uuid: int, drain_it: bool = False) -> None:
+        published = self._published.pop(uuid)
+        self.pool.free(published.pages)
+        if published.structs is None:  # sent in blocks, by every process of the group
+            self.runner.call("release", uuid, drain_it)
+        elif drain_it:
+            self.puller.drain(uuid, published.structs, self.transfer_timeout_s)
+
+    def _renew(self, now: float) -> None:
+        """A decode group still waiting for pages for a request wants its cache kept."""
+        for uuid, _ in cluster.take_all(self.store, cluster.renew_key(self.group, "")):
+            if uuid in self._published:
+                self._published[uuid].deadline = now + self.transfer_timeout_s
+                self.transfer_counts["renewed"] += 1
+
+    def _answer_abandoned_pulls(self, now: float) -> None:
+        """A decode group gave up on a pull still blocked on an id published here never or no
+        longer (expired first): zeros published under that id end its pull. An id still
+        published needs nothing: the pull is served from it."""
+        for uuid, value in cluster.take_all(self.store, cluster.abandon_key(self.group, "")):
+            if uuid in self._published or uuid in self._placeholders:
+                continue
+            shape = json.loads(value)
+            zeros = placeholder(self.layout, int(shape["num_pages"]), int(shape["shards"]))
+            self.server.await_pull(uuid, zeros)
+            # Kept alive while the pull takes them; dropped after a timeout in case it never
+            # comes (the pull ended on its own between giving up and this answer).
+            self._placeholders[uuid] = (zeros, now + self.transfer_timeout_s)
+            self.transfer_counts["abandoned"] += 1
+        for uuid, (_, drop_at) in list(self._placeholders.items()):
+            if now > drop_at:
+                del self._placeholders[uuid]
+
+    def stats(self) -> dict:
+        return {
+            "transfers_pending": len(self._published),
+            "transfers_published": self.transfer_counts["published"],
+            "transfers_acknowledged": self.transfer_counts["acknowledged"],
+            "transfers_expired": self.transfer_counts["expired"],
+            "transfers_dropped": self.transfer_counts["dropped"],
+            "transfers_renewed": self.transfer_counts["renewed"],
+            "pulls_abandoned": self.transfer_counts["abandoned"],
+        }
+
+    def stats_now(self) -> dict:
+        # Per process of a group spanning processes: the KV bytes each has sent in blocks.
+        return {"kv_bytes_sent_by_process": blocks.read_bytes(self.store, self.group)}
+
+
+@dataclasses.dataclass(eq=False)
+class _Incoming:
+    """A prefilled request on its way into the decode group."""
+
+    live: LiveRequest
+    first_token: int
+    transfer: dict
+    first_logprobs: list | None = None
+    pages: list[int] = dataclasses.field(default_factory=list)
+    pull: Pull | None = None
+    cancelled: bool = False
+    renewed_at: float = dataclasses.field(
+        default_factory=time.monotonic
+    )  # when the prefill group last heard it is wanted
+
+
+class DecodeConnector(KVConnector):
+    role = "decode"
+    program_kinds = ("decode",)
+
+    def __init__(self, *, server, store, transfer_timeout_s: float, group: str = "decode"):
+        self.server, self.store, self.group = server, store, group
+        self.puller = Puller(server)
+        self._block_pulls: dict[int, blocks.BlockPulls] = {}  # this process's pulls, per transfer uuid
+        self.pulled_bytes = 0  # KV bytes this process pulled (blocks of a group spanning processes)
+        self.transfer_timeout_s = transfer_timeout_s
+        self._admitting: collections.deque[_Incoming] = collections.deque()  # waiting for pages
+        self._pulling: dict[str, _Incoming] = {}
+        self.kv_transfer_bytes = 0
+        self.transfer_counts: collections.Counter = collections.Counter()
+
+    def bind(self, engine) -> None:
+        super().bind(engine)
+        self.pool, self.runner = engine.pool, engine.runner
+        self.layout = kv_layout(engine)
+        self.insert = transfer_programs(engine, self.layout, "insert")
+        self.runner.add_calls({"pull": self._pull_blocks, "insert": self._insert_blocks, "forget": self._forget_blocks})
+
+    def side_programs(self) -> list:
+        return [self.insert]
+
+    def shutdown(self) -> None:
+        self.puller.shutdown()
+
+    # -- worker side: every process of a group spanning processes ---------------------------------
+
+    def _pull_blocks(self, uuid: int, transfer: dict) -> None:
+        self._block_pulls[uuid] = blocks.BlockPulls(self.puller, self.layout, transfer, self.transfer_timeout_s)
+
+    def _insert_blocks(self, uuid: int, pages: list[int]) -> int:
+        """Waits for this process's pulls and writes the pages; returns the checksum of what arrived."""
+        pulls = self._block_pulls.pop(uuid)
+        pulls.wait()
+        arrays, nbytes = pulls.arrays()
+        self.runner.pages, arrived = self.insert.insert(self.runner.pages, arrays, pages)
+        self.pulled_bytes += nbytes
+        blocks.report_bytes(self.store, self.group, self.pulled_bytes)
+        return arrived
+
+    def _forget_blocks(self, uuid: int, _) -> None:
+        self._block_pulls.pop(uuid, None)
+
+    # -- scheduler side ------------------------------------------------------------------------
+
+    def check(self, request_id, prompt_ids, sampling: SamplingParams, kv_params) -> SamplingParams:
+        if request_id is None or not kv_params or "transfer" not in kv_params or "first_token" not in kv_params:
+            raise JfireError("a decode group takes prefilled requests: their id, first token and KV transfer")
+        transfer = kv_params["transfer"]
+        expected = self.engine.scheduler.pages_needed(len(prompt_ids))
+        if transfer.get("num_pages") != expected:
+            raise JfireError(
+                f"the transfer has {transfer.get('num_pages')} pages but a {len(prompt_ids)}-token "
+                f"prompt fills {expected} pages of {self.engine.config.page_size} tokens"
+            )
+        if sampling.seed is None:
+            raise JfireError("a prefilled request needs the seed its prefill sampled with")
+        return sampling
+
+    def loads(self, live: LiveRequest) -> bool:
+        return True
+
+    def hold(self, live: LiveRequest) -> None:
+        kv = live.kv_params or {}
+        self._admitting.append(_Incoming(live, int(kv["first_token"]), kv["transfer"], kv.get("first_logprobs")))
+
+    def cancel(self, request_id: str) -> None:
+        for incoming in [*self._admitting, *self._pulling.values()]:
+            if incoming.live.seq.request_id == request_id:
+                incoming.cancelled = True
+
+    def held_requests(self) -> list[LiveRequest]:
+        held = [*self._admitting, *self._pulling.values()]
+        self._admitting.clear()
+        self._pulling.clear()
+        for incoming in held:
+            self._drop(incoming)
+        return [incoming.live for incoming in held]
+
+    def has_pending(self) -> bool:
+        return bool(self._admitting) or bool(self._pulling)
+
+    def poll_interval(self) -> float | None:
+        return 0.002 if self.has_pending() else None
+
+    def update(self) -> Progress:
+        progress = Progress()
+        self._admit(progress)
+        self._keep_waiting_caches()
+        for request_id, incoming in list(self._pulling.items()):
+            if incoming.pull is not None and incoming.pull.done:
+                del self._pulling[request_id]
+                self._arrive(incoming, progress)
+            elif incoming.pull is not None and incoming.pull.expired:
+                del self._pulling[request_id]
+                t = incoming.transfer
+                if t.get("protocol") == "blocks":
+                    self.runner.call("forget", t["uuid"], None)
+                # The pull is still blocked: the sender ends it (see kv_transfer.Pull).
+                self.store.key_value_set(
+                    cluster.abandon_key(t["group"], t["uuid"]),
+                    json.dumps({"num_pages": t["num_pages"], "shards": t["shards"]}),
+                )
+                self._fail(
+                    incoming,
+                    f"the KV cache from prefill group {t.get('group')!r} did not arrive within "
+                    f"{self.transfer_timeout_s:g} s; the request was dropped",
+                    progress,
+                )
+        return progress
+
+    def _admit(self, progress: Progress) -> None:
+        """Starts pulls in arrival order while batch slots and pages for whole requests last."""
+        while self._admitting:
+            incoming = self._admitting[0]
+            if incoming.cancelled:
+                self._admitting.popleft()
+                self._fail(incoming, None, progress)
+                continue
+            if len(self.engine.scheduler.running) + len(self._pulling) >= self.engine.config.max_batch:
+                return
+            seq = incoming.live.seq
+            pages = self.pool.allocate(
+                self.engine.scheduler.pages_needed(len(seq.prompt_ids) + seq.sampling.max_tokens)
+            )
+            if pages is None:
+                return
+            self._admitting.popleft()
+            incoming.pages = pages
+            t = incoming.transfer
+            if t.get("protocol") == "blocks":
+                self.runner.call("pull", t["uuid"], t)
+                incoming.pull = self._block_pulls[t["uuid"]]
+            else:
+                structs = self.layout.wire_structs(t["num_pages"], t["shards"])
+                incoming.pull = self.puller.pull(t["address"], t["uuid"], structs, self.transfer_timeout_s)
+            self._pulling[seq.request_id] = incoming
+
+    def _keep_waiting_caches(self) -> None:
+        """Requests waiting here for pages (the pool is full) ask their prefill group, three
+        times per timeout, to keep their KV cache: the wait may outlast the timeout, and the
+        prefill group holding pages meanwhile is the backpressure that should be."""
+        now = time.monotonic()
+        for incoming in self._admitting:
+            if now - incoming.renewed_at >= self.transfer_timeout_s / 3 and not incoming.cancelled:
+                t = incoming.transfer
+                self.store.key_value_set(cluster.renew_key(t["group"], t["uuid"]), "1", allow_overwrite=True)
+                incoming.renewed_at = now
+
+    def _arrive(self, incoming: _Incoming, progress: Progress) -> None:
+        t = incoming.transfer
+        assert incoming.pull is not None
+        if incoming.pull.error is not None:
+            if t.get("protocol") == "blocks":
+                self.runner.call("forget", t["uuid"], None)
+            self._fail(
+                incoming,
+                f"pulling the KV cache from prefill group {t.get('group')!r} failed: {incoming.pull.error}",
+                progress,
+            )
+            return
+        if t.get("protocol") == "blocks":
+            # Every process of the group writes its blocks (followers wait for their own
+            # pulls); the checksum, a sum over all of them, is read once they all have.
+            if incoming.cancelled:  # pulled, so acknowledged as such (a drain would find nothing to take)
+                self.runner.call("forget", t["uuid"], None)
+                self.store.key_value_set(cluster.ack_key(t["group"], t["uuid"]), cluster.PULLED)
+                self._fail(incoming, None, progress)
+                return
+            arrived = self.runner.call("insert", t["uuid"], incoming.pages[: t["num_pages"]])
+            self.store.key_value_set(cluster.ack_key(t["group"], t["uuid"]), cluster.PULLED)
+            nbytes = t["bytes"]
+        else:
+            # Acknowledge at once: the prefill group frees its pages as soon as it reads this.
+            self.store.key_value_set(cluster.ack_key(t["group"], t["uuid"]), cluster.PULLED)
+            if incoming.cancelled:
+                self._fail(incoming, None, progress)
+                return
+            arrays = incoming.pull.arrays
+            self.runner.pages, arrived = self.insert.insert(self.runner.pages, arrays, incoming.pages[: t["num_pages"]])
+            if "checksum" not in t:
+                arrived = None
+            nbytes = sum(a.nbytes for a in arrays)
+        if arrived is not None and arrived != t["checksum"]:
+            self._corrupted(incoming, arrived, progress)
+            return
+        self.kv_transfer_bytes += nbytes
+        self.transfer_counts["pulled"] += 1
+        incoming.live.seq.pages = incoming.pages
+        progress.loaded.append(Loaded(incoming.live, incoming.first_token, incoming.first_logprobs))
+
+    def _corrupted(self, incoming: _Incoming, arrived: int, progress: Progress) -> None:
+        """A transfer whose bytes differ from those sent: a sender killed mid-transfer can cause
+        it, nothing else should. Counted, logged with what it involved, and the request failed."""
+        t, seq = incoming.transfer, incoming.live.seq
+        self.transfer_counts["corrupted"] += 1
+        print(
+            f"jfire: {self.group}: the KV cache of request {seq.request_id} (transfer {t['uuid']}) from prefill "
+            f"group {t.get('group')!r} arrived with other bytes than were sent: checksum {arrived:#010x}, sent "
+            f"{t['checksum']:#010x}; {t['num_pages']} pages, prefill pages {t.get('pages')}, decode pages "
+            f"{incoming.pages[: t['num_pages']]}",
+            file=sys.stderr,
+            flush=True,
+        )
+        self._fail(
+            incoming,
+            f"the KV cache from prefill group {t.get('group')!r} arrived with other bytes than were "
+            f"sent (checksum {arrived:#010x}, sent {t['checksum']:#010x}): a process stopped "
+            "mid-transfer, or a fault in the transfer (logged by the decode group); the request "
+            "was dropped",
+            progress,
+        )
+
+    def _drop(self, incoming: _Incoming) -> None:
+        """Lets go of a request that never joined the batch: its pages back to the pool, and
+        the prefill group told at once if it was never pulled (not at its timeout)."""
+        if incoming.pull is None:
+            t = incoming.transfer
+            self.store.key_value_set(cluster.ack_key(t["group"], t["uuid"]), cluster.DROPPED, allow_overwrite=True)
+        self.pool.free(incoming.pages)
+        incoming.pages = []
+        incoming.live.seq.phase = Phase.FINISHED
+
+    def _fail(self, incoming: _Incoming, error: str | None, progress: Progress) -> None:
+        """Ends a request that never joined the batch: cancelled (error None) or failed."""
+        self._drop(incoming)
+        if error is not None:
+            self.transfer_counts["failed"] += 1
+        progress.failed.append(Failed(incoming.live, error))
+
+    def num_waiting(self) -> int:
+        return len(self._admitting)
+
+    def stats(self) -> dict:
+        return {
+            "transferring": len(self._pulling),
+            "kv_transfer_bytes": self.kv_transfer_bytes,
+            "kv_transfers": self.transfer_counts["pulled"],
+            "transfers_failed": self.transfer_counts["failed"],
+            "transfers_corrupted": self.transfer_counts["corrupted"],
+            "pull_threads": self.puller.in_flight,
+        }
+
+    def stats_now(self) -> dict:
+        # Per process of a group spanning processes: the KV bytes each has pulled in blocks.
+        return {"kv_bytes_pulled_by_process": blocks.read_bytes(self.store, self.group)}

@@ -1,0 +1,43 @@
+"""An engine's settings: the page pool, batch and step limits, compilation and the kernels."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jfire.errors import JfireError
+
+# The decode attention backends (jfire.programs.decode_attention chooses among them).
+ATTENTION_IMPLS = ("reference", "pallas", "pallas-interpret")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    page_size: int = 16
+    num_pages: int | None = None  # default: as many as kv_cache_bytes holds
+    kv_cache_bytes: int = 1 << 30
+    max_batch: int = 64
+    prefill_budget: int = 256  # prompt tokens per step: bounds how long a step stalls decodes
+    max_prefill_rows: int = 16
+    max_model_len: int | None = None  # default: the model's context, capped at 4096
+    max_waiting: int = 1024
+    prefix_caching: bool = True
+    attention: str = "reference"
+    compile_workers: int = 2
+    aot: bool = True  # compile every bucket at start-up; False compiles each on first use
+    # Serve once the essential programs exist and compile the rest in the background (with aot).
+    serve_while_compiling: bool = True
+    # Steady decoding dispatches each step before reading the previous step's ids (the ids
+    # stay on the device and feed the next step): the host's work overlaps the device's.
+    run_ahead: bool = True
+    # On one float32 CPU device, small products read each layer's weights where they lie in the
+    # stack, and decode attention each page's keys and values where they lie
+    # (jfire.kernels.cpu_matmul, cpu_attention), instead of XLA:CPU copying them out first.
+    cpu_kernels: bool = True
+    # Compile with XLA's backend optimisation off (programs.QUICK_COMPILE): faster start-up,
+    # slower steps. For tiny models and trying things out, not for serving a real model.
+    quick_compile: bool = False
+    compilation_cache_dir: str | None = None  # JAX's persistent cache; None = off
+
+    def __post_init__(self):
+        if self.attention not in ATTENTION_IMPLS:
+            raise JfireError(f"unknown attention {self.attention!r}; use one of {', '.join(ATTENTION_IMPLS)}")

@@ -1,0 +1,135 @@
+"""KV connectors: where an engine's KV cache comes from and goes to besides its own programs.
+
+An engine runs with one connector. The base class, `KVConnector`, is the colocated engine's:
+every prompt is computed here and no KV leaves. The split roles of a disaggregated deployment
+are connectors (jfire.disagg.connectors: the prefill role saves a finished prompt's pages for
+another engine to load; the decode role loads them), and so is the in-process pair tests use
+(jfire.disagg.in_process). The next tiers (a host-memory tier, a shared prefix store) plug in
+at the same hooks.
+
+The connector has two sides, as vLLM's KVConnectorBase_V1 does:
+- Scheduler side, called on the engine thread: `check` a request as this role takes it;
+  `update` once per loop turn, which makes progress on loads and saves (asynchronous: pulls
+  run on other threads) and hands back the requests whose KV has arrived or failed;
+  `request_finished` when a prompt is done, in a role that ends requests there (it keeps the
+  pages and returns what the loading side needs); `cancel`, `held_requests`, stats.
+- Worker side, run on every process of a group: device calls (gather pages to send, insert
+  pages that arrived) added to the runner with `ModelRunner.add_calls` in `bind`, so a
+  group's followers replay them like the model's programs.
+
+A connector reaches the engine only through its public parts: `engine.pool` (the BlockPool),
+`engine.runner` (pages, calls), `engine.scheduler`, `engine.config`, `engine.model`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from jfire.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from jfire.outputs import LiveRequest
+    from jfire.scheduler import Sequence
+
+
+@dataclasses.dataclass
+class Loaded:
+    """A request whose prompt's KV arrived in `live.seq.pages`: it joins the batch with its
+    first token (sampled where the prompt ran)."""
+
+    live: LiveRequest
+    first_token: int
+    first_logprobs: list | None = None
+
+
+@dataclasses.dataclass
+class Failed:
+    """A request the connector held that ends without joining the batch: cancelled (error
+    None) or failed (the error says why). Its pages are already back in the pool."""
+
+    live: LiveRequest
+    error: str | None
+
+
+@dataclasses.dataclass
+class Progress:
+    loaded: list[Loaded] = dataclasses.field(default_factory=list)
+    failed: list[Failed] = dataclasses.field(default_factory=list)
+
+
+class KVConnector:
+    """The colocated engine's connector: every hook leaves the engine as it is."""
+
+    role = "colocated"
+    program_kinds: tuple[str, ...] = ("prefill", "decode")  # the model programs this role runs
+    # Whether a request ends once its prompt is computed (its first token sampled): the
+    # prefill role's, whose requests are finished by another engine.
+    ends_after_prompt = False
+
+    def bind(self, engine) -> None:
+        """Called once by the engine (jfire.engine.Engine) being built, before it compiles
+        anything; `engine` is the connector's way to the engine's public parts."""
+        self.engine = engine
+
+    def side_programs(self) -> list:
+        """Programs compiled at start-up besides the model's (a transfer's gather or insert)."""
+        return []
+
+    # -- scheduler side ------------------------------------------------------------------------
+
+    def check(
+        self, request_id: str | None, prompt_ids: list[int], sampling: SamplingParams, kv_params
+    ) -> SamplingParams:
+        """Raises JfireError for a request this role cannot take; returns the sampling the
+        engine's request check applies to (what of the request runs here)."""
+        if kv_params is not None:
+            raise ValueError("this engine takes no KV from elsewhere; send the request without kv_params")
+        return sampling
+
+    def loads(self, live: LiveRequest) -> bool:
+        """Whether the request's prompt KV comes from elsewhere: the connector holds it
+        (`hold`) until `update` reports it loaded or failed."""
+        return False
+
+    def hold(self, live: LiveRequest) -> None:
+        raise NotImplementedError
+
+    def update(self) -> Progress:
+        """Progress on loads and saves, once per loop turn before scheduling."""
+        return Progress()
+
+    def request_finished(self, seq: Sequence, kv_params: dict | None) -> dict:
+        """With `ends_after_prompt`: the prompt of `seq` is computed; keep its pages for the
+        loading side and return what it needs to load them (the request's transfer)."""
+        raise NotImplementedError
+
+    def cancel(self, request_id: str) -> None:
+        """Cancels a request the connector holds (one not running): `update` ends it."""
+
+    def held_requests(self) -> list[LiveRequest]:
+        """Takes every request the connector holds (the engine fails them all)."""
+        return []
+
+    def has_pending(self) -> bool:
+        """Whether work waits for the loop (a step in between would take it in)."""
+        return False
+
+    def poll_interval(self) -> float | None:
+        """How soon an idle engine's loop must turn again for this connector (None: no need)."""
+        return None
+
+    def stats(self) -> dict:
+        """Counts added to the engine's stats on every step (cheap: read on the engine thread)."""
+        return {}
+
+    def num_waiting(self) -> int:
+        """Requests held waiting to be admitted: counted as waiting in the engine's stats."""
+        return 0
+
+    def stats_now(self) -> dict:
+        """Figures read when stats are asked for (may read a store)."""
+        return {}
+
+    def shutdown(self) -> None:
+        """After the engine's thread has stopped."""

@@ -1,0 +1,412 @@
+"""The model runner: the device side of an engine.
+
+`ModelRunner` owns what lives on the device (the params, the paged KV cache, the penalty
+state) and the compiled programs, builds a step's host inputs (tokens, positions, page
+tables, sampling rows, token masks) and runs the programs. Every device call goes through
+`call(kind, key, inputs)`: a group spanning processes (jfire.lockstep) sends it to the
+followers first, and each follower replays it on its own runner with `apply`, so every
+process runs the same program on the same inputs. A KV connector's device work (gathering
+pages to send, inserting pages that arrived) joins the same path through `add_calls`.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jfire import faults, sharding
+from jfire.checkpoint.load import LoadedModel
+from jfire.grammar import ban, fill_mask
+from jfire.kernels import cpu_matmul
+from jfire.kv_cache import init_pages, page_bytes
+from jfire.pipeline import Pipeline
+from jfire.programs import QUICK_COMPILE, Buckets, CompiledPrograms, decode_attention
+from jfire.sampling import PenaltyState, RowSampling, init_penalty_state, mask_words, set_penalty_slot
+from jfire.scheduler import Chunk, Sequence
+from jfire.sharding import to_host
+
+MODEL_CALLS = ("prefill", "decode", "penalty")  # the calls every runner has
+
+
+def uses_cpu_kernels(model: LoadedModel, wanted: bool) -> bool:
+    """The CPU kernels that read weights and pages in place apply: one float32 CPU device
+    (jfire.kernels.cpu_matmul, cpu_attention)."""
+    if not wanted or model.mesh is not None or model.dtype_of_params != jnp.float32:
+        return False
+    device = next(iter(jax.tree.leaves(model.params)[0].devices()))
+    return device.platform == "cpu" and cpu_matmul.available()
+
+
+def pool_size(model: LoadedModel, config, max_model_len: int) -> int:
+    """How many KV pages the engine's pool has: `num_pages`, else as many as `kv_cache_bytes`
+    holds on the device holding the most of a page."""
+    cfg, dtype, mesh = model.config, model.dtype_of_params, model.mesh
+    cache_shardings = sharding.cache_shardings(cfg, mesh) if mesh is not None else None
+    per_page = page_bytes(cfg, config.page_size, dtype)
+    if cache_shardings is not None:
+        per_page = sharding.page_bytes_per_device(cfg, config.page_size, dtype, cache_shardings)
+    num_pages = config.num_pages or max(1, int(config.kv_cache_bytes // per_page))
+    if config.num_pages is None and config.max_batch == 1:
+        # One row never holds more than one full context: sized by bytes, a one-row engine
+        # (`jfire generate`) would spend the rest on pages that can only keep cached
+        # prefixes (a tiny model's 1 GiB default is over a million pages per device).
+        num_pages = min(num_pages, -(-max_model_len // config.page_size))
+    if cache_shardings is not None:
+        # Pages split over devices (an MLA latent cache) come in whole multiples of the split.
+        multiple = sharding.page_multiple(cache_shardings, cfg)
+        num_pages = -(-num_pages // multiple) * multiple
+    return num_pages
+
+
+class ModelRunner:
+    """`program_kinds`: the model programs this engine runs ("prefill", "decode", or both)."""
+
+    def __init__(self, model: LoadedModel, config, max_model_len: int, eos_ids: frozenset[int], program_kinds):
+        self.model, self.cfg, self.eos_ids = model, model.config, eos_ids
+        mesh = model.mesh
+        self.num_pages = pool_size(model, config, max_model_len)
+        cache_shardings = sharding.cache_shardings(self.cfg, mesh) if mesh is not None else None
+        self.pages = init_pages(self.cfg, self.num_pages, config.page_size, model.dtype_of_params, cache_shardings)
+        layer_stack = (
+            Pipeline(mesh, model.mesh_spec.num_microbatches) if mesh is not None and mesh.shape["pp"] > 1 else None
+        )
+        decode_attention(config.attention, mesh)  # refused here, before anything compiles
+        self.buckets = Buckets.for_limits(
+            max_batch=config.max_batch,
+            prefill_budget=config.prefill_budget,
+            max_prefill_rows=config.max_prefill_rows,
+            max_pages_per_row=-(-max_model_len // config.page_size),
+            page_size=config.page_size,
+        )
+        # One penalty slot per batch row, and a last, scratch, slot for rows without one. The
+        # state is committed to the params' device(s) from the start, as every program's output
+        # is: `set_penalty_slot` compiled at start-up is then the one later calls use (an
+        # uncommitted array is another jit cache entry: the first penalized request compiled it).
+        if mesh is not None:
+            replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        else:
+            replicated = jax.sharding.SingleDeviceSharding(next(iter(jax.tree.leaves(model.params)[0].devices())))
+        self.penalties: PenaltyState = init_penalty_state(config.max_batch + 1, self.cfg.vocab_size, replicated)
+        self.scratch_slot = config.max_batch
+        self._free_slots = list(range(config.max_batch))
+        self._slots: dict[str, int] = {}  # request id -> its penalty slot while it samples with penalties
+        self._all_allowed: dict[int, np.ndarray] = {}  # rows -> a mask allowing every token
+        self.programs = CompiledPrograms(
+            self.cfg,
+            model.params,
+            self.pages,
+            self.penalties,
+            self.buckets,
+            config.attention,
+            lazy=not config.aot,
+            mesh=mesh,
+            layer_stack=layer_stack,
+            kinds=program_kinds,
+            parallel=model.parallel,
+            cpu_matmul=uses_cpu_kernels(model, config.cpu_kernels),
+            compiler_options=QUICK_COMPILE if config.quick_compile else None,
+        )
+        self._calls: dict[str, Callable] = {}  # a connector's device calls, by kind
+        # A group spanning processes (jfire.lockstep): the leader sends every device call to
+        # the followers through this channel before running it.
+        self.step_channel = None
+        # Where the engine thread's time goes, summed over steps: the host's input building
+        # against the device's programs (the engine adds scheduling and output handling).
+        self.step_time: collections.Counter = collections.Counter()
+
+    # -- device calls --------------------------------------------------------------------------
+
+    @property
+    def call_kinds(self) -> tuple[str, ...]:
+        """Every kind of call `apply` runs (what a group's followers may be sent)."""
+        return MODEL_CALLS + tuple(self._calls)
+
+    def add_calls(self, calls: dict[str, Callable]) -> None:
+        """A connector's device work, run as `fn(key, inputs)` on every process of a group."""
+        self._calls.update(calls)
+
+    def call(self, kind: str, key, inputs):
+        """Every device program the engine thread runs goes through here: a group spanning
+        processes sends the call to its followers first."""
+        if self.step_channel is not None:
+            self.step_channel.send(kind, key, inputs)
+        return self.apply(kind, key, inputs)
+
+    def apply(self, kind: str, key, inputs):
+        """Runs one call on this process's state: "decode" (key (rows,)), "prefill" (key
+        (rows, tokens)), "penalty" (key: the slot to start), or a connector's. Returns the
+        SampleOut of a decode or prefill, or what the connector's call returns."""
+        if kind == "penalty":
+            self.penalties = set_penalty_slot(self.penalties, key, *inputs)
+            return None
+        if kind == "decode":
+            program = self.programs.decode(*key)
+            out, _, self.penalties, self.pages = program(self.model.params, self.pages, *inputs, self.penalties)
+            return out
+        if kind == "prefill":
+            program = self.programs.prefill(*key)
+            *args, targets = inputs
+            out, _, self.penalties, self.pages = program(self.model.params, self.pages, *args, self.penalties, targets)
+            return out
+        return self._calls[kind](key, inputs)
+
+    def compile_penalty_update(self) -> None:
+        """The penalty-slot update is the one program outside the buckets: compiled by running
+        it on the scratch slot, never when a request first asks for penalties. Every process
+        of a group runs this itself, so it is not sent to followers."""
+        vocab = self.cfg.vocab_size
+        self.apply("penalty", self.scratch_slot, (np.zeros(vocab, np.int32), np.zeros(vocab, bool)))
+
+    def decode_call(self, seqs: list[Sequence | None], rows: int, inputs):
+        """Dispatches one decode step of seqs (None: a padding row): the one place both the
+        step-by-step and the running-ahead paths run a decode program."""
+        if faults.before_decode is not None:
+            faults.before_decode(seqs)
+        return self.call("decode", (rows,), inputs)
+
+    # -- compiling -----------------------------------------------------------------------------
+
+    def compile_at_start(self, config, side: list, background: bool, progress=None) -> None:
+        """Compiles (or loads) what serving needs first: the connector's `side` programs, then
+        with `config.aot` every bucket, or with `background` only the essential ones (the
+        rest: `compile_rest`), then the penalty update. `progress(done, total)` after each."""
+        shapes = self.programs.essential_shapes() if background else None
+        num_side = sum(len(p.widths) for p in side)
+        total = num_side + ((len(shapes) if shapes is not None else self.programs.num_total) if config.aot else 0)
+        done_before = 0
+        for programs in side:
+            programs.compile_all(progress=progress and (lambda done, base=done_before: progress(base + done, total)))
+            done_before += len(programs.widths)
+        if config.aot:
+            model_progress = progress and (lambda done, _: progress(num_side + done, total))
+            self.programs.compile_all(workers=config.compile_workers, progress=model_progress, shapes=shapes)
+        self.compile_penalty_update()
+
+    def compile_rest(self, workers: int, stop, before_loading) -> bool:
+        """Compiles the buckets `compile_at_start` left, in the background; False if that failed
+        (the essential programs still serve every step, only less tightly)."""
+        try:
+            # The lowest CPU priority (Linux: per thread, inherited by the compiling workers it
+            # starts), so serving requests is never slowed by compiling programs for later.
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):
+            pass
+        try:
+            self.programs.compile_rest(workers=workers, stop=stop, before_loading=before_loading)
+        except Exception as e:
+            print(
+                f"jfire: compiling the remaining programs failed ({e}); serving with "
+                f"{self.programs.num_compiled} of {self.programs.num_total}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return False
+        return True
+
+    def compile_for(self, prompt_len: int, max_tokens: int, budget: int) -> float:
+        """With lazy programs, compiles the shapes one request of this size alone will use (its
+        prompt's chunks, one decode row); returns the seconds spent."""
+        t0 = time.perf_counter()
+        for start in range(0, prompt_len, budget):
+            self.programs.prefill(*self.programs.prefill_shape(min(budget, prompt_len - start), 1))
+        if max_tokens > 1:
+            self.programs.decode(self.programs.decode_shape(1))
+        return time.perf_counter() - t0
+
+    # -- steps ---------------------------------------------------------------------------------
+
+    def decode_groups(self, seqs: list[Sequence]) -> list[list[Sequence]]:
+        """The step's decode rows in batches that each fit a compiled program (one batch once
+        every bucket is compiled; more while start-up compilation is still going)."""
+        groups, pending = [], list(seqs)
+        while pending:
+            rows = self.programs.decode_shape(len(pending))
+            groups.append(pending[:rows])
+            pending = pending[rows:]
+        return groups
+
+    def prefill_groups(self, chunks: list[Chunk]) -> list[list[Chunk]]:
+        """Splits a step's chunks into batches that each fit a compiled (rows, tokens) shape."""
+        groups, pending = [], sorted(chunks, key=lambda c: -c.length)
+        while pending:
+            rows, _ = self.programs.prefill_shape(pending[0].length, len(pending))
+            groups.append(pending[:rows])
+            pending = pending[rows:]
+        return groups
+
+    def run_decode(self, seqs: list[Sequence]) -> list[tuple]:
+        """One decode call of seqs; per row, (token, logprobs entry or None)."""
+        t0 = time.perf_counter()
+        rows = self.programs.decode_shape(len(seqs))
+        inputs = self.decode_inputs(seqs, rows)
+        return self._timed(t0, lambda: self.decode_call(list(seqs), rows, inputs), seqs)[0]
+
+    def run_prefill(self, chunks: list[Chunk]) -> tuple[list[tuple], list[tuple]]:
+        """One prefill call of chunks: per row, (token, logprobs entry or None), and the prompt
+        logprobs asked for, as (seq, position, entry) with entry of prompt token position + 1."""
+        t0 = time.perf_counter()
+        rows, t = self.programs.prefill_shape(max(c.length for c in chunks), len(chunks))
+        tokens = np.zeros((rows, t), np.int32)
+        positions = np.full((rows, t), -1, np.int32)
+        last = np.zeros(rows, np.int32)
+        for r, c in enumerate(chunks):
+            tokens[r, : c.length] = c.seq.tokens[c.start : c.start + c.length]
+            positions[r, : c.length] = np.arange(c.start, c.start + c.length)
+            last[r] = c.length - 1
+        seqs = [c.seq for c in chunks]
+        sampling = self.sampling_rows(seqs, rows, [c.completes_prompt for c in chunks])
+        targets = self._prompt_targets(chunks, rows, t)
+        inputs = (tokens, positions, self.row_table(seqs, rows), last, sampling, targets)
+        results, out = self._timed(t0, lambda: self.call("prefill", (rows, t), inputs), seqs)
+        return results, (self._prompt_logprobs(chunks, targets, out.prompt) if (targets >= 0).any() else [])
+
+    def _timed(self, t0: float, dispatch: Callable, seqs: list) -> tuple[list, object]:
+        """Runs a call and waits for its ids, timing the host's preparation since t0 and the
+        device's part (dispatch to result)."""
+        t1 = time.perf_counter()
+        out = dispatch()
+        results = self.results(out, seqs)
+        self.step_time["prepare"] += t1 - t0
+        self.step_time["device"] += time.perf_counter() - t1
+        return results, out
+
+    def results(self, out, seqs: list[Sequence | None]) -> list:
+        """Waits for a program's ids and returns, per row of seqs, (token, logprobs entry or
+        None), or None for a row without a sequence."""
+        ids = to_host(out.ids)
+        wanted = [seq.sampling.logprobs if seq is not None else None for seq in seqs]
+        if any(k is not None for k in wanted):
+            logprob, top_ids, top_lps = to_host(out.logprob), to_host(out.top_ids), to_host(out.top_logprobs)
+        results: list = []
+        for r, (seq, k) in enumerate(zip(seqs, wanted)):
+            entry = None
+            if k is not None:
+                top = [[int(i), float(lp)] for i, lp in zip(top_ids[r, :k], top_lps[r, :k]) if np.isfinite(lp)]
+                entry = [float(logprob[r]), top]
+            results.append((int(ids[r]), entry) if seq is not None else None)
+        return results
+
+    def _prompt_targets(self, chunks: list[Chunk], rows: int, t: int) -> np.ndarray:
+        """[rows, t]: the prompt token after each position of rows that want the prompt's logprobs."""
+        targets = np.full((rows, t), -1, np.int32)
+        for r, c in enumerate(chunks):
+            prompt = c.seq.prompt_ids
+            if c.seq.sampling.prompt_logprobs:
+                for j in range(c.length):
+                    if c.start + j + 1 < len(prompt):
+                        targets[r, j] = prompt[c.start + j + 1]
+        return targets
+
+    def _prompt_logprobs(self, chunks: list[Chunk], targets: np.ndarray, prompt) -> list[tuple]:
+        logprob, top_ids, top_lps = (to_host(x) for x in prompt)
+        entries = []
+        for r, c in enumerate(chunks):
+            k = c.seq.sampling.logprobs or 0
+            for j in range(c.length):
+                if targets[r, j] >= 0:
+                    top = [[int(i), float(lp)] for i, lp in zip(top_ids[r, j, :k], top_lps[r, j, :k])]
+                    entries.append((c.seq, c.start + j, [float(logprob[r, j]), top]))
+        return entries
+
+    # -- inputs --------------------------------------------------------------------------------
+
+    def decode_inputs(self, seqs: list[Sequence], rows: int) -> tuple:
+        """(tokens, positions, page table, sampling rows) of a decode call: `seqs` in the
+        first rows of `rows`, the rest padding (position -1)."""
+        tokens = np.zeros(rows, np.int32)
+        positions = np.full(rows, -1, np.int32)
+        for r, seq in enumerate(seqs):
+            tokens[r], positions[r] = seq.tokens[-1], len(seq.tokens) - 1
+        sampling = self.sampling_rows(seqs, rows, [True] * len(seqs))
+        return tokens, positions, self.row_table(seqs, rows), sampling
+
+    def row_table(self, seqs: list[Sequence | None], rows: int) -> np.ndarray:
+        table = np.zeros((rows, self.buckets.pages_per_row), np.int32)
+        for r, seq in enumerate(seqs):
+            if seq is not None:
+                table[r, : len(seq.pages)] = seq.pages
+        return table
+
+    def sampling_rows(self, seqs: list[Sequence], rows: int, sampling_now: list[bool]) -> RowSampling:
+        """The rows' sampling inputs; sampling_now[r]: row r's token is kept (a prefill chunk
+        that does not end its prompt samples nothing anyone reads)."""
+        seeds = np.zeros(rows, np.uint32)
+        temperature, top_p = np.zeros(rows, np.float32), np.ones(rows, np.float32)
+        top_k = np.zeros(rows, np.int32)
+        frequency, presence = np.zeros(rows, np.float32), np.zeros(rows, np.float32)
+        repetition = np.ones(rows, np.float32)
+        slot = np.full(rows, self.scratch_slot, np.int32)
+        logprobs = np.zeros(rows, bool)
+        masked = [r for r, seq in enumerate(seqs) if sampling_now[r] and needs_mask(seq)]
+        allowed = self._masks(rows, masked, seqs)
+        for r, seq in enumerate(seqs):
+            sp = seq.sampling
+            seeds[r], temperature[r], top_k[r], top_p[r] = seq.seed, sp.temperature, sp.top_k, sp.top_p
+            if not sampling_now[r]:
+                continue
+            logprobs[r] = sp.logprobs is not None
+            if sp.penalized:
+                frequency[r], presence[r], repetition[r] = (
+                    sp.frequency_penalty,
+                    sp.presence_penalty,
+                    sp.repetition_penalty,
+                )
+                slot[r] = self._slot_of(seq)
+        return RowSampling(seeds, temperature, top_k, top_p, allowed, frequency, presence, repetition, slot, logprobs)
+
+    def _masks(self, rows: int, masked: list[int], seqs: list[Sequence]) -> np.ndarray:
+        if not masked:  # the common case: one shared array, nothing to fill
+            if rows not in self._all_allowed:
+                self._all_allowed[rows] = np.full((rows, mask_words(self.cfg.vocab_size)), -1, np.int32)
+            return self._all_allowed[rows]
+        allowed = np.full((rows, mask_words(self.cfg.vocab_size)), -1, np.int32)
+        for r in masked:
+            seq = seqs[r]
+            if seq.matcher is not None:
+                fill_mask(seq.matcher, allowed, r)
+            if seq.num_generated < seq.sampling.min_tokens:
+                grammar_allows = allowed[r].copy()
+                ban(allowed, r, (*self.eos_ids, *seq.sampling.stop_token_ids))
+                if not allowed[r].any():  # a complete grammar allows only the end: it wins
+                    allowed[r] = grammar_allows
+        return allowed
+
+    def _slot_of(self, seq: Sequence) -> int:
+        """The request's penalty slot, started from what it has generated so far."""
+        slot = self._slots.get(seq.request_id)
+        if slot is None:
+            slot = self._slots[seq.request_id] = self._free_slots.pop()
+            vocab = self.cfg.vocab_size
+            generated = np.bincount(np.asarray(seq.tokens[len(seq.prompt_ids) :], np.int64), minlength=vocab)
+            in_prompt = np.bincount(np.asarray(seq.prompt_ids, np.int64), minlength=vocab) > 0
+            self.call("penalty", slot, (generated[:vocab].astype(np.int32), in_prompt[:vocab]))
+        return slot
+
+    def step_stats(self) -> dict:
+        t = self.step_time
+        return {
+            "steps": t["steps"],
+            "run_ahead_steps": t["run_ahead_steps"],
+            **{f"step_{k}_s": t[k] for k in ("schedule", "prepare", "device", "outputs")},
+        }
+
+    def release_slot(self, request_id: str) -> None:
+        """The request ended, or was preempted: it samples again only after recomputing, and
+        its slot restarts then."""
+        slot = self._slots.pop(request_id, None)
+        if slot is not None:
+            self._free_slots.append(slot)
+
+
+def needs_mask(seq: Sequence) -> bool:
+    """Whether the sequence's next token is sampled under a mask built from its state (a
+    grammar, or min_tokens not yet reached)."""
+    return seq.matcher is not None or seq.num_generated < seq.sampling.min_tokens
