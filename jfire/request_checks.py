@@ -45,7 +45,9 @@ class RequestChecks:
         bad = [i for i in sampling.stop_token_ids if not 0 <= i < self.vocab_size]
         if bad:
             raise RequestError(
-                f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param="stop_token_ids"
+                f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                param="stop_token_ids",
+                code="invalid_value",
             )
         n, limit = len(prompt_ids), self.max_model_len
         if n >= limit:

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jfire.errors import JfireError
+from jfire.errors import RequestError
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit; programs always return this many, the host keeps what was asked
 PROMPT_TOP_LOGPROBS = 5  # for the prompt's tokens (completions' `echo` with `logprobs`, at most 5)
@@ -54,33 +54,38 @@ class SamplingParams:
     prompt_logprobs: bool = False  # also the prompt's tokens' logprobs (top `logprobs`); no prefix reuse
 
     def __post_init__(self):
-        problems = []
+        problems: list[tuple[str, str]] = []  # (the field, what is wrong with it)
+
+        def bad(param: str, message: str) -> None:
+            problems.append((param, message))
+
         if not (self.temperature >= 0 and np.isfinite(self.temperature)):
-            problems.append(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+            bad("temperature", f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
         if not (0 < self.top_p <= 1):
-            problems.append(f"top_p must be in (0, 1], got {self.top_p}")
+            bad("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         # top_k travels to the device as an int32: a larger value would overflow on the engine thread.
         if not 0 <= self.top_k <= 2**31 - 1:
-            problems.append(f"top_k must be in [0, 2**31 - 1] (0 = off), got {self.top_k}")
+            bad("top_k", f"top_k must be in [0, 2**31 - 1] (0 = off), got {self.top_k}")
         if self.max_tokens < 1:
-            problems.append(f"max_tokens must be >= 1, got {self.max_tokens}")
+            bad("max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.seed is not None and not (0 <= self.seed < 2**32):
-            problems.append(f"seed must be in [0, 2**32), got {self.seed}")
+            bad("seed", f"seed must be in [0, 2**32), got {self.seed}")
         if any(not s for s in self.stop):
-            problems.append("stop strings must not be empty")
+            bad("stop", "stop strings must not be empty")
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2 <= getattr(self, name) <= 2:
-                problems.append(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+                bad(name, f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not (0 < self.repetition_penalty <= 10 and np.isfinite(self.repetition_penalty)):
-            problems.append(f"repetition_penalty must be in (0, 10] (1 = off), got {self.repetition_penalty}")
+            bad("repetition_penalty", f"repetition_penalty must be in (0, 10] (1 = off), got {self.repetition_penalty}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            problems.append(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+            bad("logprobs", f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
         if self.prompt_logprobs and (self.logprobs is None or self.logprobs > PROMPT_TOP_LOGPROBS):
-            problems.append(f"prompt_logprobs needs logprobs in [0, {PROMPT_TOP_LOGPROBS}], got {self.logprobs}")
+            bad("prompt_logprobs", f"prompt_logprobs needs logprobs in [0, {PROMPT_TOP_LOGPROBS}], got {self.logprobs}")
         if not 0 <= self.min_tokens <= self.max_tokens:
-            problems.append(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+            bad("min_tokens", f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if problems:
-            raise JfireError("; ".join(problems))
+            # Every problem is told at once; the error names the first one's field.
+            raise RequestError("; ".join(m for _, m in problems), param=problems[0][0], code="invalid_value")
 
     def resolved_seed(self) -> int:
         return self.seed if self.seed is not None else int.from_bytes(os.urandom(4), "little")
