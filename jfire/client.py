@@ -9,13 +9,16 @@ cancelling and failing requests, and stats.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from jfire.sampling import SamplingParams
 
+if TYPE_CHECKING:
+    from jfire.tokenizer import Tokenizer
+
 
 class EngineClient(Protocol):
-    tokenizer: object | None  # jfire.tokenizer.Tokenizer; None for a model served by token ids
+    tokenizer: Tokenizer | None  # None for a model served by token ids
     vocab_size: int
     model_type: str | None  # the checkpoint's model_type (chooses chat and tool-call formats)
     max_model_len: int  # tokens a request may span

@@ -20,15 +20,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jfire.engine import Engine, EngineStopped, QueueFull, RequestOutput
-from jfire.errors import JfireError
-from jfire.grammar import GrammarError
+from jfire.client import EngineClient
+from jfire.errors import EngineStopped, JfireError, QueueFull, RequestError
+from jfire.requests import RequestOutput
 from jfire.sampling import SamplingParams
 from serve.access_log import AccessLog
 from serve.chat import OutputPlan, PromptError, render_chat, response_grammar
 from serve.metrics import ServerMetrics
 from serve.responses import Responder
-from serve.schemas import UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest, SamplingFields
+from serve.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 log = logging.getLogger("jfire.serve")
 RETRY_AFTER_S = 1
@@ -58,7 +58,7 @@ class APIError(Exception):
 
 @dataclasses.dataclass
 class ServerState:
-    engine: Engine
+    engine: EngineClient
     model_name: str
     api_key: str | None = None
     metrics: ServerMetrics | None = None
@@ -149,9 +149,8 @@ def create_app(state: ServerState) -> FastAPI:
         for i, m in enumerate(body.messages):  # names are not in the prompt, but must be text all the same
             _valid_text(m.text(), "messages")
             _valid_text(m.name or "", f"messages.{i}.name")
-        model_type = getattr(state.engine.cfg, "model_type", None)
         try:
-            prompt_ids, plan = await asyncio.to_thread(render_chat, tokenizer, model_type, body)
+            prompt_ids, plan = await asyncio.to_thread(render_chat, tokenizer, state.engine.model_type, body)
         except PromptError as e:
             raise APIError(400, str(e), param=e.param, code="invalid_value") from None
         except JfireError as e:
@@ -164,15 +163,15 @@ def create_app(state: ServerState) -> FastAPI:
 # -- request handling ----------------------------------------------------------------------
 
 
-def _require_tokenizer(engine: Engine):
-    if engine.model.tokenizer is None:
+def _require_tokenizer(engine: EngineClient):
+    if engine.tokenizer is None:
         raise APIError(
             400, "this model has no tokenizer; send token ids as 'prompt' to /v1/completions", param="messages"
         )
-    return engine.model.tokenizer
+    return engine.tokenizer
 
 
-def _completion_prompt(body: CompletionRequest, engine: Engine) -> list[int]:
+def _completion_prompt(body: CompletionRequest, engine: EngineClient) -> list[int]:
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
@@ -198,7 +197,7 @@ def _valid_text(text: str, param: str) -> str:
     return text
 
 
-def _echo_text(body: CompletionRequest, prompt_ids: list[int], engine: Engine) -> str:
+def _echo_text(body: CompletionRequest, prompt_ids: list[int], engine: EngineClient) -> str:
     if not body.echo:
         return ""
     prompt = (
@@ -208,7 +207,7 @@ def _echo_text(body: CompletionRequest, prompt_ids: list[int], engine: Engine) -
     )
     if isinstance(prompt, str):
         return prompt
-    tokenizer = engine.model.tokenizer
+    tokenizer = engine.tokenizer
     return tokenizer.decode(prompt_ids, skip_special_tokens=False) if tokenizer else ""
 
 
@@ -220,7 +219,7 @@ def _logprobs_asked(body: SamplingFields, chat: bool) -> int | None:
 
 
 def _sampling(
-    body: SamplingFields, max_tokens: int, plan: OutputPlan, logprobs: int | None, seed: int | None
+    body: SamplingFields, max_tokens: int, plan: OutputPlan, logprobs: int | None, seed: int | None, chat: bool
 ) -> SamplingParams:
     try:
         return SamplingParams(
@@ -241,11 +240,11 @@ def _sampling(
             skip_special_tokens=not plan.keep_special_tokens,
             prompt_logprobs=getattr(body, "echo", False) and logprobs is not None,
         )
-    except JfireError as e:
-        raise APIError(400, str(e)) from None
+    except RequestError as e:
+        raise _request_error(e, body, chat) from None
 
 
-def _max_tokens(body: SamplingFields, prompt_len: int, engine: Engine, chat: bool) -> int:
+def _max_tokens(body: SamplingFields, prompt_len: int, engine: EngineClient, chat: bool) -> int:
     given = body.max_completion_tokens if chat and body.max_completion_tokens else body.max_tokens
     if given is None:  # chat without a limit: whatever the context leaves
         return max(1, engine.max_model_len - prompt_len)
@@ -271,7 +270,7 @@ async def _serve(
             code="shutting_down",
             headers={"Retry-After": str(RETRY_AFTER_S)},
         )
-    if not engine.ready.is_set():
+    if not engine.is_ready():
         raise APIError(
             503,
             "the server is still compiling its programs; retry shortly",
@@ -286,20 +285,9 @@ async def _serve(
             param="model",
             code="model_not_found",
         )
-    for name in UNSUPPORTED_FIELDS:
-        if getattr(body, name) is not None:
-            raise APIError(400, f"{name} is not supported by this server; omit the field", param=name)
     for stop in body.stop_list():
         _valid_text(stop, "stop")
     _valid_text(body.user or "", "user")
-    for token_id in body.stop_token_ids or ():
-        if not 0 <= token_id < engine.cfg.vocab_size:
-            raise APIError(
-                400,
-                f"stop_token_ids: {token_id} is outside the vocabulary [0, {engine.cfg.vocab_size})",
-                param="stop_token_ids",
-                code="invalid_value",
-            )
     logprobs = _logprobs_asked(body, chat)
     max_tokens = _max_tokens(body, len(prompt_ids), engine, chat)
     loop = asyncio.get_running_loop()
@@ -319,7 +307,7 @@ async def _serve(
     submitted: list[str] = []
     try:
         for i, choice_id in enumerate(choice_ids):
-            sampling = _sampling(body, max_tokens, plan, logprobs, (first_seed + i) % 2**32)
+            sampling = _sampling(body, max_tokens, plan, logprobs, (first_seed + i) % 2**32, chat)
             engine.submit(
                 prompt_ids,
                 sampling,
@@ -332,7 +320,7 @@ async def _serve(
     except BaseException as e:
         for choice_id in submitted:
             engine.cancel(choice_id)
-        _raise_submit_error(e, body, chat, plan)
+        _raise_submit_error(e, body, chat)
     responder = Responder(
         state,
         request,
@@ -361,7 +349,7 @@ async def _serve(
     return response
 
 
-def _raise_submit_error(e: BaseException, body: SamplingFields, chat: bool, plan: OutputPlan):
+def _raise_submit_error(e: BaseException, body: SamplingFields, chat: bool):
     """The HTTP error for an engine that refused a request."""
     if isinstance(e, QueueFull):
         raise APIError(
@@ -369,16 +357,23 @@ def _raise_submit_error(e: BaseException, body: SamplingFields, chat: bool, plan
         )
     if isinstance(e, EngineStopped):  # not the client's fault: the server is down until restarted
         raise APIError(503, str(e), kind="server_error", code="engine_stopped")
-    if isinstance(e, GrammarError):
-        forced = getattr(body, "tool_choice", None) not in (None, "auto", "none")
-        raise APIError(400, str(e), param="tools" if forced else "response_format", code="invalid_value")
+    if isinstance(e, RequestError):
+        raise _request_error(e, body, chat)
     if isinstance(e, JfireError):
-        code = "context_length_exceeded" if "context" in str(e) else None
-        message, param = str(e), "max_tokens" if "max_tokens" in str(e) else "messages" if chat else "prompt"
-        if chat and body.max_completion_tokens and param == "max_tokens":  # name the field the client sent
-            message, param = message.replace("max_tokens", "max_completion_tokens"), "max_completion_tokens"
-        raise APIError(400, message, param=param, code=code)
+        raise APIError(400, str(e))
     raise e
+
+
+def _request_error(e: RequestError, body: SamplingFields, chat: bool) -> APIError:
+    """The 400 for a request that can never run, naming the field as the client sent it."""
+    message, param = str(e), e.param
+    if param == "prompt" and chat:  # a chat's prompt is its messages
+        param = "messages"
+    elif param == "max_tokens" and chat and getattr(body, "max_completion_tokens", None):
+        message, param = message.replace("max_tokens", "max_completion_tokens"), "max_completion_tokens"
+    elif param == "response_format" and getattr(body, "tool_choice", None) not in (None, "auto", "none"):
+        param = "tools"  # the grammar is the forced tool call's
+    return APIError(400, message, param=param, code=e.code)
 
 
 # -- errors and auth -------------------------------------------------------------------------

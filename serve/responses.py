@@ -13,7 +13,8 @@ import json
 import time
 from collections.abc import AsyncIterator
 
-from jfire.engine import RequestOutput
+from jfire.client import EngineClient
+from jfire.requests import RequestOutput
 from serve.chat import OutputPlan
 
 DISCONNECT_CHECK_S = 0.25
@@ -51,7 +52,7 @@ class Responder:
         self,
         state,
         request,
-        engine,
+        engine: EngineClient,
         request_id: str,
         choice_ids: list[str],
         outputs: asyncio.Queue,
@@ -68,7 +69,7 @@ class Responder:
         self.choices = {rid: Choice(i, rid, plan, echo) for i, rid in enumerate(choice_ids)}
         self.logprobs = logprobs
         self.prompt_ids = list(prompt_ids)
-        self.tokenizer = engine.model.tokenizer
+        self.tokenizer = engine.tokenizer
         self.created = int(time.time())
         self.start = time.perf_counter()
         self.first: float | None = None

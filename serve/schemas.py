@@ -26,8 +26,8 @@ NonNegFloat = Annotated[float, Field(ge=0)]
 Number = StrictFloat
 # The largest value the device programs hold in an int32 (top_k travels as one).
 INT32_MAX = 2**31 - 1
-# Fields of OpenAI's API this server does not implement: refused by name when given
-# (`functions` / `function_call` are the deprecated forms of `tools` / `tool_choice`).
+# Fields of OpenAI's API this server does not implement: refused by name when given, by the
+# schema (`functions` / `function_call` are the deprecated forms of `tools` / `tool_choice`).
 UNSUPPORTED_FIELDS = ("functions", "function_call", "logit_bias")
 MAX_CHOICES = 16  # n
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (OpenAI's limit)
@@ -128,6 +128,12 @@ class SamplingFields(StrictObject):
     functions: object = None
     function_call: object = None
     logit_bias: object = None
+
+    @field_validator(*UNSUPPORTED_FIELDS)
+    @classmethod
+    def _unsupported(cls, value):
+        # Runs only for a field that was given (null is absent, and defaults are not validated).
+        raise ValueError("not supported by this server; omit the field")
 
     @field_validator("stream_options")
     @classmethod

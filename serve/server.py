@@ -10,6 +10,7 @@ import time
 
 import uvicorn
 
+from jfire.client import EngineClient
 from jfire.engine import Engine, EngineConfig
 from serve.app import ServerState, create_app
 
@@ -57,7 +58,7 @@ def drain(state: ServerState, grace_s: float) -> None:
     deadline = time.monotonic() + grace_s
     while busy() and time.monotonic() < deadline:
         time.sleep(0.05)
-    if busy() and hasattr(engine, "fail_all"):
+    if busy():
         engine.fail_all(
             f"the server is shutting down and this request did not finish within the {grace_s:g} s grace period"
         )
@@ -93,22 +94,24 @@ def run(
     app = create_app(state)
 
     def compile_then_start():
+        t0 = time.perf_counter()
         try:
             engine.start(compile_progress=_progress)
         except BaseException as e:  # reported on /health; the server stays up to say so
             engine.error = e
             print(f"jfire: error: engine failed to start: {e}", file=sys.stderr, flush=True)
             return
-        programs = engine.programs
+        # What /health reports (README): the programs compiled so far and in all.
+        compiled, total = _programs(engine)
         print(
-            f"jfire: ready in {engine.startup_s:.1f} s with {programs.num_compiled} of {programs.num_total} programs; "
+            f"jfire: ready in {time.perf_counter() - t0:.1f} s with {compiled} of {total} programs; "
             "the rest compile in the background (/health reports progress)",
             file=sys.stderr,
             flush=True,
         )
         if engine.wait_compiled():
             print(
-                f"jfire: all {programs.num_total} programs compiled, {engine.compiled_s:.1f} s after start",
+                f"jfire: all {_programs(engine)[1]} programs compiled, {time.perf_counter() - t0:.1f} s after start",
                 file=sys.stderr,
                 flush=True,
             )
@@ -140,6 +143,12 @@ def run(
     finally:
         engine.shutdown()
     return 1 if engine.error is not None else 0
+
+
+def _programs(engine: EngineClient) -> tuple[int, int]:
+    """(compiled, total) programs, as /health's body has them."""
+    programs = engine.health()[1].get("programs", {})
+    return programs.get("compiled", 0), programs.get("total", 0)
 
 
 def _progress(done: int, total: int) -> None:
