@@ -21,12 +21,13 @@ import itertools
 import json
 import sys
 import threading
+from collections.abc import Callable
 
 import httpx
 
 from jfire.disagg import cluster
 from jfire.disagg.deployment import Deployment
-from jfire.errors import JfireError, QueueFull
+from jfire.errors import EngineStopped, JfireError, QueueFull
 from jfire.grammar import Grammars
 from jfire.request_checks import RequestChecks, context_limit
 from jfire.requests import RequestHandle, RequestOutput
@@ -91,7 +92,8 @@ class RemoteEngine:
         self.ready = threading.Event()
         self.stopping = False  # drained: the launcher is stopping the groups
         self.error: BaseException | None = None
-        self.on_fatal = None  # the frontend fails requests one by one; it never fails for good
+        # The frontend fails requests one by one; it never fails for good, so never calls this.
+        self.on_fatal: Callable[[BaseException], None] | None = None
         self._http = httpx.Client(timeout=httpx.Timeout(10.0, read=600.0), limits=httpx.Limits(max_connections=512))
         self._lock = threading.Lock()
         self._active: dict[str, _Stream] = {}  # requests submitted and not yet ended
@@ -225,7 +227,7 @@ class RemoteEngine:
         """`after` (n > 1 sharing a prompt) only matters inside one engine; each choice here
         goes its own way (with `affinity`, to the same prefill group, whose cache it may hit)."""
         if self.error is not None:
-            raise JfireError(f"the deployment failed to start: {self.error}")
+            raise EngineStopped(f"the deployment failed to start: {self.error}")
         prompt_ids = [int(i) for i in prompt_ids]
         self.validate(prompt_ids, sampling)
         if sum(s.in_flight for s in self.groups.values() if s.role == "prefill") >= self.max_waiting:
