@@ -1,4 +1,5 @@
-"""Blocks every family composes: norms, rotary positions, the gated MLP, paged cache writes.
+"""Blocks every family composes: norms, rotary positions, the gated MLP, paged cache writes,
+the LM head, and `PreNormFamily`, the decoder and logits of the pre-norm families.
 
 Einsum letters: b batch, t query tokens, e embed, h heads, d head dim, f ffn.
 Each is written once, the way transformers computes it (float32 where the reference is).
@@ -16,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jfire.errors import JfireError
-from jfire.models.family import CacheSpec, run_segments
+from jfire.models.family import CacheSpec, Family, Segment, run_segments
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,9 +269,49 @@ def repeat_kv_heads(cfg, tp: int):
     return (dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * r) if r > 1 else cfg), r
 
 
-def pre_norm_decoder(cfg, params: dict, tokens, positions, pages: dict, page_table, *, run, eps: float, **hooks):
-    """Embedding, every segment's layers (`run`, the family's scanned layer loop), final RMSNorm:
-    the decoder of the pre-norm families. Returns (hidden [b, t, e], pages)."""
-    x = params["embed"][tokens]  # [b, t, e]
-    x, pages = run_segments(cfg, params, x, positions, pages, page_table, run=run, **hooks)
-    return rms_norm(x, params["final_norm"], eps), pages
+class PreNormFamily(Family):
+    """The pre-norm families (Llama, Llama 4, DeepSeek): embedding, every segment's layers,
+    final RMSNorm, LM head. `decoder` and `logits` are written once here; a family supplies
+    its scanned layer loop as the method `run_segment`, and the fields read below."""
+
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+
+    def run_segment(
+        self,
+        segment: Segment,
+        stack: dict,
+        x,
+        positions,
+        pages: dict,
+        page_table,
+        layer_offset,
+        cache_offset,
+        *,
+        attention_impl=None,
+        parallel=None,
+    ):
+        """One segment's stacked layers over activations x [b, t, e]; returns (x, the
+        segment's cache arrays). See `jfire.models.family.run_segments` for the offsets."""
+        raise NotImplementedError
+
+    def decoder(
+        self, params, tokens, positions, pages, page_table, *, attention_impl=None, layer_stack=None, parallel=None
+    ):
+        x = params["embed"][tokens]  # [b, t, e]
+        x, pages = run_segments(
+            self,
+            params,
+            x,
+            positions,
+            pages,
+            page_table,
+            run=type(self).run_segment,
+            attention_impl=attention_impl,
+            layer_stack=layer_stack,
+            parallel=parallel,
+        )
+        return rms_norm(x, params["final_norm"], self.rms_norm_eps), pages
+
+    def logits(self, params, hidden):
+        return lm_head(hidden, params, self.tie_word_embeddings)

@@ -31,8 +31,9 @@ from typing import Any, ClassVar
 
 from jfire.checkpoint.fp8 import BLOCK as FP8_BLOCK
 from jfire.errors import JfireError
-from jfire.models.blocks import Yarn, lm_head, pre_norm_decoder
-from jfire.models.family import CacheSpec, Family, MeshShape, Segment
+from jfire.models import mla
+from jfire.models.blocks import PreNormFamily, Yarn
+from jfire.models.family import CacheSpec, MeshShape, Segment
 from jfire.models.params import ParamSpec
 
 SUPPORTED_ARCHITECTURES = (
@@ -45,7 +46,7 @@ _VISION_PREFIXES = ("vision_tower.", "mm_projector.")
 
 
 @dataclasses.dataclass(frozen=True)
-class DeepseekV3Config(Family):
+class DeepseekV3Config(PreNormFamily):
     family: ClassVar[str] = "deepseek_v3"
 
     architecture: str
@@ -383,27 +384,8 @@ class DeepseekV3Config(Family):
 
     # -- the forward pass ----------------------------------------------------------------------
 
-    def decoder(
-        self, params, tokens, positions, pages, page_table, *, attention_impl=None, layer_stack=None, parallel=None
-    ):
-        from jfire.models.mla import run_segment
-
-        return pre_norm_decoder(
-            self,
-            params,
-            tokens,
-            positions,
-            pages,
-            page_table,
-            run=run_segment,
-            eps=self.rms_norm_eps,
-            attention_impl=attention_impl,
-            layer_stack=layer_stack,
-            parallel=parallel,
-        )
-
-    def logits(self, params, hidden):
-        return lm_head(hidden, params, self.tie_word_embeddings)
+    # The layer (multi-head latent attention, dense or routed MLP) is jfire.models.mla's.
+    run_segment = mla.run_segment
 
 
 def _int4_group_size(quant: Mapping[str, Any] | None) -> int | None:

@@ -10,7 +10,9 @@ here; none of them reads a family's own fields (head counts, widths, ...):
   meshes      `mesh_problems(shape)`: what a mesh must divide; `adapt_to_tp(tp)`: how the
               family reshapes itself for a tensor-parallel width (e.g. repeating KV heads)
   forward     `decoder(...)`, `run_segment(...)`, `logits(...)`: prefill chunks and decode
-              steps are the same call with t tokens per row
+              steps are the same call with t tokens per row. The pre-norm families share
+              one `decoder` and `logits` (`jfire.models.blocks.PreNormFamily`) and each
+              supplies only its scanned layer loop, `run_segment`
 
 The common fields every family carries (vocabulary, context, special tokens) are part of the
 interface too: `vocab_size`, `max_position_embeddings`, `bos_token_id`, `eos_token_ids`.

@@ -27,6 +27,7 @@ import jax
 from jfire.errors import JfireError
 from jfire.kernels.cpu_attention import paged_attention
 from jfire.models.blocks import (
+    PreNormFamily,
     RopeScaling,
     apply_rope,
     cache_slots,
@@ -34,8 +35,6 @@ from jfire.models.blocks import (
     kv_cache_specs,
     layer_matmul,
     layer_matmuls,
-    lm_head,
-    pre_norm_decoder,
     repeat_kv_heads,
     rms_norm,
     rope_angles,
@@ -43,7 +42,7 @@ from jfire.models.blocks import (
     rope_params,
     write_heads,
 )
-from jfire.models.family import CacheSpec, Family, MeshShape, scan_layers, segments_of
+from jfire.models.family import CacheSpec, MeshShape, scan_layers, segments_of
 from jfire.models.params import ParamSpec
 
 # HF `architectures[0]` -> the name GGUF files use for the same family (None: not read from GGUF).
@@ -76,7 +75,7 @@ _MOE = {
 
 
 @dataclasses.dataclass(frozen=True)
-class LlamaConfig(Family):
+class LlamaConfig(PreNormFamily):
     family: ClassVar[str] = "llama"
 
     architecture: str
@@ -388,93 +387,72 @@ class LlamaConfig(Family):
 
     # -- the forward pass --------------------------------------------------------------------
 
-    def decoder(
-        self, params, tokens, positions, pages, page_table, *, attention_impl=None, layer_stack=None, parallel=None
+    def run_segment(
+        self,
+        segment,
+        stack: dict,
+        x,
+        positions,
+        pages: dict,
+        page_table,
+        layer_offset,
+        cache_offset,
+        *,
+        attention_impl=None,
+        parallel=None,
     ):
-        return pre_norm_decoder(
-            self,
-            params,
-            tokens,
-            positions,
-            pages,
-            page_table,
-            run=run_segment,
-            eps=self.rms_norm_eps,
-            attention_impl=attention_impl,
-            layer_stack=layer_stack,
-            parallel=parallel,
-        )
+        """One segment's stacked layers over activations x [b, t, e]; layer j of the stack reads
+        and writes cache layer cache_offset + j.
 
-    def logits(self, params, hidden):
-        return lm_head(hidden, params, self.tie_word_embeddings)
+        New keys and values are written into their slots before attention, so the same function
+        serves prefill (t = a prompt chunk) and decode (t = 1). Padding tokens carry position -1:
+        their writes are dropped. `attention_impl(q, k_pages, v_pages, layer, page_table,
+        positions, sliding_window=, chunk=)` replaces the reference attention (the Pallas decode
+        kernel plugs in here).
+        """
+        cos, sin = rope_angles(positions, rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling))
+        page, slot = cache_slots(positions, page_table, pages["k"].shape[2], pages["k"].shape[3])
+        attend = attention_impl or paged_attention  # on the CPU kernel where it applies, else the reference
+        moe = segment.kind == "moe"
 
+        def layer(carry, p, j):
+            x, k_pages, v_pages = carry
+            i = cache_offset + j
+            with jax.named_scope("attention"):
+                h = rms_norm(x, p["attn_norm"], self.rms_norm_eps)
+                q, k, v = layer_matmuls(h, p, ("wq", "wk", "wv"))
+                if self.qkv_bias:
+                    q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+                if self.qk_norm:
+                    q = rms_norm(q, p["q_norm"], self.rms_norm_eps)
+                    k = rms_norm(k, p["k_norm"], self.rms_norm_eps)
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+                k_pages = write_heads(k_pages, i, page, slot, k)
+                v_pages = write_heads(v_pages, i, page, slot, v)
+                out = attend(q, k_pages, v_pages, i, page_table, positions, sliding_window=self.sliding_window)
+                x = x + layer_matmul(out, p, "wo", n_in=2)
+                if self.o_bias:
+                    x = x + p["bo"]
+            h = rms_norm(x, p["mlp_norm"], self.rms_norm_eps)
+            if moe:
+                from jfire.models.experts import routed_experts
+                from jfire.models.moe import Router
 
-def run_segment(
-    cfg: LlamaConfig,
-    segment,
-    stack: dict,
-    x,
-    positions,
-    pages: dict,
-    page_table,
-    layer_offset,
-    cache_offset,
-    *,
-    attention_impl=None,
-    parallel=None,
-):
-    """One segment's stacked layers over activations x [b, t, e]; layer j of the stack reads
-    and writes cache layer cache_offset + j.
+                with jax.named_scope("experts"):
+                    x = x + routed_experts(
+                        h,
+                        p["router"],
+                        p["we_gate"],
+                        p["we_up"],
+                        p["we_down"],
+                        router=Router(self.router, self.experts_per_token, self.norm_topk_prob),
+                        parallel=parallel,
+                    )
+            else:
+                with jax.named_scope("mlp"):
+                    gate, up = layer_matmuls(h, p, ("w_gate", "w_up"))
+                    x = x + layer_matmul(jax.nn.silu(gate) * up, p, "w_down")
+            return (x, k_pages, v_pages), None
 
-    New keys and values are written into their slots before attention, so the same function
-    serves prefill (t = a prompt chunk) and decode (t = 1). Padding tokens carry position -1:
-    their writes are dropped. `attention_impl(q, k_pages, v_pages, layer, page_table,
-    positions, sliding_window=, chunk=)` replaces the reference attention (the Pallas decode
-    kernel plugs in here).
-    """
-    cos, sin = rope_angles(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
-    page, slot = cache_slots(positions, page_table, pages["k"].shape[2], pages["k"].shape[3])
-    attend = attention_impl or paged_attention  # on the CPU kernel where it applies, else the reference
-    moe = segment.kind == "moe"
-
-    def layer(carry, p, j):
-        x, k_pages, v_pages = carry
-        i = cache_offset + j
-        with jax.named_scope("attention"):
-            h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-            q, k, v = layer_matmuls(h, p, ("wq", "wk", "wv"))
-            if cfg.qkv_bias:
-                q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
-            if cfg.qk_norm:
-                q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-                k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            k_pages = write_heads(k_pages, i, page, slot, k)
-            v_pages = write_heads(v_pages, i, page, slot, v)
-            out = attend(q, k_pages, v_pages, i, page_table, positions, sliding_window=cfg.sliding_window)
-            x = x + layer_matmul(out, p, "wo", n_in=2)
-            if cfg.o_bias:
-                x = x + p["bo"]
-        h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-        if moe:
-            from jfire.models.experts import routed_experts
-            from jfire.models.moe import Router
-
-            with jax.named_scope("experts"):
-                x = x + routed_experts(
-                    h,
-                    p["router"],
-                    p["we_gate"],
-                    p["we_up"],
-                    p["we_down"],
-                    router=Router(cfg.router, cfg.experts_per_token, cfg.norm_topk_prob),
-                    parallel=parallel,
-                )
-        else:
-            with jax.named_scope("mlp"):
-                gate, up = layer_matmuls(h, p, ("w_gate", "w_up"))
-                x = x + layer_matmul(jax.nn.silu(gate) * up, p, "w_down")
-        return (x, k_pages, v_pages), None
-
-    x, k, v = scan_layers(layer, stack, (x, pages["k"], pages["v"]), x.dtype, in_place=True)
-    return x, {"k": k, "v": v}
+        x, k, v = scan_layers(layer, stack, (x, pages["k"], pages["v"]), x.dtype, in_place=True)
+        return x, {"k": k, "v": v}

@@ -31,15 +31,14 @@ import numpy as np
 from jfire.errors import JfireError
 from jfire.kernels.paged_attention import paged_attention_reference
 from jfire.models.blocks import (
+    PreNormFamily,
     RopeScaling,
     apply_rope_interleaved,
     cache_slots,
     gated_mlp,
     gqa_mesh_problems,
     kv_cache_specs,
-    lm_head,
     out_projection,
-    pre_norm_decoder,
     repeat_kv_heads,
     rms_norm,
     rope_angles,
@@ -47,7 +46,7 @@ from jfire.models.blocks import (
     rope_params,
     write_heads,
 )
-from jfire.models.family import CacheSpec, Family, MeshShape, scan_layers, segments_of
+from jfire.models.family import CacheSpec, MeshShape, scan_layers, segments_of
 from jfire.models.params import ParamSpec
 
 # Both layouts serve the same text model; the multimodal one nests it under `language_model.`.
@@ -57,7 +56,7 @@ _VISION_PREFIXES = ("vision_model.", "multi_modal_projector.")
 
 
 @dataclasses.dataclass(frozen=True)
-class Llama4Config(Family):
+class Llama4Config(PreNormFamily):
     family: ClassVar[str] = "llama4"
 
     architecture: str
@@ -258,89 +257,73 @@ class Llama4Config(Family):
 
     # -- the forward pass ----------------------------------------------------------------------
 
-    def decoder(
-        self, params, tokens, positions, pages, page_table, *, attention_impl=None, layer_stack=None, parallel=None
+    def run_segment(
+        self,
+        segment,
+        stack: dict,
+        x,
+        positions,
+        pages: dict,
+        page_table,
+        layer_offset,
+        cache_offset,
+        *,
+        attention_impl=None,
+        parallel=None,
     ):
-        return pre_norm_decoder(
-            self,
-            params,
-            tokens,
-            positions,
-            pages,
-            page_table,
-            run=run_segment,
-            eps=self.rms_norm_eps,
-            attention_impl=attention_impl,
-            layer_stack=layer_stack,
-            parallel=parallel,
+        """One segment's stacked layers over x [b, t, e]; see `LlamaConfig.run_segment`."""
+        cos, sin = rope_angles(positions, rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling))
+        page, slot = cache_slots(positions, page_table, pages["k"].shape[2], pages["k"].shape[3])
+        attend = attention_impl or paged_attention_reference
+        data = {k: jnp.asarray(v) for k, v in self.layer_data().items()}
+        # Temperature tuning for NoPE layers, per absolute position [b, t, 1, 1].
+        temperature = 1.0 + self.attn_scale * jnp.log1p(
+            jnp.floor((positions.astype(jnp.float32) + 1.0) / self.floor_scale)
         )
+        temperature = temperature[:, :, None, None]
+        moe = segment.kind == "moe"
 
-    def logits(self, params, hidden):
-        return lm_head(hidden, params, self.tie_word_embeddings)
+        def layer(carry, p, j):
+            x, k_pages, v_pages = carry
+            i, layer_id = cache_offset + j, layer_offset + j
+            use_rope, chunk = data["rope"][layer_id], data["chunk"][layer_id]
+            with jax.named_scope("attention"):
+                h = rms_norm(x, p["attn_norm"], self.rms_norm_eps)
+                q = jnp.einsum("bte,ehd->bthd", h, p["wq"])
+                k = jnp.einsum("bte,ekd->btkd", h, p["wk"])
+                v = jnp.einsum("bte,ekd->btkd", h, p["wv"])
+                q_rope, k_rope = apply_rope_interleaved(q, cos, sin), apply_rope_interleaved(k, cos, sin)
+                if self.use_qk_norm:
+                    q_rope, k_rope = (
+                        rms_norm(q_rope, None, self.rms_norm_eps),
+                        rms_norm(k_rope, None, self.rms_norm_eps),
+                    )
+                q_nope = (q * temperature).astype(q.dtype) if self.attn_temperature_tuning else q
+                q, k = jnp.where(use_rope, q_rope, q_nope), jnp.where(use_rope, k_rope, k)
+                k_pages = write_heads(k_pages, i, page, slot, k)
+                v_pages = write_heads(v_pages, i, page, slot, v)
+                out = attend(q, k_pages, v_pages, i, page_table, positions, chunk=chunk)
+                x = x + out_projection(out, p["wo"])
+            h = rms_norm(x, p["mlp_norm"], self.rms_norm_eps)
+            if moe:
+                from jfire.models.experts import routed_experts
+                from jfire.models.moe import Router
 
+                with jax.named_scope("experts"):
+                    routed = routed_experts(
+                        h,
+                        p["router"],
+                        p["we_gate"],
+                        p["we_up"],
+                        p["we_down"],
+                        router=Router("sigmoid_input", self.experts_per_token),
+                        parallel=parallel,
+                    )
+                    x = x + gated_mlp(h, p["ws_gate"], p["ws_up"], p["ws_down"]) + routed
+            else:
+                with jax.named_scope("mlp"):
+                    x = x + gated_mlp(h, p["w_gate"], p["w_up"], p["w_down"])
+            return (x, k_pages, v_pages), None
 
-def run_segment(
-    cfg: Llama4Config,
-    segment,
-    stack: dict,
-    x,
-    positions,
-    pages: dict,
-    page_table,
-    layer_offset,
-    cache_offset,
-    *,
-    attention_impl=None,
-    parallel=None,
-):
-    """One segment's stacked layers over x [b, t, e]; see jfire.models.llama.run_segment."""
-    cos, sin = rope_angles(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
-    page, slot = cache_slots(positions, page_table, pages["k"].shape[2], pages["k"].shape[3])
-    attend = attention_impl or paged_attention_reference
-    data = {k: jnp.asarray(v) for k, v in cfg.layer_data().items()}
-    # Temperature tuning for NoPE layers, per absolute position [b, t, 1, 1].
-    temperature = 1.0 + cfg.attn_scale * jnp.log1p(jnp.floor((positions.astype(jnp.float32) + 1.0) / cfg.floor_scale))
-    temperature = temperature[:, :, None, None]
-    moe = segment.kind == "moe"
-
-    def layer(carry, p, j):
-        x, k_pages, v_pages = carry
-        i, layer_id = cache_offset + j, layer_offset + j
-        use_rope, chunk = data["rope"][layer_id], data["chunk"][layer_id]
-        with jax.named_scope("attention"):
-            h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-            q = jnp.einsum("bte,ehd->bthd", h, p["wq"])
-            k = jnp.einsum("bte,ekd->btkd", h, p["wk"])
-            v = jnp.einsum("bte,ekd->btkd", h, p["wv"])
-            q_rope, k_rope = apply_rope_interleaved(q, cos, sin), apply_rope_interleaved(k, cos, sin)
-            if cfg.use_qk_norm:
-                q_rope, k_rope = rms_norm(q_rope, None, cfg.rms_norm_eps), rms_norm(k_rope, None, cfg.rms_norm_eps)
-            q_nope = (q * temperature).astype(q.dtype) if cfg.attn_temperature_tuning else q
-            q, k = jnp.where(use_rope, q_rope, q_nope), jnp.where(use_rope, k_rope, k)
-            k_pages = write_heads(k_pages, i, page, slot, k)
-            v_pages = write_heads(v_pages, i, page, slot, v)
-            out = attend(q, k_pages, v_pages, i, page_table, positions, chunk=chunk)
-            x = x + out_projection(out, p["wo"])
-        h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-        if moe:
-            from jfire.models.experts import routed_experts
-            from jfire.models.moe import Router
-
-            with jax.named_scope("experts"):
-                routed = routed_experts(
-                    h,
-                    p["router"],
-                    p["we_gate"],
-                    p["we_up"],
-                    p["we_down"],
-                    router=Router("sigmoid_input", cfg.experts_per_token),
-                    parallel=parallel,
-                )
-                x = x + gated_mlp(h, p["ws_gate"], p["ws_up"], p["ws_down"]) + routed
-        else:
-            with jax.named_scope("mlp"):
-                x = x + gated_mlp(h, p["w_gate"], p["w_up"], p["w_down"])
-        return (x, k_pages, v_pages), None
-
-    x, k, v = scan_layers(layer, stack, (x, pages["k"], pages["v"]), x.dtype)
-    return x, {"k": k, "v": v}
+        x, k, v = scan_layers(layer, stack, (x, pages["k"], pages["v"]), x.dtype)
+        return x, {"k": k, "v": v}
