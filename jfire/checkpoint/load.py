@@ -57,7 +57,7 @@ def load_config_and_tokenizer(
     """What a frontend needs without the weights: (config, tokenizer, name)."""
     path, name = resolve_model_path(model, checkpoints_dir)
     if store.is_checkpoint(path):
-        return store.read_config(path), Tokenizer.from_dir(path), name
+        return store.read_config(path), tokenizer_of(path), name
     source = open_source(path)
     return source.config, tokenizer_of(source), name
 
@@ -93,7 +93,7 @@ def load_model(
             )
         else:
             config, params = store.restore(path, target, shardings=shardings)
-        tokenizer = Tokenizer.from_dir(path)
+        tokenizer = tokenizer_of(path)
     else:
         if keep_compressed:
             raise JfireError(

@@ -100,9 +100,15 @@ def count_source_tensors(config: Family) -> int:
     )
 
 
-def tokenizer_of(source) -> Tokenizer | None:
-    """The source's tokenizer: built from the GGUF file's vocabulary and merges, or read from
-    the directory's tokenizer files (None when it has none)."""
-    if isinstance(source, GGUFSource):
-        return Tokenizer.from_gguf(source.reader)
-    return Tokenizer.from_dir(source.path)
+def tokenizer_of(model: str | Path | GGUFSource | HFDirSource) -> Tokenizer | None:
+    """The tokenizer of any checkpoint jfire reads; the one place that decides it. A GGUF file's
+    is built from its vocabulary and merges; a directory's, a HF source or a jfire checkpoint
+    (conversion saves the source's tokenizer beside the weights), is read from its tokenizer
+    files, None when it has none. `model` is the checkpoint's path, or the source that
+    `open_source` already opened for it."""
+    if isinstance(model, str | Path):
+        path = Path(model)
+        return Tokenizer.from_dir(path) if path.is_dir() else tokenizer_of(open_source(path))
+    if isinstance(model, GGUFSource):
+        return Tokenizer.from_gguf(model.reader)
+    return Tokenizer.from_dir(model.path)
