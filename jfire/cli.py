@@ -43,8 +43,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default="default",
-        help="HF model directory, .gguf file, jfire checkpoint directory, or 'default' "
-        "(SmolLM2-135M-Instruct, converted into checkpoints/ on first use)",
+        help="HF model directory, .gguf file, jfire checkpoint directory, Hugging Face id (org/name, "
+        "from the local HF cache), or 'default' (SmolLM2-135M-Instruct, converted into checkpoints/ on first use)",
     )
     p.add_argument(
         "--dtype",
@@ -278,6 +278,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     v.add_argument("--served-model-name", default=None, help="the model id clients send (default: from --model)")
     v.add_argument(
+        "--host-kv-gb",
+        type=float,
+        default=0.0,
+        help="host memory for prefix blocks evicted from the device cache, loaded back when a prompt "
+        "shares them (default 0: none; docs/architecture.md)",
+    )
+    v.add_argument(
         "--no-access-log",
         dest="access_log",
         action="store_false",
@@ -320,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--coordinator", default=None, help="HOST:PORT of the deployment's coordinator (process 0)")
 
     c = sub.add_parser("convert", help="convert a HF directory or .gguf file into a jfire checkpoint")
-    c.add_argument("src", help="HF model directory or .gguf file")
+    c.add_argument("src", help="HF model directory, .gguf file, or Hugging Face id (org/name) in the local HF cache")
     c.add_argument("dst", nargs="?", help="destination directory (default: checkpoints/<name>)")
     c.add_argument(
         "--dtype",
@@ -338,7 +345,11 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser(
         "compress-report", help="how far lossless bf16 compression shrinks some weights, checked bit for bit"
     )
-    r.add_argument("path", help="a .safetensors file, a HF directory, a .gguf file, a jfire checkpoint or 'default'")
+    r.add_argument(
+        "path",
+        help="a .safetensors file, a HF directory, a .gguf file, a jfire checkpoint, a Hugging Face id "
+        "(org/name, from the local HF cache) or 'default'",
+    )
     r.add_argument(
         "--decoder",
         default="reference",
@@ -356,7 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument(
         "--model",
         default="default",
-        help="a model directory (config.json is enough), a jfire checkpoint, a .gguf file or 'default'",
+        help="a model directory (config.json is enough), a jfire checkpoint, a .gguf file, a Hugging Face id "
+        "(org/name, from the local HF cache) or 'default'",
     )
     pl.add_argument(
         "--mesh",
@@ -528,11 +540,14 @@ def _generate_batch(args, model, sampling) -> int:
 
 
 def cmd_convert(args) -> int:
+    from jfire.checkpoint import hub
     from jfire.checkpoint.convert import convert
     from jfire.checkpoint.default_model import default_checkpoints_dir
 
-    src = Path(args.src)
-    dst = Path(args.dst) if args.dst else default_checkpoints_dir() / src.name.removesuffix(".gguf")
+    src = hub.resolve_source(args.src)
+    # Named as given: an id's snapshot directory is named by its commit.
+    name = Path(args.src).name.removesuffix(".gguf")
+    dst = Path(args.dst) if args.dst else default_checkpoints_dir() / name
     out = convert(src, dst, args.dtype, progress=not args.no_progress, compress=args.compress)
     print(f"wrote {out}")
     return 0
@@ -631,6 +646,10 @@ def cmd_serve(args) -> int:
         raise JfireError(f"--shutdown-grace must be >= 0 seconds, got {args.shutdown_grace}")
     if not args.max_body_mb > 0:
         raise JfireError(f"--max-body-mb must be > 0, got {args.max_body_mb}")
+    if args.host_kv_gb < 0:
+        raise JfireError(f"--host-kv-gb must be >= 0, got {args.host_kv_gb}")
+    if args.host_kv_gb and args.coordinator is not None:
+        raise JfireError("--host-kv-gb serves one process; leave it out for a group spanning processes")
     # The weights load on a thread while the server's modules import: reading the checkpoint
     # waits on its reader threads, importing runs Python; together ~0.3 s off a warm start.
     with ThreadPoolExecutor(1, thread_name_prefix="jfire-load") as pool:
@@ -652,10 +671,20 @@ def cmd_serve(args) -> int:
         api_key=api_key,
         access_log=args.access_log,
         lead=lambda engine: _lead_or_follow(args, engine),
+        connector=_host_tier(args.host_kv_gb),
         max_body_bytes=int(args.max_body_mb * (1 << 20)),
         shutdown_grace_s=args.shutdown_grace,
         model_name=args.served_model_name or server.served_name(args.model),
     )
+
+
+def _host_tier(gb: float):
+    """The host-memory tier's connector, or None (the colocated engine's own)."""
+    if not gb:
+        return None
+    from jfire.host_tier import HostTier
+
+    return HostTier(int(gb * (1 << 30)))
 
 
 def cmd_launch(args) -> int:

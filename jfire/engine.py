@@ -49,7 +49,7 @@ class Engine:
         self.eos_ids = frozenset(cfg.eos_token_ids) | (model.tokenizer.eos_ids if model.tokenizer else frozenset())
         self.runner = ModelRunner(model, config, self.max_model_len, self.eos_ids, self.connector.program_kinds)
         self.pool = BlockPool(self.runner.num_pages, config.page_size)
-        self.scheduler = Scheduler.for_engine(self.pool, config)
+        self.scheduler = Scheduler.for_engine(self.pool, config, self.connector.load_prefix)
         grammars = Grammars(model.tokenizer, cfg.vocab_size, self.eos_ids)
         self.outputs = OutputProcessor(
             model.tokenizer,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -37,11 +37,23 @@ def page_bytes(cfg: Family, page_size: int, dtype) -> int:
     return cfg.kv_bytes_per_token(dtype) * page_size
 
 
-def block_hashes(token_ids: Sequence[int], page_size: int) -> list[bytes]:
-    """Chained hashes of each full page of tokens: a page's hash covers everything before it."""
-    hashes, parent = [], b""
+def block_hashes(
+    token_ids: Sequence[int],
+    page_size: int,
+    *,
+    salt: bytes = b"",
+    extra_keys: Callable[[int, int], bytes] | None = None,
+) -> list[bytes]:
+    """Chained hashes of each full page of tokens: a page's hash covers everything before it.
+    What the KV depends on besides the token ids goes in too, so equal ids never share pages
+    they should not: `salt` seeds the chain (a cache salt, a model's identity), and
+    `extra_keys(start, end)` gives the bytes of what else block [start, end) holds (the hash
+    of an image whose placeholder tokens fall in it)."""
+    hashes, parent = [], hashlib.blake2b(salt, digest_size=16).digest() if salt else b""
     for start in range(0, len(token_ids) - page_size + 1, page_size):
         block = np.asarray(token_ids[start : start + page_size], np.int64).tobytes()
+        if extra_keys is not None:
+            block += extra_keys(start, start + page_size)
         parent = hashlib.blake2b(parent + block, digest_size=16).digest()
         hashes.append(parent)
     return hashes
@@ -68,6 +80,9 @@ class BlockPool:
         self._free: collections.OrderedDict[int, None] = collections.OrderedDict((i, None) for i in range(num_pages))
         self._page_of_hash: dict[bytes, int] = {}
         self._hash_of_page: dict[int, bytes] = {}
+        # Called with the (page, block hash) pairs whose cached blocks allocate() is about to
+        # hand out, before anything overwrites them: a host tier copies them out here.
+        self.on_evict: Callable[[list[tuple[int, bytes]]], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -81,12 +96,16 @@ class BlockPool:
         """n fresh pages, or None (and nothing taken) when fewer than n are free."""
         if n > len(self._free):
             return None
-        pages = []
+        pages, evicted = [], []
         for _ in range(n):
             page, _ = self._free.popitem(last=False)
-            self._forget(page)
+            h = self._forget(page)
+            if h is not None:
+                evicted.append((page, h))
             self.ref_count[page] = 1
             pages.append(page)
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
         return pages
 
     def free(self, pages: Sequence[int]) -> None:
@@ -124,7 +143,8 @@ class BlockPool:
         self._page_of_hash[block_hash] = page
         self._hash_of_page[page] = block_hash
 
-    def _forget(self, page: int) -> None:
+    def _forget(self, page: int) -> bytes | None:
         h = self._hash_of_page.pop(page, None)
         if h is not None:
             del self._page_of_hash[h]
+        return h

@@ -99,6 +99,13 @@ class KVConnector:
         """Progress on loads and saves, once per loop turn before scheduling."""
         return Progress()
 
+    def load_prefix(self, hashes: list[bytes]) -> list[int]:
+        """The scheduler admits a request whose leading blocks `hashes` (chained block hashes,
+        jfire.kv_cache.block_hashes) the device cache lacks: pages now holding the longest run
+        of them loaded from elsewhere, each registered in the pool and referenced once (as
+        `BlockPool.lookup_prefix` gives them), before any program reads them."""
+        return []
+
     def request_finished(self, seq: Sequence, kv_params: dict | None) -> dict:
         """With `ends_after_prompt`: the prompt of `seq` is computed; keep its pages for the
         loading side and return what it needs to load them (the request's transfer)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+from collections.abc import Callable
 
 from jfire.kv_cache import BlockPool, block_hashes
 from jfire.sampling import SamplingParams
@@ -92,8 +93,12 @@ class Scheduler:
         prefill_budget: int,
         max_prefill_rows: int,
         prefix_caching: bool = True,
+        load_prefix: Callable[[list[bytes]], list[int]] | None = None,
     ):
         self.pool = pool
+        # Leading blocks the device cache lacks, loaded from elsewhere (a host tier: its
+        # KVConnector.load_prefix): the pages now holding them, registered and referenced.
+        self.load_prefix = load_prefix
         self.max_batch = max_batch
         self.prefill_budget = prefill_budget
         self.max_prefill_rows = max_prefill_rows
@@ -105,7 +110,7 @@ class Scheduler:
         self.preemptions = 0
 
     @classmethod
-    def for_engine(cls, pool: BlockPool, config) -> Scheduler:
+    def for_engine(cls, pool: BlockPool, config, load_prefix=None) -> Scheduler:
         """The scheduler of an engine with these settings (an EngineConfig)."""
         return cls(
             pool,
@@ -113,6 +118,7 @@ class Scheduler:
             prefill_budget=config.prefill_budget,
             max_prefill_rows=config.max_prefill_rows,
             prefix_caching=config.prefix_caching,
+            load_prefix=load_prefix,
         )
 
     # -- membership --------------------------------------------------------------------------
@@ -225,6 +231,8 @@ class Scheduler:
         reusable = (len(seq.tokens) - 1) // self.pool.page_size
         hashes = block_hashes(seq.tokens[: reusable * self.pool.page_size], self.pool.page_size)
         seq.pages = self.pool.lookup_prefix(hashes)
+        if self.load_prefix is not None and len(seq.pages) < len(hashes):
+            seq.pages += self.load_prefix(hashes[len(seq.pages) :])
         seq.computed = len(seq.pages) * self.pool.page_size
         seq.registered_blocks = len(seq.pages)
 

@@ -26,12 +26,25 @@ class EngineCollector:
         "pages_cached": ("jfire_kv_pages_cached", "Free KV pages still holding a reusable prefix block"),
         "pages_total": ("jfire_kv_pages_total", "KV cache pages in the pool"),
         "tokens_per_s": ("jfire_generation_tokens_per_second", "Tokens generated per second, last 10 s"),
+        # The host-memory tier (--host-kv-gb).
+        "host_blocks": ("jfire_host_kv_blocks", "Prefix blocks held in host memory"),
+        "host_bytes": ("jfire_host_kv_bytes", "Bytes of prefix blocks held in host memory"),
     }
     COUNTERS = {
         "prefix_hit_tokens": ("jfire_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache"),
         "prompt_tokens": ("jfire_prompt_tokens", "Prompt tokens admitted"),
         "tokens_generated": ("jfire_generation_tokens", "Tokens generated"),
         "preemptions": ("jfire_preemptions", "Requests preempted for lack of KV pages"),
+        "host_blocks_saved": (
+            "jfire_host_kv_blocks_saved",
+            "Prefix blocks copied to host memory as the device evicted them",
+        ),
+        "host_blocks_loaded": ("jfire_host_kv_blocks_loaded", "Prefix blocks loaded back from host memory"),
+        "host_blocks_corrupt": (
+            "jfire_host_kv_blocks_corrupt",
+            "Host prefix blocks whose bits differed from those saved: dropped and computed again",
+        ),
+        "host_load_s": ("jfire_host_kv_load_seconds", "Time spent loading prefix blocks back from host memory"),
         # Disaggregated serving: KV cache moved from prefill groups to decode groups.
         "kv_transfer_bytes": ("jfire_kv_transfer_bytes", "KV cache bytes pulled from prefill into decode groups"),
         "kv_transfers": ("jfire_kv_transfers", "Requests whose KV cache moved from prefill to decode"),

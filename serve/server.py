@@ -80,12 +80,14 @@ def run(
     shutdown_grace_s: float = 30.0,
     lead=None,
     access_log: bool = True,
+    connector=None,
 ) -> int:
     """Serves on `sock` (bound to host, serve/listen.py) until SIGTERM/SIGINT (exit status 0) or
     until the engine fails for good (1: its requests have ended with an error, /health says so,
     and a supervisor should restart it). `lead(engine)`, in a group spanning processes,
-    connects the engine to its followers."""
-    engine = Engine(model, config)
+    connects the engine to its followers; `connector` is the engine's KV connector (a host
+    tier), None for the colocated engine's own."""
+    engine = Engine(model, config, connector)
     if lead is not None:
         lead(engine)
     state = ServerState(

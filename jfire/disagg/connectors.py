@@ -27,7 +27,7 @@ import time
 import jax
 
 from jfire.disagg import blocks, cluster
-from jfire.disagg.kv_transfer import KVLayout, Pull, Puller, TransferPrograms, new_uuid, placeholder, transfer_widths
+from jfire.disagg.kv_transfer import Pull, Puller, kv_layout, new_uuid, placeholder, transfer_programs
 from jfire.errors import JfireError
 from jfire.kv_connector import Failed, KVConnector, Loaded, Progress
 from jfire.outputs import LiveRequest
@@ -36,16 +36,6 @@ from jfire.scheduler import Phase, Sequence
 
 ACK_POLL_S = 0.01
 CONTROL_POLL_S = 0.2  # how often a prefill group reads renewals and pulls a decode group gave up on
-
-
-def kv_layout(engine) -> KVLayout:
-    model = engine.model
-    return KVLayout(model.config, model.kv_replication, engine.config.page_size, model.dtype_of_params, model.mesh)
-
-
-def transfer_programs(engine, layout: KVLayout, kind: str) -> TransferPrograms:
-    widths = transfer_widths(engine.runner.buckets.pages_per_row, engine.config.page_size)
-    return TransferPrograms(layout, engine.runner.pages, widths, kind)
 
 
 @dataclasses.dataclass

@@ -16,7 +16,7 @@ import threading
 import jax
 import numpy as np
 
-from jfire.disagg.connectors import kv_layout, transfer_programs
+from jfire.disagg.kv_transfer import kv_layout, transfer_programs
 from jfire.errors import JfireError
 from jfire.kv_connector import Failed, KVConnector, Loaded, Progress
 from jfire.outputs import LiveRequest

@@ -194,7 +194,7 @@ class TransferPrograms:
         self._compiled: dict[int, object] = {}
         ids = layout.mesh and NamedSharding(layout.mesh, PartitionSpec())
         self._ids_sharding = ids or SingleDeviceSharding(layout.devices()[0])
-        self.padding = None  # decode side: zero pages standing in for unused slots
+        self.padding: list = []  # insert side: zero pages standing in for unused slots (once compiled)
 
     @property
     def num_compiled(self) -> int:
@@ -236,14 +236,25 @@ class TransferPrograms:
 
     def gather(self, pages, page_ids: list[int]) -> tuple[list[jax.Array], int]:
         """The pages' wire arrays, and their checksum."""
+        wire, sums = self.gather_dispatched(pages, page_ids)
+        return wire, checksum(sums, len(page_ids))
+
+    def gather_dispatched(self, pages, page_ids: list[int]) -> tuple[list[jax.Array], jax.Array]:
+        """The pages' wire arrays (page-major) and [width] page sums, still on the device: the
+        call is only dispatched, so nothing waits for it here."""
         w = self.width_for(len(page_ids))
         ids = np.zeros(w, np.int32)
         ids[: len(page_ids)] = page_ids
         *wire, sums = self._compiled[w](pages, jax.device_put(ids, self._ids_sharding))
-        return list(wire[: len(page_ids) * len(self.layout.arrays)]), checksum(sums, len(page_ids))
+        return list(wire[: len(page_ids) * len(self.layout.arrays)]), sums
 
     def insert(self, pages, arrays: list[jax.Array], page_ids: list[int]):
         """(the pages with these written in, the checksum of what arrived)."""
+        pages, sums = self.insert_with_sums(pages, arrays, page_ids)
+        return pages, int(sums.astype(np.uint64).sum() % (1 << 32))
+
+    def insert_with_sums(self, pages, arrays: list[jax.Array] | list[np.ndarray], page_ids: list[int]):
+        """(the pages with these written in, each written page's sum of what arrived)."""
         w = self.width_for(len(page_ids))
         ids = np.full(w, self._num_pages, np.int32)  # past the pool: dropped
         ids[: len(page_ids)] = page_ids
@@ -251,7 +262,19 @@ class TransferPrograms:
         arrays = [jax.device_put(a, self.layout.page_sharding(self.layout.arrays[i % n])) for i, a in enumerate(arrays)]
         arrays += self.padding * (w - len(page_ids))
         pages, sums = self._compiled[w](pages, tuple(arrays), jax.device_put(ids, self._ids_sharding))
-        return pages, checksum(sums, len(page_ids))
+        return pages, sharding.to_host(sums)[: len(page_ids)]
+
+
+def kv_layout(engine) -> KVLayout:
+    """The layout of an engine's cache pages on the wire."""
+    model = engine.model
+    return KVLayout(model.config, model.kv_replication, engine.config.page_size, model.dtype_of_params, model.mesh)
+
+
+def transfer_programs(engine, layout: KVLayout, kind: str) -> TransferPrograms:
+    """An engine's gather or insert programs, for every transfer width its rows can need."""
+    widths = transfer_widths(engine.runner.buckets.pages_per_row, engine.config.page_size)
+    return TransferPrograms(layout, engine.runner.pages, widths, kind)
 
 
 # -- pulls: a fixed pool of threads, each pull with its own deadline -------------------------

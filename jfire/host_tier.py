@@ -1,0 +1,165 @@
+"""A host-memory tier under the device prefix cache, as a KV connector.
+
+The device pool keeps a freed page's block findable until the page is handed out again; then
+the block is gone, and a prompt that shared it computes it again. With a host tier, the pool
+tells the connector which cached blocks an allocation is about to reuse
+(`BlockPool.on_evict`), and the connector dispatches a gather of those pages before any
+program can overwrite them (the device runs calls in order, so the step that reuses the pages
+runs after it). The gathered pages reach host memory at the next loop turn, off the step's
+critical path, keyed by the same chained block hashes (jfire.kv_cache.block_hashes) in an LRU
+cache of bounded size.
+
+When the scheduler admits a prompt whose leading blocks the device lacks, it asks the
+connector (`load_prefix`): the blocks found in host memory are written into fresh pages by
+the insert program, registered in the pool like any computed block, and the prompt's prefill
+continues after them. Each block carries the sum of its bits as the device computed it when
+it was saved; the insert computes the same sum of what it wrote, and a block that differs (a
+corrupt or stale entry) is dropped and computed again, never served.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+
+import numpy as np
+
+from jfire.disagg.kv_transfer import kv_layout, transfer_programs
+from jfire.kv_connector import KVConnector, Progress
+from jfire.sharding import to_host
+
+
+@dataclasses.dataclass
+class HostBlock:
+    arrays: list[np.ndarray]  # the page's wire arrays, one per cache array
+    page_sum: int  # the wrapping sum of their bits, as the device computed it when saving them
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays)
+
+
+class HostPrefixCache:
+    """Blocks by chained hash; the least recently used go first past `capacity_bytes`."""
+
+    def __init__(self, capacity_bytes: int):
+        self.capacity_bytes = capacity_bytes
+        self.nbytes = 0
+        self._blocks: collections.OrderedDict[bytes, HostBlock] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self._blocks
+
+    def get(self, block_hash: bytes) -> HostBlock | None:
+        block = self._blocks.get(block_hash)
+        if block is not None:
+            self._blocks.move_to_end(block_hash)
+        return block
+
+    def put(self, block_hash: bytes, block: HostBlock) -> None:
+        if block.nbytes > self.capacity_bytes:
+            return
+        self.drop(block_hash)
+        self._blocks[block_hash] = block
+        self.nbytes += block.nbytes
+        while self.nbytes > self.capacity_bytes:
+            _, oldest = self._blocks.popitem(last=False)
+            self.nbytes -= oldest.nbytes
+
+    def drop(self, block_hash: bytes) -> None:
+        block = self._blocks.pop(block_hash, None)
+        if block is not None:
+            self.nbytes -= block.nbytes
+
+
+class HostTier(KVConnector):
+    """The colocated engine's connector with a host-memory tier of `capacity_bytes`."""
+
+    def __init__(self, capacity_bytes: int):
+        self.cache = HostPrefixCache(capacity_bytes)
+        self._saving: list[tuple[list[bytes], list, object]] = []  # gathered on the device, not yet on the host
+        self.counts: collections.Counter = collections.Counter()
+        self.load_s = 0.0  # spent loading blocks back
+
+    def bind(self, engine) -> None:
+        super().bind(engine)
+        layout = kv_layout(engine)
+        self.arrays_per_page = len(layout.arrays)
+        self.gather = transfer_programs(engine, layout, "gather")
+        self.insert = transfer_programs(engine, layout, "insert")
+        engine.pool.on_evict = self._evicted
+
+    def side_programs(self) -> list:
+        return [self.gather, self.insert]
+
+    def _evicted(self, evicted: list[tuple[int, bytes]]) -> None:
+        """Cached blocks about to be reused: their pages are gathered now, read later."""
+        widest = self.gather.widths[-1]
+        for i in range(0, len(evicted), widest):
+            part = evicted[i : i + widest]
+            wire, sums = self.gather.gather_dispatched(self.engine.runner.pages, [page for page, _ in part])
+            self._saving.append(([h for _, h in part], wire, sums))
+        self.counts["saved"] += len(evicted)
+
+    def _settle(self) -> None:
+        """Moves the gathered blocks into host memory."""
+        saving, self._saving = self._saving, []
+        n = self.arrays_per_page
+        for hashes, wire, sums in saving:
+            page_sums = to_host(sums)
+            for i, block_hash in enumerate(hashes):
+                arrays = [np.asarray(a) for a in wire[i * n : (i + 1) * n]]
+                self.cache.put(block_hash, HostBlock(arrays, int(page_sums[i])))
+
+    def update(self) -> Progress:
+        self._settle()
+        return Progress()
+
+    def load_prefix(self, hashes: list[bytes]) -> list[int]:
+        self._settle()
+        found = []
+        for block_hash in hashes:
+            block = self.cache.get(block_hash)
+            if block is None:
+                break
+            found.append((block_hash, block))
+        if not found:
+            return []
+        t0 = time.perf_counter()
+        pool, runner = self.engine.pool, self.engine.runner
+        pages = pool.allocate(len(found))  # what it evicts is gathered before the insert runs
+        if pages is None:
+            return []
+        widest = self.insert.widths[-1]
+        arrived: list[int] = []
+        for i in range(0, len(found), widest):
+            part = found[i : i + widest]
+            arrays = [a for _, block in part for a in block.arrays]
+            runner.pages, sums = self.insert.insert_with_sums(runner.pages, arrays, pages[i : i + len(part)])
+            arrived += [int(s) for s in sums]
+        good = 0
+        while good < len(found) and arrived[good] == found[good][1].page_sum:
+            good += 1
+        if good < len(found):  # not what was saved: dropped, and computed again from there
+            self.cache.drop(found[good][0])
+            self.counts["corrupt"] += 1
+        for page, (block_hash, _) in zip(pages[:good], found):
+            pool.register(page, block_hash)
+        pool.free(pages[good:])
+        self.counts["loaded"] += good
+        self.load_s += time.perf_counter() - t0
+        return pages[:good]
+
+    def stats(self) -> dict:
+        return {
+            "host_blocks": len(self.cache),
+            "host_bytes": self.cache.nbytes,
+            "host_blocks_saved": self.counts["saved"],
+            "host_blocks_loaded": self.counts["loaded"],
+            "host_blocks_corrupt": self.counts["corrupt"],
+            "host_load_s": self.load_s,
+        }
