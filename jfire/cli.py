@@ -307,6 +307,12 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--served-model-name", default=None, help="the model id clients send (default: from --model)")
     n.add_argument("--no-access-log", dest="access_log", action="store_false", help="as for serve")
     n.add_argument(
+        "--host-kv-gb",
+        type=float,
+        default=0.0,
+        help="as for serve, for each prefill group (of one process): host memory for its evicted prefix blocks",
+    )
+    n.add_argument(
         "--shutdown-grace",
         type=float,
         default=30.0,
@@ -701,7 +707,16 @@ def cmd_launch(args) -> int:
     if args.max_queue < 1:
         raise JfireError(f"--max-queue must be >= 1, got {args.max_queue}")
     config = dataclasses.replace(engine_config(args, single=False), max_waiting=args.max_queue)
+    if args.host_kv_gb < 0:
+        raise JfireError(f"--host-kv-gb must be >= 0, got {args.host_kv_gb}")
+    spanning = [g.name for g in deployment.groups if g.role == "prefill" and g.processes > 1]
+    if args.host_kv_gb and spanning:
+        raise JfireError(
+            f"--host-kv-gb serves prefill groups of one process; {', '.join(spanning)} span several: "
+            "leave it out for this deployment"
+        )
     passed = [
+        ("--host-kv-gb", args.host_kv_gb or None),
         ("--kv-cache-gb", args.kv_cache_gb),
         ("--prefill-budget", args.prefill_budget),
         ("--attention", args.attention),
@@ -734,6 +749,7 @@ def cmd_launch(args) -> int:
         shutdown_grace=args.shutdown_grace,
         max_restarts=args.max_restarts,
         access_log=args.access_log,
+        host_kv_bytes=int(args.host_kv_gb * (1 << 30)),
     )
     if args.process_id is None:
         if args.coordinator:

@@ -140,3 +140,79 @@ class KVConnector:
 
     def shutdown(self) -> None:
         """After the engine's thread has stopped."""
+
+
+class ConnectorStack(KVConnector):
+    """A role's connector with tiers beside it (a prefill group with a host-memory tier): the
+    first connector is the role (program kinds, which requests end after their prompt, what
+    `request_finished` publishes); every hook of the others runs too, and a prefix the device
+    lacks is asked of each in turn."""
+
+    def __init__(self, role: KVConnector, *tiers: KVConnector):
+        self.parts = (role, *tiers)
+        self.role, self.program_kinds, self.ends_after_prompt = role.role, role.program_kinds, role.ends_after_prompt
+
+    def bind(self, engine) -> None:
+        super().bind(engine)
+        for part in self.parts:
+            part.bind(engine)
+
+    def side_programs(self) -> list:
+        return [p for part in self.parts for p in part.side_programs()]
+
+    def check(self, request_id, prompt_ids, sampling: SamplingParams, kv_params) -> SamplingParams:
+        checked = self.parts[0].check(request_id, prompt_ids, sampling, kv_params)
+        for part in self.parts[1:]:
+            checked = part.check(request_id, prompt_ids, checked, None)
+        return checked
+
+    def loads(self, live: LiveRequest) -> bool:
+        return any(part.loads(live) for part in self.parts)
+
+    def hold(self, live: LiveRequest) -> None:
+        next(part for part in self.parts if part.loads(live)).hold(live)
+
+    def update(self) -> Progress:
+        progress = Progress()
+        for part in self.parts:
+            done = part.update()
+            progress.loaded += done.loaded
+            progress.failed += done.failed
+        return progress
+
+    def load_prefix(self, hashes: list[bytes]) -> list[int]:
+        pages: list[int] = []
+        for part in self.parts:
+            if len(pages) < len(hashes):
+                pages += part.load_prefix(hashes[len(pages) :])
+        return pages
+
+    def request_finished(self, seq: Sequence, kv_params: dict | None) -> dict:
+        return self.parts[0].request_finished(seq, kv_params)
+
+    def cancel(self, request_id: str) -> None:
+        for part in self.parts:
+            part.cancel(request_id)
+
+    def held_requests(self) -> list[LiveRequest]:
+        return [live for part in self.parts for live in part.held_requests()]
+
+    def has_pending(self) -> bool:
+        return any(part.has_pending() for part in self.parts)
+
+    def poll_interval(self) -> float | None:
+        intervals = [i for i in (part.poll_interval() for part in self.parts) if i is not None]
+        return min(intervals) if intervals else None
+
+    def stats(self) -> dict:
+        return {k: v for part in self.parts for k, v in part.stats().items()}
+
+    def num_waiting(self) -> int:
+        return sum(part.num_waiting() for part in self.parts)
+
+    def stats_now(self) -> dict:
+        return {k: v for part in self.parts for k, v in part.stats_now().items()}
+
+    def shutdown(self) -> None:
+        for part in self.parts:
+            part.shutdown()

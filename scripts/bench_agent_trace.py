@@ -1,7 +1,7 @@
 """Replays coding-agent sessions: prefix-cache hit ratio and TTFT per turn, in both deployments.
 
     .venv/bin/python scripts/bench_agent_trace.py [--modes colocated,disaggregated] [--sessions 4]
-        [--turns 20] [--seed 0] [--port P] [--output bench-agent-trace.json]
+        [--turns 20] [--seed 0] [--port P] [--output bench-agent-trace.json] [--engine-args "..."]
 
 The trace (the same for a given --seed): --sessions concurrent sessions, started 0.5 s apart,
 each --turns chat requests. Every session has the same system prompt and the same dozen tool
@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import signal
 import statistics
 import subprocess
@@ -567,9 +568,9 @@ def scrape_metrics(url: str) -> dict[str, float]:
 # -- deployments -----------------------------------------------------------------------------------
 
 
-def start(mode: str, port: int, log: Path) -> tuple[subprocess.Popen, str]:
+def start(mode: str, port: int, log: Path, engine_args: list[str]) -> tuple[subprocess.Popen, str]:
     jfire = [sys.executable, "-m", "jfire.cli"]  # what .venv/bin/jfire runs
-    common = ["--port", str(port), "--shutdown-grace", str(SHUTDOWN_GRACE_S), *ENGINE_ARGS]
+    common = ["--port", str(port), "--shutdown-grace", str(SHUTDOWN_GRACE_S), *engine_args]
     cmd = [*jfire, "serve", *common] if mode == "colocated" else [*jfire, "launch", DEPLOYMENT, *common]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPO, env=env,
@@ -636,7 +637,11 @@ def summarize(records: list[dict], turns: int) -> dict:
     prompt = sum(r["prompt_tokens"] for r in records)
     growth = (by_turn[turns]["ttft_p50_ms"] / by_turn[2]["ttft_p50_ms"]
               if turns >= 2 and turns in by_turn and 2 in by_turn else None)
+    later = [r for r in records if r["turn"] > 1]  # turns whose prompt extends one sent before
+    later_prompt = sum(r["prompt_tokens"] for r in later)
     return {"per_turn": per_turn, "requests": len(records),
+            "later_turns_hit_ratio": sum(r["cached_tokens"] for r in later) / later_prompt if later_prompt else None,
+            "later_turns_ttft_p50_ms": 1e3 * statistics.median(r["ttft_s"] for r in later) if later else None,
             "prompt_tokens": prompt, "cached_tokens": sum(r["cached_tokens"] for r in records),
             "hit_ratio": sum(r["cached_tokens"] for r in records) / prompt if prompt else None,
             "ttft_last_over_second": growth,
@@ -660,6 +665,9 @@ def print_mode(mode: str, result: dict) -> None:
         hit = t["cached_tokens_mean"] / t["prompt_tokens_mean"] if t["prompt_tokens_mean"] else 0
         print(f"{t['turn']:6d} {t['ttft_p50_ms']:12.0f} {t['prompt_tokens_mean']:8.0f} "
               f"{t['cached_tokens_mean']:8.0f} {hit:7.1%}")
+    if s["later_turns_hit_ratio"] is not None:
+        print(f"  turns 2 and later: {s['later_turns_hit_ratio']:.1%} of prompt tokens from cache, "
+              f"TTFT p50 {s['later_turns_ttft_p50_ms']:.0f} ms")
     print(f"  {hit_ratio_text(s)}; {ttft_growth_text(s)}; first chunk after the role: "
           + ", ".join(f"{k} {v}" for k, v in s["first_chunks"].items()))
     if result["errors"]:
@@ -694,7 +702,8 @@ def run_mode(mode: str, args) -> dict:
     log = Path(f"/tmp/jfire-agent-trace-{mode}.log")
     port = args.port or free_port()
     print(f"{mode}: starting (log {log}) ...", file=sys.stderr, flush=True)
-    process, url = start(mode, port, log)
+    engine_args = shlex.split(args.engine_args) if args.engine_args is not None else ENGINE_ARGS
+    process, url = start(mode, port, log, engine_args)
     try:
         health = wait_ready(url, process, log)
         prefill_groups = sorted(n for n, g in health.get("groups", {}).items() if g["role"] == "prefill")
@@ -711,7 +720,7 @@ def run_mode(mode: str, args) -> dict:
         summary["kv"] = sampler.summary()
         sessions = [Session(args.seed, i).id for i in range(args.sessions)]
         return {"mode": mode, "sessions": args.sessions, "turns": args.turns, "seconds": seconds,
-                "engine_args": ENGINE_ARGS, "tool_prompt_tokens": measure_tool_prompt(url),
+                "engine_args": engine_args, "tool_prompt_tokens": measure_tool_prompt(url),
                 "session_groups": {s: prefill_groups[affinity_index(s, len(prefill_groups))] for s in sessions}
                 if prefill_groups else None,
                 "summary": summary, "records": sorted(records, key=lambda r: (r["session"], r["turn"])),
@@ -728,6 +737,9 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0, help="the trace is the same for the same seed")
     p.add_argument("--port", type=int, default=None, help="server port (default: a free one)")
     p.add_argument("--output", default="bench-agent-trace.json", help="where the results go (JSON)")
+    p.add_argument("--engine-args", default=None,
+                   help=f"engine flags instead of the default ({' '.join(ENGINE_ARGS)}), e.g. a smaller "
+                   "--kv-cache-gb with --host-kv-gb (colocated only)")
     args = p.parse_args()
     if args.sessions < 1 or args.turns < 1:
         p.error("--sessions and --turns must be >= 1")

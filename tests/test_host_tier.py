@@ -77,3 +77,51 @@ def test_a_negative_host_tier_is_refused_in_one_line(tiny_hf_dir):
 
     proc = run_jfire("serve", "--model", tiny_hf_dir("llama2"), "--port", "0", "--host-kv-gb", "-1")
     assert_user_error(proc, "--host-kv-gb", "-1")
+
+
+def test_a_prefill_engine_with_a_host_tier_hands_on_what_it_loaded_back(tiny_model):
+    """The tier beside a role (jfire.kv_connector.ConnectorStack): a prefill-only engine whose
+    evicted prefix comes back from host memory hands the decode engine KV that decodes to the
+    colocated engine's tokens."""
+    from jfire.disagg.in_process import HostKVStore, InProcessDecode, InProcessPrefill
+    from jfire.kv_connector import ConnectorStack
+
+    target, *others = prompts(tiny_model)
+    sampled = SamplingParams(temperature=0.7, seed=3, max_tokens=8, ignore_eos=True)
+    with Engine(tiny_model, EngineConfig(num_pages=256, prefix_caching=False, **LIMITS)) as plain:
+        expected = plain.generate([(target, sampled)])[0].token_ids
+    store, tier = HostKVStore(), HostTier(capacity_bytes=64 << 20)
+    with Engine(tiny_model, EngineConfig(num_pages=26, **LIMITS), ConnectorStack(InProcessPrefill(store), tier)) as p, \
+            Engine(tiny_model, EngineConfig(num_pages=64, **LIMITS), InProcessDecode(store)) as d:
+        def run(ids, rid):
+            first = list(p.submit(ids, sampled, request_id=rid))[-1]
+            kv = {"first_token": first.token_ids[0], "transfer": first.transfer}
+            return d.submit(ids, sampled, request_id=rid, kv_params=kv).result().token_ids, first.prefix_hit_tokens
+
+        assert run(target, "t0") == (expected, 0)
+        for i, other in enumerate(others):
+            run(other, f"o{i}")
+        assert run(target, "t1") == (expected, 40)
+        assert p.stats()["host_blocks_loaded"] == 10 and p.stats()["pages_used"] == 0
+
+
+def test_a_launch_hands_its_prefill_groups_the_host_tier(monkeypatch):
+    """`jfire launch --host-kv-gb` reaches each group process (which builds the tier for a
+    prefill group of one process); a deployment whose prefill group spans processes is refused
+    up front."""
+    from jfire import cli
+    from jfire.disagg import launch
+    from tests.test_cli import assert_user_error, run_jfire
+
+    seen = {}
+
+    def launch_local(deployment, deployment_arg, options):  # records what each process would be given
+        seen["options"] = options
+        return 0
+
+    monkeypatch.setattr(launch, "launch_local", launch_local)
+    assert cli.main(["launch", "local-1p1d", "--host-kv-gb", "0.5", "--compile-cache", "off"]) == 0
+    assert seen["options"].host_kv_bytes == 1 << 29
+    group = cli.build_parser().parse_args(launch.process_argv("local-1p1d", 1, "127.0.0.1:9", seen["options"]))
+    assert group.host_kv_gb == 0.5
+    assert_user_error(run_jfire("launch", "local-groups-2x2", "--host-kv-gb", "1"), "--host-kv-gb", "span")

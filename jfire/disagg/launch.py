@@ -43,6 +43,7 @@ class Options:
     shutdown_grace: float = 30.0  # seconds in-flight requests get to finish when the launch stops
     max_restarts: int = 3  # times each group process is restarted if it dies after start-up
     access_log: bool = True  # the frontend's line per request (serve/access_log.py)
+    host_kv_bytes: int = 0  # each prefill group's host-memory tier (jfire.host_tier); 0: none
 
     def argv(self) -> list[str]:
         out = [
@@ -310,6 +311,7 @@ def run_one(
             bind_host=bind,
             advertise_host=advertise,
             config=engine_config,
+            host_kv_bytes=options.host_kv_bytes,
         )
     sys.stderr.flush()
     # Skip interpreter teardown: the coordinator client's own shutdown would wait on peers, and

@@ -34,6 +34,8 @@ from jfire.disagg.connectors import DecodeConnector, PrefillConnector
 from jfire.disagg.deployment import Deployment, Process
 from jfire.engine import Engine, EngineConfig
 from jfire.errors import JfireError
+from jfire.host_tier import HostTier
+from jfire.kv_connector import ConnectorStack, KVConnector
 from jfire.requests import RequestOutput
 from jfire.sampling import SamplingParams
 
@@ -201,8 +203,10 @@ def run(
     bind_host: str,
     advertise_host: str,
     config: EngineConfig,
+    host_kv_bytes: int = 0,
 ) -> None:
-    """Runs one group process until it is told to stop (SIGTERM / Ctrl-C)."""
+    """Runs one group process until it is told to stop (SIGTERM / Ctrl-C). A prefill group of
+    one process keeps `host_kv_bytes` of evicted prefix blocks in host memory (jfire.host_tier)."""
     from jax.experimental import transfer
 
     from jfire.checkpoint.load import load_model
@@ -235,7 +239,10 @@ def run(
         connector = DecodeConnector(
             server=server, store=store, transfer_timeout_s=deployment.transfer_timeout_s, group=group.name
         )
-    engine = Engine(loaded, config, connector)
+    role: KVConnector = connector
+    if host_kv_bytes and group.role == "prefill" and len(members) == 1:
+        role = ConnectorStack(connector, HostTier(host_kv_bytes))
+    engine = Engine(loaded, config, role)
     if len(members) > 1:
         channel = lockstep.StepChannel(name, members, process.process_id, store)
         if process.rank > 0:
