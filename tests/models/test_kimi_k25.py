@@ -2,6 +2,7 @@
 tensors under `language_model.`, a vision tower and projector beside it, and the routed
 experts int4 pack-quantized (compressed-tensors). The test packs the experts itself; the
 reference is transformers running the same text model with the dequantized expert weights.
+test_kimi_k25_compressed_tensors.py packs them with the compressed-tensors library instead.
 """
 
 from __future__ import annotations
@@ -31,16 +32,17 @@ QUANTIZATION = {
 }
 
 
-@pytest.fixture(scope="module")
-def released(tmp_path_factory):
-    """(the released-layout directory, the HF model with dequantized experts)."""
+def write_release(tmp_path_factory, pack_expert):
+    """(the released-layout directory, the HF model with dequantized experts), the routed
+    experts packed by pack_expert(float32 weight [out, in]) -> (the tensors stored under the
+    weight's stem, `weight_packed`, `weight_scale` and `weight_shape`; the float32 values they
+    mean)."""
     def pack(name, value):
         if ".mlp.experts." not in name:
             return None
-        packed, scale = pack_int4(value, GROUP)
+        stored, meant = pack_expert(value)
         stem = name[: -len("weight")]
-        return ({stem + "weight_packed": packed, stem + "weight_scale": np.asarray(scale),
-                 stem + "weight_shape": np.asarray(value.shape, np.int32)}, unpack_int4_np(packed, scale))
+        return {stem + key: array for key, array in stored.items()}, meant
 
     tensors, model = quantized_release("kimi_k2", 3, tmp_path_factory.mktemp("k2"), pack)
     out = {"language_model." + name: value for name, value in tensors.items()}
@@ -53,6 +55,29 @@ def released(tmp_path_factory):
         "architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
         "text_config": text, "quantization_config": QUANTIZATION}))
     return path, model
+
+
+@pytest.fixture(scope="module")
+def released(tmp_path_factory):
+    """(the released-layout directory, the HF model with dequantized experts)."""
+    def pack(value):
+        packed, scale = pack_int4(value, GROUP)
+        return ({"weight_packed": packed, "weight_scale": np.asarray(scale),
+                 "weight_shape": np.asarray(value.shape, np.int32)}, unpack_int4_np(packed, scale))
+
+    return write_release(tmp_path_factory, pack)
+
+
+def greedy_tokens(path, reference, attention):
+    """(jfire's greedy tokens from the directory, the reference HF model's) on a fixed prompt."""
+    model = load_model(str(path), "float32")
+    prompt = [int(x) for x in np.random.RandomState(4).randint(3, model.config.vocab_size, size=11)]
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=GREEDY_STEPS, do_sample=False)[0, 11:]
+    with Engine(model, EngineConfig(max_batch=1, max_prefill_rows=1, aot=False, attention=attention,
+                                     quick_compile=True)) as engine:
+        got = engine.generate([(prompt, SamplingParams(temperature=0.0, max_tokens=GREEDY_STEPS))])[0]
+    return got, expected
 
 
 def test_int4_experts_stay_packed_on_the_device(released, capfd):
@@ -73,14 +98,7 @@ def test_int4_experts_stay_packed_on_the_device(released, capfd):
 @pytest.mark.parametrize("attention", ["reference", "pallas-interpret"])
 def test_greedy_tokens_match_transformers_on_the_dequantized_experts(released, attention):
     """Decode through the jnp latent attention and through the Pallas MLA kernel (interpret mode)."""
-    path, reference = released
-    model = load_model(str(path), "float32")
-    prompt = [int(x) for x in np.random.RandomState(4).randint(3, model.config.vocab_size, size=11)]
-    with torch.no_grad():
-        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=GREEDY_STEPS, do_sample=False)[0, 11:]
-    with Engine(model, EngineConfig(max_batch=1, max_prefill_rows=1, aot=False, attention=attention,
-                                     quick_compile=True)) as engine:
-        got = engine.generate([(prompt, SamplingParams(temperature=0.0, max_tokens=GREEDY_STEPS))])[0]
+    got, expected = greedy_tokens(*released, attention)
     assert got.token_ids == expected.tolist()
     assert len(got.token_ids) == GREEDY_STEPS
 
