@@ -240,7 +240,7 @@ def run(
             server=server, store=store, transfer_timeout_s=deployment.transfer_timeout_s, group=group.name
         )
     role: KVConnector = connector
-    if host_kv_bytes and group.role == "prefill" and len(members) == 1:
+    if host_kv_bytes and isinstance(connector, PrefillConnector) and len(members) == 1:
         role = ConnectorStack(connector, HostTier(host_kv_bytes))
     engine = Engine(loaded, config, role)
     if len(members) > 1:
