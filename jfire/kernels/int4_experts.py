@@ -41,9 +41,12 @@ def pack_int4(w, group: int = GROUP, scale=None):
 
     Returns (packed int32 [..., out, in/8], scale bf16 [..., out, in/group]). The scale is
     max|w| over the group / 7.5 rounded to bf16 (a zero scale becomes bf16's eps, as there);
-    codes are round-half-even(clamp(w / scale, -8, 7)). Pass `scale` to quantize onto given
-    scales instead: values already on that grid then come back bit for bit.
+    codes are round-half-even(clamp(w / scale, -8, 7)), the quotient taken in w's own dtype as
+    the library takes it (a bf16 weight's quotient is rounded to bf16 before the codes are).
+    Pass `scale` to quantize onto given scales instead: values already on that grid then come
+    back bit for bit.
     """
+    quotient_dtype = ml_dtypes.bfloat16 if np.asarray(w).dtype == ml_dtypes.bfloat16 else np.float32
     w = np.asarray(w, np.float32)
     out, n_in = w.shape[-2:]
     if n_in % group or group % NIBBLES:
@@ -53,7 +56,8 @@ def pack_int4(w, group: int = GROUP, scale=None):
         scale = (np.abs(grouped).max(axis=-1) / HALF_RANGE).astype(ml_dtypes.bfloat16)
         scale[scale == 0] = ml_dtypes.finfo(ml_dtypes.bfloat16).eps
     scale = np.asarray(scale).astype(ml_dtypes.bfloat16)
-    codes = np.round(np.clip(grouped / scale.astype(np.float32)[..., None], -OFFSET, OFFSET - 1))
+    quotient = (grouped.astype(quotient_dtype) / scale.astype(quotient_dtype)[..., None]).astype(np.float32)
+    codes = np.round(np.clip(quotient, -OFFSET, OFFSET - 1))
     nibbles = (codes.astype(np.int64) + OFFSET).reshape(*w.shape[:-1], n_in // NIBBLES, NIBBLES)
     words = (nibbles << (4 * np.arange(NIBBLES))).sum(axis=-1)  # disjoint bits: the sum is an OR
     return words.astype(np.uint32).view(np.int32), scale

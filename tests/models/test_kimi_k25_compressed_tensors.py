@@ -63,6 +63,17 @@ def test_the_library_packs_float32_weights_as_jfire_does(seed):
     np.testing.assert_array_equal(state["weight_shape"].numpy(), weight.shape)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_the_library_packs_bfloat16_weights_as_jfire_does(seed):
+    """On bfloat16 weights (a release's), where the library takes the quotient in bfloat16,
+    jfire's `pack_int4` writes the same words and scales bit for bit too."""
+    weight = noise(seed, dtype=torch.bfloat16)
+    state = library_pack(weight)
+    packed, scale = pack_int4(weight.float().numpy().astype(ml_dtypes.bfloat16), GROUP)
+    np.testing.assert_array_equal(state["weight_packed"].numpy(), packed)
+    np.testing.assert_array_equal(scale_np(state["weight_scale"]), scale)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_jfire_reads_the_library_s_packing(dtype):
     """Whatever codes the library chose (from float32 or from bfloat16 weights, where it divides
