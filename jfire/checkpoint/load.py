@@ -1,7 +1,8 @@
 """Turning `--model` into a config, weights on the device, and a tokenizer.
 
-`--model` is a HF directory, a .gguf file, a jfire checkpoint directory, or `default`
-(the embedded SmolLM2-135M-Instruct, converted once into checkpoints/ on first use).
+`--model` is a HF directory, a .gguf file, a jfire checkpoint directory, a Hugging Face id
+(`org/name`, found in the local Hugging Face cache: `jfire.checkpoint.hub`), or `default` (the
+embedded SmolLM2-135M-Instruct, converted once into checkpoints/ on first use).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 import jax
 
 from jfire import sharding
-from jfire.checkpoint import compressed, store
+from jfire.checkpoint import compressed, hub, store
 from jfire.checkpoint.read import DTYPES, open_source, parse_dtype, read_params, tokenizer_of
 from jfire.errors import JfireError
 from jfire.models.family import Family, Parallel
@@ -43,12 +44,14 @@ class LoadedModel:
 
 
 def resolve_model_path(model: str | None, checkpoints_dir: Path | None = None) -> tuple[Path, str]:
-    """(path, name) for `--model`; `default` is converted into checkpoints/ on first use."""
-    if model in (None, "default"):
+    """(path, name) for `--model`, the one place every command resolves it: `default` is
+    converted into checkpoints/ on first use; a path that exists is itself; an `org/name`
+    that is not a path is the snapshot directory of that Hugging Face id in the local cache."""
+    if model is None or model == "default":
         from jfire.checkpoint.default_model import ensure_default_checkpoint
 
         return ensure_default_checkpoint(checkpoints_dir), "default"
-    return Path(model).expanduser(), model
+    return hub.resolve_source(model), model
 
 
 def load_config_and_tokenizer(

@@ -1,9 +1,10 @@
 """`jfire compress-report`: how far the codec compresses any weights, checked bit for bit.
 
 Reads a .safetensors file, a directory of them (a HF model of any architecture), a .gguf
-file (dequantized), a jfire checkpoint or `default`. Float tensors are cast to bf16 and
-compressed in memory; a compressed checkpoint is decoded and checked against its stored
-checksums instead. Every figure counts all tables, lane lengths and padding.
+file (dequantized), a jfire checkpoint, a Hugging Face id in the local cache (`org/name`) or
+`default`. Float tensors are cast to bf16 and compressed in memory; a compressed checkpoint is
+decoded and checked against its stored checksums instead. Every figure counts all tables,
+lane lengths and padding.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from jfire.checkpoint import codec, compressed, store
+from jfire.checkpoint import codec, compressed, hub, store
 from jfire.errors import JfireError
 
 
@@ -73,12 +74,13 @@ def report(path: str, decoder: str = "reference", progress: Callable | None = No
     }
 
 
-def _reports(path: str, decoder: str) -> Iterator[tuple[TensorReport, np.ndarray]]:
-    if path == "default":
+def _reports(model: str, decoder: str) -> Iterator[tuple[TensorReport, np.ndarray]]:
+    if model == "default":
         from jfire.checkpoint.default_model import ensure_default_checkpoint
 
         path = ensure_default_checkpoint()
-    path = Path(path).expanduser()
+    else:
+        path = hub.resolve_source(model)
     if not path.exists():
         raise JfireError(
             f"{str(path)!r} does not exist (give a .safetensors file, a HF directory, a .gguf file, "
