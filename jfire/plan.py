@@ -19,19 +19,23 @@ a stage's devices, MLA's latent, counted as 1/n of a token's bytes per device; a
 every pipeline stage counted on each).
 
 Workspace on XLA:CPU. For bfloat16 models XLA:CPU upcasts every dot to float32 and hoists a
-float32 copy of each whole stacked weight out of the layer loop (202 GiB of temporaries per
-device for Llama 4 Scout on tp=2), which a GPU, with native bf16 dots, has no need to do. So the
-programs are measured with float32 weights and cache instead (WORKSPACE_DTYPE): there XLA:CPU
-materialises one layer's weight slices per scan step plus the activations, both at 4 bytes a
-value where the GPU's bf16 program holds 2. The workspace is meant as an upper bound (for Scout
-on tp=2 about twice the bf16 layer slice the GPU would copy); it has not been checked on a GPU.
+float32 copy of each whole stacked weight out of the layer loop (for Llama 4 Scout on tp=2,
+temporaries of twice the device's bf16 weights), which a GPU, with native bf16 dots, has no need
+to do. So the programs are measured with float32 weights and cache instead (WORKSPACE_DTYPE):
+there XLA:CPU materialises one layer's weight slices per scan step plus the activations, both at
+4 bytes a value where the GPU's bf16 program holds 2. The workspace is meant as an upper bound
+(for Scout on tp=2 about twice the bf16 layer slice the GPU would copy); it has not been checked
+on a GPU.
 Packed int4 experts stay int32 words there, and run through the GPU kernel's tiling (INT4_IMPL),
 not XLA:CPU's path that unpacks a whole layer: for Kimi K2.5 on pp=2 x tp=4 the workspace is
 then mostly one MoE layer's packed experts and their (float32 here, bf16 on a GPU) scales,
-sliced out of the stacked layers per scan step (2.46 GiB of 2.86 GiB per device). FP8 experts
-enter as their bytes (FP8_AS_BYTES) and are multiplied by expert in lax loops, one layer's local
-experts dequantized at a time as on a GPU: for DeepSeek-V3 on pp=2 x tp=8 that layer, 5.25 GiB
-in float32 (2.6 in bf16), is most of the 7.13 GiB per device.
+sliced out of the stacked layers per scan step. FP8 experts enter as their bytes (FP8_AS_BYTES)
+and are multiplied by expert in lax loops, one layer's local experts dequantized at a time as on
+a GPU: for DeepSeek-V3 on pp=2 x tp=8 that layer, in float32 (twice its bf16 size on a GPU), is
+most of the workspace.
+
+The figures these plans come to are printed by `jfire plan`; the README shows the plans of the
+shipped meshes, kept equal to the code by its tests, and they are copied nowhere else.
 """
 
 from __future__ import annotations
@@ -63,15 +67,15 @@ RESERVE_BYTES = 1 * GIB
 WORKSPACE_DTYPE = jnp.float32  # see the module docstring: XLA:CPU's bf16 programs are not representative
 # How the measured programs run packed int4 experts: the GPU kernel's tiling in plain lax loops
 # ("tiled": one [64, in] tile of codes unpacked at a time, as the Pallas kernel does), not the
-# CPU's "xla" path, which unpacks a whole layer's local experts (15.8 GiB per device for Kimi
-# K2.5 on tp=4, which a GPU never holds). The interpreted Pallas kernel itself would be the
+# CPU's "xla" path, which unpacks a whole layer's local experts into float32 (eight times their
+# packed bytes, which a GPU never holds). The interpreted Pallas kernel itself would be the
 # closer stand-in, but JAX 0.10.2's interpreter fails inside the expert-parallel shard_map.
 INT4_IMPL = "tiled"
 # FP8 expert weights enter the measured programs as their bytes (uint8), turned back into FP8
 # inside the layer step (`fp8_experts.dequantize`): handed float8 arrays, XLA:CPU, which has no
-# FP8 arithmetic, widens every whole stacked FP8 weight to bf16 before the layer loop (2.6 GiB
-# per DeepSeek-V3 MoE layer per device on pp=2 x tp=8, 76 GiB in all), which a GPU with native
-# FP8 types has no need to do. The bytes and the per-step work are the same either way.
+# FP8 arithmetic, widens every whole stacked FP8 weight to bf16 before the layer loop (twice the
+# bytes of every MoE layer's local experts at once), which a GPU with native FP8 types has no need
+# to do. The bytes and the per-step work are the same either way.
 FP8_AS_BYTES = jnp.uint8
 # The estimate's allowance for per-token activations (residual stream, norms, q/k/v, MLP
 # intermediates, router), in values of the embed width per token.

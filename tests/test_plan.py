@@ -7,6 +7,8 @@ count must be set before JAX starts there (this process has one CPU device).
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -71,7 +73,7 @@ def scout_hand_count() -> tuple[int, int]:
 def test_scout_weights_match_the_hand_count(scout):
     params, per_device = scout_hand_count()
     assert scout["parameters"] == params
-    assert round(params / 1e9, 1) == 107.8  # SEED-MODELS.md: 107.8 B text parameters
+    assert round(params / 1e9, 1) == 107.8  # the text model of Meta's "109B total parameters" (with vision)
     assert scout["dtype"] == "bfloat16" and scout["parameter_bytes"] == 2 * params
     assert scout["weight_bytes_per_device"] == per_device
     assert [d["weight_bytes"] for d in scout["per_device"]] == [per_device, per_device]
@@ -163,7 +165,7 @@ def mla_hand_count(text: dict, routed_bytes, pp: int, tp: int) -> tuple[int, int
 def test_kimi_weights_match_the_hand_count(kimi):
     params, per_device = kimi_hand_count()
     assert kimi["parameters"] == params
-    assert round(params / 1e9) == 1026  # SEED-MODELS.md: 1026 B text parameters
+    assert round(params / 1e9) == 1026  # Moonshot's model card: "1T total parameters"
     routed = 60 * 3 * 384 * 7168 * 2048
     assert kimi["int4_parameters"] == routed
     assert kimi["int4_bytes"] == routed // 2 and kimi["scale_bytes"] == routed // 32 * 2
@@ -342,3 +344,51 @@ def test_the_int4_path_the_plan_measures_computes_the_grouped_matmul():
     assert int4_experts.default_impl() == "xla"
     with pytest.raises(ValueError, match="unknown impl"):
         int4_experts.use_impl("fast")
+
+
+# -- the README's plans --------------------------------------------------------------------------
+# The README is the one place a plan's figures are written down: the mesh files and
+# jfire/plan.py say in words what a plan shows and point at `jfire plan`. These tests hold the
+# README's figures to the plans computed above (tests/test_readme.py also runs its commands).
+
+README = REPO / "README.md"
+
+
+def readme_plans() -> dict[tuple[str, str], list[str]]:
+    """The README's `jfire plan` examples: (--model, --mesh) -> the lines shown after it."""
+    from tests.test_readme import commands
+
+    plans = {}
+    for _, command, shown in commands(README.read_text()):
+        argv = shlex.split(command)
+        if argv[:2] == [".venv/bin/jfire", "plan"]:
+            assert shown, command
+            plans[argv[argv.index("--model") + 1], argv[argv.index("--mesh") + 1]] = shown
+    return plans
+
+
+def test_the_readme_shows_the_plans_the_code_makes(scout, kimi, deepseek_v3):
+    from tests.test_readme import matches
+
+    made = {(str(SCOUT.relative_to(REPO)), "h200x2-llama4-scout"): scout,
+            (str(KIMI.relative_to(REPO)), "h100x8-kimi-k2"): kimi,
+            (str(DEEPSEEK_V3.relative_to(REPO)), "h100x16-deepseek-v3-fp8"): deepseek_v3}
+    plans = readme_plans()  # and a comparison (DeepSeek-V3 on tp=16) that tests/test_readme.py runs alone
+    assert made.keys() <= plans.keys()
+    for (model, mesh), p in made.items():
+        printed = plan.format_plan({**p, "model": model})
+        assert matches(plans[model, mesh], printed), f"the README's plan of {model} on {mesh} is not\n{printed}"
+
+
+def test_the_readme_figures_beside_the_plans_are_the_code_s(deepseek_v3):
+    """What the README's prose says of the DeepSeek-V3 plan, from the same config and plan."""
+    text = " ".join(README.read_text().split())
+    config = json.loads((DEEPSEEK_V3 / "config.json").read_text())
+    bf16 = re.search(r"in bf16 the weights alone would need ([\d,]+) GiB", text)
+    assert bf16 and bf16[1] == f"{2 * deepseek_v3['parameters'] / GIB:,.0f}"
+    # One MoE layer's local experts (tp=8 splits their width) in float32, and in bf16.
+    E, F, X = config["hidden_size"], config["moe_intermediate_size"], config["n_routed_experts"]
+    layer_experts = 3 * X * E * F // deepseek_v3["mesh"]["tp"] * 4
+    experts = re.search(r"one layer's local experts dequantized in float32 \(([\d.]+) GiB; ([\d.]+) in bf16", text)
+    assert experts and experts[1] == f"{layer_experts / GIB:.2f}" and experts[2] == f"{layer_experts / 2 / GIB:.1f}"
+    assert layer_experts <= deepseek_v3["workspace_bytes_per_device"]
