@@ -11,6 +11,7 @@ tokenizer.json `transformers.AutoTokenizer` too.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from datetime import datetime
 from functools import cached_property
@@ -109,6 +110,91 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 _UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
+
+
+# How many times shorter, in UTF-8 bytes, a normalizer can make a text. A Unicode normal form
+# or lowercasing gives every character at least one byte, and none has more than 4; Prepend
+# only adds. Any other (Strip, StripAccents, Precompiled, a regex Replace) may drop text.
+_NORMALIZER_SHRINK = {"Prepend": 1, "NFC": 4, "NFD": 4, "NFKC": 4, "NFKD": 4, "Lowercase": 4}
+# Pre-tokenizers that keep every character of the text (Split and Punctuation unless told to
+# remove what they match); others (Whitespace, BertPreTokenizer) drop some.
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Digits", "Metaspace", "UnicodeScripts", "Split", "Punctuation"}
+
+
+def _normalizer_shrink(spec: dict | None) -> float | None:
+    if spec is None:
+        return 1
+    kind = spec.get("type")
+    if kind == "Sequence":
+        factor: float = 1
+        for part in spec.get("normalizers", []):
+            shrink = _normalizer_shrink(part)
+            if shrink is None:
+                return None
+            factor *= shrink
+        return factor
+    if kind == "Replace":  # a string for a string: as short as the replacement is
+        pattern, content = spec.get("pattern", {}).get("String"), spec.get("content") or ""
+        if pattern is None or not content:
+            return None
+        return max(1, len(pattern.encode("utf-8")) / len(content.encode("utf-8")))
+    return _NORMALIZER_SHRINK.get(str(kind))
+
+
+def _pre_tokenizer_keeps(spec: dict | None) -> bool:
+    if spec is None:
+        return True
+    if spec.get("type") == "Sequence":
+        return all(_pre_tokenizer_keeps(part) for part in spec.get("pretokenizers", []))
+    return spec.get("type") in _KEEPING_PRE_TOKENIZERS and spec.get("behavior") != "Removed"
+
+
+def _is_byte_level(spec: dict | None) -> bool:
+    if spec is None:
+        return False
+    if spec.get("type") == "Sequence":
+        return any(_is_byte_level(part) for part in spec.get("pretokenizers", []))
+    return spec.get("type") == "ByteLevel"
+
+
+def _text_bound(spec: dict) -> tuple[int | None, bytes]:
+    """(max_token_bytes, dropped_bytes) of a serialized `tokenizers.Tokenizer` (tokenizer.json)."""
+    unbounded: tuple[int | None, bytes] = (None, b"")
+    shrink = _normalizer_shrink(spec.get("normalizer"))
+    model, added = spec.get("model") or {}, spec.get("added_tokens") or []
+    if shrink is None or not _pre_tokenizer_keeps(spec.get("pre_tokenizer")):
+        return unbounded
+    if any(t.get("lstrip") or t.get("rstrip") for t in added):
+        return unbounded
+    # WordPiece, Unigram and WordLevel can map a whole unknown word or run to one token.
+    if model.get("type") != "BPE":
+        return unbounded
+    vocab = model.get("vocab") or {}
+    byte_level = _is_byte_level(spec.get("pre_tokenizer"))
+    dropped = b""
+    if model.get("byte_fallback"):
+        pass  # an unknown character becomes its bytes' tokens
+    elif model.get("unk_token"):
+        if model.get("fuse_unk"):  # a run of unknown characters becomes one token
+            return unbounded
+    elif byte_level:  # BPE drops a byte it has no token for: counted out of the input's
+        dropped = bytes(sorted(b for c, b in _UNICODE_TO_BYTE.items() if c not in vocab))
+        if dropped and shrink != 1:  # ... which normalizing would change
+            return unbounded
+    else:  # ... or a character
+        return unbounded
+    added_texts = {t["content"] for t in added}
+
+    def piece_bytes(piece: str) -> int:
+        # A byte-level piece spells each byte as one character (of up to two UTF-8 bytes).
+        if byte_level and piece not in added_texts and all(c in _UNICODE_TO_BYTE for c in piece):
+            return len(piece)
+        return len(piece.encode("utf-8"))
+
+    longest = max(map(piece_bytes, [*vocab, *added_texts]), default=1)
+    if model.get("unk_token"):  # an unknown character becomes one token
+        longest = max(longest, 4)
+    return math.ceil(longest * shrink), dropped
 
 
 def _gguf_value(reader: gguf.GGUFReader, key: str, default=None):
@@ -321,11 +407,43 @@ class Tokenizer:
             ids.add(self.backend.token_to_id(self.eos_token))
         return frozenset(ids)
 
+    @property
+    def max_token_bytes(self) -> int | None:
+        """The most UTF-8 bytes of input text that one token can stand for, `dropped_bytes`
+        aside, or None where no bound holds (a normalizer or pre-tokenizer that can drop text,
+        an unknown token that fuses a run of characters, an added token that strips the
+        whitespace beside it). A text of more than n times this many bytes cannot be n tokens
+        or fewer, which a server checks before it tokenizes."""
+        return self._text_bound[0]
+
+    @property
+    def dropped_bytes(self) -> bytes:
+        """The byte values a byte-level vocabulary has no token for: the BPE drops them from
+        the text (the default model's has none for 6 ASCII control characters, for instance)."""
+        return self._text_bound[1]
+
+    @cached_property
+    def _text_bound(self) -> tuple[int | None, bytes]:
+        # Reads the whole vocabulary, once.
+        if not isinstance(self.backend, tokenizers.Tokenizer):  # tiktoken: bytes in, no normalizing
+            longest = max(
+                max(len(token) for token in self.backend.ranks),
+                max((len(s.encode("utf-8")) for s in self.backend.specials), default=0),
+            )
+            return longest, b""
+        return _text_bound(json.loads(self.backend.to_str()))
+
     # ---- text <-> ids -------------------------------------------------------------------
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         # BOS is added here, not by the backend's post-processor, so `add_bos` is the only switch.
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        # A batch of one: `tokenizers` lets go of the GIL in encode_batch only (encode holds it,
+        # a second per megabyte, and every other thread, the engine's and the server's, waits).
+        # tiktoken lets go of it in encode.
+        if isinstance(self.backend, tokenizers.Tokenizer):
+            ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
+        else:
+            ids = self.backend.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.add_bos:
             ids.insert(0, self.bos_id)
         return ids
