@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jfire.client import EngineClient
 from jfire.errors import EngineStopped, JfireError, QueueFull, RequestError
+from jfire.request_checks import TextLimit
 from jfire.requests import RequestOutput
 from jfire.sampling import SamplingParams
 from serve.access_log import AccessLog
@@ -132,10 +133,18 @@ def create_app(state: ServerState) -> FastAPI:
             "max_model_len": state.engine.max_model_len,
         }
 
+    # The most bytes a prompt's text may have, read from the vocabulary once, now rather than
+    # during some request.
+    text_limit = TextLimit.of(state.engine.tokenizer, state.engine.max_model_len)
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        # Tokenizing a long prompt takes a while: off the event loop, which serves everyone.
-        prompt_ids = await asyncio.to_thread(_completion_prompt, body, state.engine)
+        # Checking and tokenizing a long prompt takes a while: off the event loop, which serves
+        # everyone (the tokenizer lets go of the GIL, so the engine's thread runs on too).
+        try:
+            prompt_ids = await asyncio.to_thread(_completion_prompt, body, state.engine, text_limit)
+        except RequestError as e:
+            raise _request_error(e, body, chat=False) from None
         try:
             plan = OutputPlan(grammar=response_grammar(body))
         except PromptError as e:
@@ -145,14 +154,12 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        tokenizer = _require_tokenizer(state.engine)
-        for i, m in enumerate(body.messages):  # names are not in the prompt, but must be text all the same
-            _valid_text(m.text(), "messages")
-            _valid_text(m.name or "", f"messages.{i}.name")
         try:
-            prompt_ids, plan = await asyncio.to_thread(render_chat, tokenizer, state.engine.model_type, body)
+            prompt_ids, plan = await asyncio.to_thread(_chat_prompt, body, state.engine, text_limit)
         except PromptError as e:
             raise APIError(400, str(e), param=e.param, code="invalid_value") from None
+        except RequestError as e:
+            raise _request_error(e, body, chat=True) from None
         except JfireError as e:
             raise APIError(400, str(e), param="messages") from None
         return await _serve(state, request, body, prompt_ids, chat=True, plan=plan)
@@ -171,15 +178,32 @@ def _require_tokenizer(engine: EngineClient):
     return engine.tokenizer
 
 
-def _completion_prompt(body: CompletionRequest, engine: EngineClient) -> list[int]:
+def _completion_prompt(body: CompletionRequest, engine: EngineClient, text_limit: TextLimit | None) -> list[int]:
+    """The prompt's ids; a text too long for the context is refused before it is tokenized."""
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
             raise APIError(400, f"send one prompt per request (got {len(prompt)})", param="prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return _require_tokenizer(engine).encode(_valid_text(prompt, "prompt"))
+        tokenizer = _require_tokenizer(engine)
+        _valid_text(prompt, "prompt")
+        if text_limit is not None:
+            text_limit.check(prompt)
+        return tokenizer.encode(prompt)
     return list(prompt)
+
+
+def _chat_prompt(
+    body: ChatCompletionRequest, engine: EngineClient, text_limit: TextLimit | None
+) -> tuple[list[int], OutputPlan]:
+    """The chat's prompt ids and output plan; a rendered prompt too long for the context is
+    refused before it is tokenized."""
+    tokenizer = _require_tokenizer(engine)
+    for i, m in enumerate(body.messages):  # names are not in the prompt, but must be text all the same
+        _valid_text(m.text(), "messages")
+        _valid_text(m.name or "", f"messages.{i}.name")
+    return render_chat(tokenizer, engine.model_type, body, text_limit)
 
 
 def _valid_text(text: str, param: str) -> str:

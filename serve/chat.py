@@ -11,6 +11,7 @@ import dataclasses
 from jfire import grammar as grammars
 from jfire import tool_calls
 from jfire.errors import JfireError
+from jfire.request_checks import TextLimit
 from serve.schemas import ChatCompletionRequest, NamedToolChoice, SamplingFields
 
 
@@ -53,8 +54,11 @@ def tool_dicts(body: ChatCompletionRequest) -> list[dict] | None:
     return [t.model_dump(exclude_none=True) for t in body.tools]
 
 
-def render_chat(tokenizer, model_type: str | None, body: ChatCompletionRequest) -> tuple[list[int], OutputPlan]:
-    """(prompt ids, output plan) of a chat request."""
+def render_chat(
+    tokenizer, model_type: str | None, body: ChatCompletionRequest, text_limit: TextLimit | None = None
+) -> tuple[list[int], OutputPlan]:
+    """(prompt ids, output plan) of a chat request. A rendered prompt with more bytes than
+    `text_limit` allows is refused (RequestError) before it is tokenized."""
     template = tokenizer.chat_template
     tools = tool_dicts(body)
     messages = chat_messages(body)
@@ -65,7 +69,11 @@ def render_chat(tokenizer, model_type: str | None, body: ChatCompletionRequest) 
         messages = tool_calls.prepare_messages(messages, tools, template, fmt)
         if tools and tool_calls.template_takes_tools(template):
             kwargs["tools"] = tools
-    prompt_ids = tokenizer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt, **kwargs)
+    # As HF's apply_chat_template(tokenize=True): templates write their own BOS, so none is added.
+    text = tokenizer.render_chat(messages, add_generation_prompt=body.add_generation_prompt, **kwargs)
+    if text_limit is not None:  # the rendered text, not the messages: a template may leave some out
+        text_limit.check(text)
+    prompt_ids = tokenizer.encode(text, add_special_tokens=False)
     plan = OutputPlan(
         grammar=response_grammar(body), tool_format=fmt if tools else None, keep_special_tokens=tools is not None
     )

@@ -159,3 +159,20 @@ def test_bodies_over_the_limit_get_a_413_before_they_are_read(server_url):
                          headers={"content-type": "application/json"})
     assert chunked.status_code == 411, chunked.text
     assert httpx.get(server_url + "/health", timeout=10).status_code == 200
+
+
+def test_a_prompt_too_long_in_bytes_is_refused_before_it_is_tokenized(server_url):
+    """More bytes of text than the context's tokens can stand for (63 tokens of at most 81
+    bytes each for the default model here) is refused without tokenizing it; a prompt under
+    that is tokenized and refused by its count of tokens."""
+    words = "word " * 2000  # 10000 bytes
+    r = post(server_url, "/v1/completions", {"model": "default", "prompt": words, "max_tokens": 1})
+    assert_error(r, 400, "prompt", "the prompt is 10000 bytes of text but the context holds at most 5103: 63 "
+                 "tokens of at most 81 bytes each; shorten the prompt")
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    chat = {"model": "default", "messages": [{"role": "user", "content": words}], "max_tokens": 1}
+    r = post(server_url, "/v1/chat/completions", chat)
+    assert_error(r, 400, "messages", "bytes of text but the context holds at most 5103")
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    r = post(server_url, "/v1/completions", {"model": "default", "prompt": "word " * 100, "max_tokens": 1})
+    assert_error(r, 400, "prompt", "the prompt has 101 tokens but the context holds 64")
