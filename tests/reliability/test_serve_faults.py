@@ -3,8 +3,10 @@ field with wrong types, integers and floats at their boundaries, non-finite numb
 UTF-8 and lone surrogates, deep nesting, huge bodies and prompts, unknown fields, bad roles and
 content parts), a queue overloaded ten times over, clients that leave at random points, a slow
 reader, and SIGTERM under load. Between rounds, correct requests return exactly `jfire
-generate`'s greedy output and, once the server is idle, no KV page is still in use. Last, a
-second small server whose engine fails answers 503 and exits non-zero for its supervisor.
+generate`'s greedy output and, once the server is idle, no KV page is still in use. A second
+small server, with the default body limit, refuses a 10 MB prompt at once, before tokenizing it,
+while a stream beside it keeps its pace; last, its engine fails: it answers 503 and exits
+non-zero for its supervisor.
 
 Every request has a bound: no answer within it is a hang. A client's own bad input must get a
 4xx in OpenAI's error shape, or a 200 where the value is valid; which one is written down per
@@ -34,7 +36,7 @@ from tests.disagg.deployment_process import REPO
 from tests.limits import MAX_BATCH, SERVE_LIMITS
 from tests.reliability.battery import BASES, MAX_VALID_N, Case, body_cases, error_problem, field_cases
 from tests.reliability.tally import TALLY
-from tests.serve.server_process import start_server
+from tests.serve.server_process import ServerProcess, start_server
 
 MAX_QUEUE, GRACE_S = 8, 5
 SERVER_ARGS = [*SERVE_LIMITS, "--max-queue", str(MAX_QUEUE), "--shutdown-grace", str(GRACE_S), "--max-body-mb", "1"]
@@ -491,10 +493,10 @@ def test_sigterm_under_load_ends_every_stream_cleanly_and_exits_0(server, refere
     assert code == 0, server.log.read_text()[-3000:]
 
 
-# -- 7. an engine that cannot continue --------------------------------------------------------------
+# -- the second server, for sections 5 and 7 -------------------------------------------------------
 
 # `jfire serve` with a device failure injected: decoding any request whose prompt is exactly
-# these token ids raises, as a failing accelerator would, on the engine thread.
+# these token ids raises, as a failing accelerator would, on the engine thread (section 7).
 FAILING = [7, 7, 7, 7]
 WRAPPER = f"""
 import sys
@@ -509,9 +511,12 @@ sys.exit(cli.main(["serve", *sys.argv[1:]]))
 """
 
 
-def test_an_engine_failure_gives_503_and_a_nonzero_exit(default_checkpoint, tmp_path):
+@pytest.fixture(scope="module")
+def failing_server(default_checkpoint, tmp_path_factory):
+    """A second server, with the default body limit (16 MB, which section 5 needs) and the
+    device failure above; section 7 ends it, so section 5 runs on it first."""
     port = free_port()
-    log = tmp_path / "server.log"
+    log = tmp_path_factory.mktemp("serve-failing") / "server.log"
     process = subprocess.Popen([sys.executable, "-c", WRAPPER, "--port", str(port), *SERVE_LIMITS], cwd=REPO,
                                stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -520,17 +525,107 @@ def test_an_engine_failure_gives_503_and_a_nonzero_exit(default_checkpoint, tmp_
         while health_status(url) != 200:
             assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.2)
-        request = {"model": "default", "prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0}
-        # One connection, kept alive: the server exits a second after the failure.
-        with httpx.Client(base_url=url, timeout=REQUEST_BOUND_S) as http:
-            assert http.post("/v1/completions", json=request).status_code == 200
-            failed = http.post("/v1/completions", json={**request, "prompt": FAILING})
-            refused = http.post("/v1/completions", json=request)
-            health = http.get("/health")
-        code = process.wait(timeout=60)
+        yield ServerProcess(url, process, log, [200])
     finally:
         if process.poll() is None:
             process.kill()
+
+
+# -- 5. a prompt too long to tokenize, while a stream runs -----------------------------------------
+
+BIG_PROMPT_MB = 10  # some 2 million words, under the 16 MB body limit
+REFUSAL_BOUND_S = 0.5  # a prompt that cannot fit is refused before it is tokenized
+GAP_SLACK_S = 0.3  # what the big prompt may add to a stream's largest gap between tokens
+
+
+def token_times(url: str, body: dict, times: list[float], usage: list[int]) -> None:
+    """Streams `body`, noting when each event with text arrives (it may carry more than one
+    token), and at the end the count of tokens."""
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=REQUEST_BOUND_S) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: "):])
+            if any(c.get("text") for c in event["choices"]):
+                times.append(time.monotonic())
+            if event.get("usage"):
+                usage.append(event["usage"]["completion_tokens"])
+
+
+def largest_gap(times: list[float]) -> float:
+    # From the second token on: the first one's wait is the prefill's.
+    return max(b - a for a, b in zip(times[1:], times[2:]))
+
+
+def test_a_prompt_too_long_to_tokenize_is_refused_at_once_and_stalls_no_stream(failing_server):
+    """A completion prompt of 10 MB (tokenizing it would take seconds, during which every other
+    stream once stalled) is refused as too long before it is tokenized, within 0.5 s, and a
+    stream running meanwhile keeps its pace: its largest gap between tokens stays within 0.3 s
+    of the same stream's largest gap without the big prompt."""
+    url = failing_server.url
+    stream = {"model": "default", "prompt": "Tell me a long story.", "max_tokens": 60, "temperature": 0,
+              "ignore_eos": True, **STREAM}
+    big = json.dumps({"model": "default", "prompt": "word " * (BIG_PROMPT_MB * (1 << 20) // 5), "max_tokens": 1})
+    big_body = big.encode()
+
+    def run_stream(during=None) -> tuple[list[float], tuple | None]:
+        """The stream's token times, and what `during` returned, called after its 5th token."""
+        times: list[float] = []
+        usage: list[int] = []
+        reader = threading.Thread(target=token_times, args=(url, stream, times, usage))
+        reader.start()
+        deadline = time.monotonic() + REQUEST_BOUND_S
+        while len(times) < 5 and reader.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        answer = during() if during else None
+        reader.join(REQUEST_BOUND_S)
+        assert not reader.is_alive() and usage == [stream["max_tokens"]] and len(times) > 5, (times, usage)
+        return times, answer
+
+    def send_big() -> tuple:
+        start = time.monotonic()
+        r = httpx.post(url + "/v1/completions", content=big_body, timeout=REQUEST_BOUND_S,
+                       headers={"content-type": "application/json"})
+        return r, start, time.monotonic()
+
+    # Programs still compiling in the background would take the stream's pace with them.
+    deadline = time.monotonic() + 600
+    while httpx.get(url + "/health", timeout=REQUEST_BOUND_S).json().get("compiling"):
+        assert time.monotonic() < deadline, "the server's programs did not finish compiling"
+        time.sleep(0.2)
+    TALLY.sent += 3
+    TALLY.faults += 1
+    baseline, _ = run_stream()
+    loaded, sent = run_stream(send_big)
+    refused, start, end = sent
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert (error["param"], error["code"]) == ("prompt", "context_length_exceeded"), error
+    assert "bytes of text but the context holds at most" in error["message"], error
+    TALLY.failed_cleanly += 1
+    figures = (f"a {len(big_body) / (1 << 20):.1f} MB prompt refused in {end - start:.3f} s; the stream's largest "
+               f"gap between tokens {largest_gap(baseline):.3f} s alone, {largest_gap(loaded):.3f} s beside it")
+    print(figures)
+    assert end - start < REFUSAL_BOUND_S, figures
+    assert loaded[4] <= start and end < loaded[-1], "the big prompt was not sent while the stream ran"
+    assert largest_gap(loaded) <= largest_gap(baseline) + GAP_SLACK_S, figures
+    TALLY.completed += 2
+
+
+# -- 7. an engine that cannot continue --------------------------------------------------------------
+
+
+def test_an_engine_failure_gives_503_and_a_nonzero_exit(failing_server):
+    url, process, log = failing_server.url, failing_server.process, failing_server.log
+    request = {"model": "default", "prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0}
+    # One connection, kept alive: the server exits a second after the failure.
+    with httpx.Client(base_url=url, timeout=REQUEST_BOUND_S) as http:
+        assert http.post("/v1/completions", json=request).status_code == 200
+        failed = http.post("/v1/completions", json={**request, "prompt": FAILING})
+        refused = http.post("/v1/completions", json=request)
+        health = http.get("/health")
+    code = process.wait(timeout=60)
     TALLY.sent += 4
     TALLY.faults += 1
     TALLY.completed += 1
