@@ -29,9 +29,22 @@ NOISE = (
 )
 
 
+# Gloo writes its line in pieces; two of its threads writing at once interleave them into one
+# line made only of the pieces (its numbers may spill onto the next line or two).
+GLOO_PIECES = re.compile(
+    rb"\[Gloo\] Rank|is connected to|peer ranks\.|Expected number of connected peer ranks is :|\d+|\s+"
+)
+SPILLED_NUMBERS = re.compile(rb"[\d\s]*")
+
+
 def is_noise(line: bytes) -> bool:
     text = line.rstrip(b"\r\n")
-    return any(p.match(text) for p in NOISE)
+    return any(p.match(text) for p in NOISE) or is_gloo_interleaved(text)
+
+
+def is_gloo_interleaved(text: bytes) -> bool:
+    """Several of Gloo's lines written at once, run together: nothing but their pieces."""
+    return text.startswith(b"[Gloo] Rank") and b"Expected number" in text and not GLOO_PIECES.sub(b"", text)
 
 
 def relay(source: BinaryIO, sink: BinaryIO) -> threading.Thread:
@@ -40,8 +53,14 @@ def relay(source: BinaryIO, sink: BinaryIO) -> threading.Thread:
 
     def run():
         out: BinaryIO | None = sink
+        spilled = 0  # lines after interleaved Gloo pieces that may hold only their numbers
         with source:
             for line in iter(source.readline, b""):
+                text = line.rstrip(b"\r\n")
+                if spilled and text and SPILLED_NUMBERS.fullmatch(text):
+                    spilled -= 1
+                    continue
+                spilled = 2 if is_gloo_interleaved(text) else 0
                 if out is None or is_noise(line):
                     continue
                 try:

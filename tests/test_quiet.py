@@ -60,6 +60,22 @@ def test_a_child_process_relayed_loses_the_noise_and_nothing_else():
         assert got.read().decode().splitlines() == [KEPT[0], KEPT[4], KEPT[2]]
 
 
+def test_gloo_lines_written_at_once_and_run_together_are_noise_too():
+    """Two of Gloo's threads wrote their lines into one (seen in a launch's log), the numbers
+    one lost coming on the next line; a line that only starts alike still comes through."""
+    together = ("[Gloo] Rank [Gloo] Rank 1 is connected to 30 peer ranks.  is connected to Expected number of "
+                "connected peer ranks is : 33 peer ranks. Expected number of connected peer ranks is : ")
+    lines = [KEPT[0], together, "3330", KEPT[2], "42", KEPT[4]]
+    code = f"import os\nfor line in {lines!r}:\n    os.write(2, (line + '\\n').encode())\n"
+    child = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE)
+    read_end, write_end = os.pipe()
+    with os.fdopen(write_end, "wb") as sink:
+        quiet.relay(child.stderr, sink).join(30)
+    child.wait(30)
+    with os.fdopen(read_end, "rb") as got:
+        assert got.read().decode().splitlines() == [KEPT[0], KEPT[2], "42", KEPT[4]]
+
+
 def test_a_group_process_stdout_goes_to_stderr_less_the_noise():
     """What a process joining a group spanning processes does before Gloo starts: fd 1
     (Gloo's) goes to stderr, filtered; Python's stdout stays jfire's output."""
