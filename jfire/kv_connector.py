@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from jfire.errors import JfireError
 from jfire.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -56,6 +57,23 @@ class Failed:
 class Progress:
     loaded: list[Loaded] = dataclasses.field(default_factory=list)
     failed: list[Failed] = dataclasses.field(default_factory=list)
+
+
+def prompt_only(request_id: str | None, sampling: SamplingParams) -> SamplingParams:
+    """A prefill role's check: it needs the request's id (the decode side finds the request by
+    it) and runs only the prompt, so the engine checks the request as one token to generate."""
+    if request_id is None:
+        raise JfireError("a prefill request needs its request id")
+    return dataclasses.replace(sampling, max_tokens=1, stop=())
+
+
+def check_prefilled(request_id: str | None, kv_params, sampling: SamplingParams) -> None:
+    """A decode role's check: a prefilled request brings its id, first token and transfer,
+    and the seed its prefill sampled with."""
+    if request_id is None or not kv_params or "transfer" not in kv_params or "first_token" not in kv_params:
+        raise JfireError("a decode group takes prefilled requests: their id, first token and KV transfer")
+    if sampling.seed is None:
+        raise JfireError("a prefilled request needs the seed its prefill sampled with")
 
 
 class KVConnector:

@@ -29,7 +29,7 @@ import jax
 from jfire.disagg import blocks, cluster
 from jfire.disagg.kv_transfer import Pull, Puller, kv_layout, new_uuid, placeholder, transfer_programs
 from jfire.errors import JfireError
-from jfire.kv_connector import Failed, KVConnector, Loaded, Progress
+from jfire.kv_connector import Failed, KVConnector, Loaded, Progress, check_prefilled, prompt_only
 from jfire.outputs import LiveRequest
 from jfire.sampling import SamplingParams
 from jfire.scheduler import Phase, Sequence
@@ -77,10 +77,7 @@ class PrefillConnector(KVConnector):
         self.puller.shutdown()
 
     def check(self, request_id, prompt_ids, sampling: SamplingParams, kv_params) -> SamplingParams:
-        if request_id is None:
-            raise JfireError("a prefill request needs its request id")
-        # Only the prompt runs here; the decode group checks the whole request.
-        return dataclasses.replace(sampling, max_tokens=1, stop=())
+        return prompt_only(request_id, sampling)  # the decode group checks the whole request
 
     def request_finished(self, seq: Sequence, kv_params: dict | None) -> dict:
         """The prompt is done: publish its KV; the request ends here with the first token."""
@@ -279,8 +276,7 @@ class DecodeConnector(KVConnector):
     # -- scheduler side ------------------------------------------------------------------------
 
     def check(self, request_id, prompt_ids, sampling: SamplingParams, kv_params) -> SamplingParams:
-        if request_id is None or not kv_params or "transfer" not in kv_params or "first_token" not in kv_params:
-            raise JfireError("a decode group takes prefilled requests: their id, first token and KV transfer")
+        check_prefilled(request_id, kv_params, sampling)
         transfer = kv_params["transfer"]
         expected = self.engine.scheduler.pages_needed(len(prompt_ids))
         if transfer.get("num_pages") != expected:
@@ -288,8 +284,6 @@ class DecodeConnector(KVConnector):
                 f"the transfer has {transfer.get('num_pages')} pages but a {len(prompt_ids)}-token "
                 f"prompt fills {expected} pages of {self.engine.config.page_size} tokens"
             )
-        if sampling.seed is None:
-            raise JfireError("a prefilled request needs the seed its prefill sampled with")
         return sampling
 
     def loads(self, live: LiveRequest) -> bool:

@@ -9,7 +9,6 @@ processes or a transfer server; it is also the shape of a host-memory tier's sav
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import threading
 
@@ -17,8 +16,7 @@ import jax
 import numpy as np
 
 from jfire.disagg.kv_transfer import kv_layout, transfer_programs
-from jfire.errors import JfireError
-from jfire.kv_connector import Failed, KVConnector, Loaded, Progress
+from jfire.kv_connector import Failed, KVConnector, Loaded, Progress, check_prefilled, prompt_only
 from jfire.outputs import LiveRequest
 from jfire.sampling import SamplingParams
 from jfire.scheduler import Sequence
@@ -62,9 +60,7 @@ class InProcessPrefill(KVConnector):
         return [self.gather]
 
     def check(self, request_id, prompt_ids, sampling: SamplingParams, kv_params) -> SamplingParams:
-        if request_id is None:
-            raise JfireError("a prefill request needs its request id")
-        return dataclasses.replace(sampling, max_tokens=1, stop=())  # only the prompt runs here
+        return prompt_only(request_id, sampling)
 
     def request_finished(self, seq: Sequence, kv_params) -> dict:
         pages = seq.pages[: self.engine.scheduler.pages_needed(len(seq.prompt_ids))]
@@ -92,10 +88,7 @@ class InProcessDecode(KVConnector):
         return [self.insert]
 
     def check(self, request_id, prompt_ids, sampling: SamplingParams, kv_params) -> SamplingParams:
-        if not kv_params or "transfer" not in kv_params or "first_token" not in kv_params:
-            raise JfireError("a decode engine takes prefilled requests: their first token and transfer")
-        if sampling.seed is None:
-            raise JfireError("a prefilled request needs the seed its prefill sampled with")
+        check_prefilled(request_id, kv_params, sampling)
         return sampling
 
     def loads(self, live: LiveRequest) -> bool:
