@@ -13,6 +13,7 @@ prefill and decode groups each build their own matcher from it.
 from __future__ import annotations
 
 import json
+import re
 import threading
 
 import numpy as np
@@ -52,6 +53,28 @@ def json_schema_grammar(schema: dict | bool) -> str:
         return lib.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_LAYOUT)
     except (ValueError, TypeError) as e:
         raise GrammarError(f"invalid JSON schema: {e}") from None
+
+
+def check_json_schema(schema: dict | bool) -> None:
+    """Raises GrammarError unless llguidance can enforce `schema` in full. One rule wherever a
+    schema constrains output (response_format, tool arguments): a keyword it cannot enforce is
+    refused by name, never silently dropped."""
+    lib = _library()
+    if not isinstance(schema, (dict, bool)):
+        raise GrammarError(f"a JSON schema must be an object, got {type(schema).__name__}")
+    try:
+        error = lib.LLMatcher.validate_grammar(lib.LLMatcher.grammar_from_json_schema(json.dumps(schema)))
+    except (ValueError, TypeError) as e:
+        error = str(e)
+    if not error:
+        return
+    unsupported = re.search(r"Unimplemented keys: \[(.*?)\]", error)
+    if unsupported:
+        raise GrammarError(
+            f"the JSON schema uses {unsupported.group(1)}, which jfire cannot enforce; "
+            "remove the keyword or express the constraint with supported ones"
+        )
+    raise GrammarError(f"invalid JSON schema: {error}")
 
 
 def json_object_grammar() -> str:

@@ -451,6 +451,12 @@ class Tokenizer:
     def decode(self, ids, *, skip_special_tokens: bool = True) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+    def special_token_id(self, text: str) -> int | None:
+        """The id of the special token `text` is (a control marker, not text: decoding skips
+        it), or None if it is not one."""
+        ids = self.encode(text, add_special_tokens=False)
+        return ids[0] if len(ids) == 1 and self.decode(ids, skip_special_tokens=True) == "" else None
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (a byte-level token can be part of a UTF-8
         character, which decoding it alone would turn into U+FFFD): logprobs report them."""

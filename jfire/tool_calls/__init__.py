@@ -13,13 +13,26 @@ The formats, as the models write them:
       </tool_call>
 - llama3_json (Llama 3.1-3.3), optionally after `<|python_tag|>`, calls separated by "; ":
       {"name": "get_weather", "parameters": {"city": "Paris"}}
-- llama4_pythonic (Llama 4; Gemma 3's prompt asks for the same), a Python list of calls whose
-  arguments are Python literals, optionally wrapped in `<|python_start|>...<|python_end|>`:
+- llama4_pythonic (Llama 4 prompted as Meta's docs and vLLM's template do; Gemma 3's prompt asks
+  for the same), a Python list of calls whose arguments are Python literals, optionally wrapped
+  in `<|python_start|>...<|python_end|>`:
       [get_weather(city="Paris"), get_time(tz="UTC")]
+- llama4_json (Llama 4's released chat template, which asks for JSON calls), after an empty
+  `<|python_start|><|python_end|>`, one object after another:
+      <|python_start|><|python_end|>{"name": "get_weather", "parameters": {"city": "Paris"}}
 - kimi_k2 (Kimi K2 / K2.5), special tokens around the calls, each call's id naming its function
   (one line in the output):
       <|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0
       <|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>
+- mistral (Mistral 7B v0.3, Mistral-Nemo: the JSON-list form), a list of calls after
+  [TOOL_CALLS]; jfire's call ids are 9 letters and digits, the only ids these templates accept:
+      [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]
+- deepseek_v3 (DeepSeek-V3, R1) and deepseek_v31 (DeepSeek-V3.1), each reading both (V3.1
+  writes each call as `<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜>`):
+      <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather
+      ```json
+      {"city": "Paris"}
+      ```<｜tool▁call▁end｜><｜tool▁calls▁end｜>
 
 Text outside calls is content. Whitespace before a call, between calls, and after the last call
 at the end of the output is framing, not content. A call that is malformed (bad JSON, unknown
@@ -41,16 +54,21 @@ sent so far, where `parse` would keep it as content. On well-formed output the t
 the text is split.
 """
 
-from jfire.tool_calls.formats import FORMATS, Hermes, KimiK2, Llama3Json, Llama4Pythonic, ToolCallFormat
-from jfire.tool_calls.prompts import default_tool_prompt, format_for, prepare_messages, template_takes_tools
+from jfire.tool_calls.formats import Hermes, KimiK2, Llama3Json, Llama4Pythonic, ToolCallFormat
+from jfire.tool_calls.more_formats import DeepSeekV3, DeepSeekV31, Llama4Json, Mistral
+from jfire.tool_calls.prompts import FORMATS, default_tool_prompt, format_for, prepare_messages, template_takes_tools
 from jfire.tool_calls.stream import ToolCall, ToolCallStream, new_call_id
 
 __all__ = [
     "FORMATS",
+    "DeepSeekV3",
+    "DeepSeekV31",
     "Hermes",
     "KimiK2",
     "Llama3Json",
+    "Llama4Json",
     "Llama4Pythonic",
+    "Mistral",
     "ToolCall",
     "ToolCallFormat",
     "ToolCallStream",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 
 from jfire.tool_calls.scan import (
     _DIGITS,
@@ -28,26 +29,42 @@ def _arguments_of(call: dict) -> dict:
 
 
 # The argument JSON the grammars allow, spaced as json.dumps (and so the models' training data)
-# spaces it; `lenient`: a schema keyword llguidance lacks is ignored rather than failing the request.
-_JSON_STYLE = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False, "lenient": True}
+# spaces it. Not lenient: a schema keyword llguidance cannot enforce fails the grammar, and the
+# server refuses the request naming it (jfire.grammar.check_json_schema), as for response_format.
+_JSON_STYLE = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+# The arguments of a call whose tool is not `strict`, where a grammar frames the call anyway.
+ANY_ARGUMENTS: dict = {"type": "object"}
 
 
 def _lark(text: str) -> str:
     return json.dumps(text)  # a Lark string literal
 
 
-def _marker(text: str, special_tokens: bool) -> str:
-    return text if special_tokens else _lark(text)  # bare <|...|> is a special token in llguidance's Lark
+# The special tokens a format's markers are, by their text: {marker: token id}. A marker that is
+# one becomes that token in a grammar (llguidance's <[id]>), the token the model was trained to
+# emit; otherwise it is text.
+NO_SPECIAL: Mapping[str, int] = {}
+
+
+def _marker(text: str, special: Mapping[str, int]) -> str:
+    return f"<[{special[text]}]>" if text in special else _lark(text)
 
 
 def _json_rule(schema) -> str:
     return "%json " + json.dumps({**(schema if isinstance(schema, dict) else {}), "x-guidance": _JSON_STYLE})
 
 
-def _chosen_tools(tools: list[dict], only: str | None) -> list[tuple[str, dict]]:
+def _chosen_tools(tools: list[dict], only: str | None, *, strict_only: bool = False) -> list[tuple[str, dict]]:
+    """(name, schema of its arguments) of the tools a grammar offers. `strict_only`: the
+    schema only of tools marked `strict`, the others taking any arguments (ANY_ARGUMENTS)."""
     functions = [t["function"] for t in tools if t.get("type", "function") == "function"]
     chosen = [
-        (f["name"], f.get("parameters") or {"type": "object", "properties": {}})
+        (
+            f["name"],
+            ANY_ARGUMENTS
+            if strict_only and not f.get("strict")
+            else f.get("parameters") or {"type": "object", "properties": {}},
+        )
         for f in functions
         if only is None or f["name"] == only
     ]
@@ -60,6 +77,12 @@ class ToolCallFormat:
     name: str
     openers: tuple[str, ...]  # texts at which a block of calls may begin
     instructions: str  # how to call, for the default tool prompt
+    # Special tokens of the model's vocabulary the format writes (Kimi K2's <|...|> markers).
+    markers: tuple[str, ...] = ()
+    # Where a grammar over free text lets a call begin (`auto_grammar`): the opener a model
+    # writes first, and whether it is the start of each call (else of the block of calls).
+    trigger: str
+    trigger_starts_call: bool = False
 
     # -- what the state machine asks of a format --
 
@@ -96,22 +119,81 @@ class ToolCallFormat:
         return ToolCallStream(self)
 
     def grammar(
-        self, tools: list[dict], *, only: str | None = None, parallel: bool = True, special_tokens: bool = False
+        self,
+        tools: list[dict],
+        *,
+        only: str | None = None,
+        parallel: bool = True,
+        special: Mapping[str, int] = NO_SPECIAL,
     ) -> str:
         """A Lark grammar for llguidance whose sentences are one call (with `parallel`, one or more)
         of one of `tools` (or of the tool named `only`), its arguments satisfying the tool's
-        schema. `special_tokens` writes <|...|> markers as special tokens, as llguidance needs when
-        the tokenizer has them (Kimi K2's); otherwise they are text."""
+        schema. `special`: the markers that are special tokens of the model's vocabulary, and
+        their ids (`special_markers`)."""
         chosen = _chosen_tools(tools, only)
         rules = [
             rule
             for i, (name, params) in enumerate(chosen)
-            for rule in self._call_rules(f"call_{i}", name, params, special_tokens)
+            for rule in self._call_rules(f"call_{i}", name, params, special)
         ]
-        begin, separator, end = self._frame(special_tokens)
+        begin, separator, end = self._frame(special)
         calls = f"call ({separator} call)*" if parallel and separator else "call+" if parallel else "call"
         start = " ".join(part for part in (begin, calls, end) if part)
         return "\n".join([f"start: {start}", "call: " + " | ".join(f"call_{i}" for i in range(len(chosen))), *rules])
+
+    def auto_grammar(self, tools: list[dict], *, parallel: bool = True, special: Mapping[str, int] = NO_SPECIAL) -> str:
+        """A grammar for `tool_choice: "auto"`: free text, in which a call begins where the
+        model writes the format's `trigger`; from there the call is constrained, the arguments
+        of `strict` tools to their schema and the others to any JSON object. Without
+        `parallel` the output holds at most one call and ends with it.
+
+        The trigger is a lazy lexeme (llguidance ends the text at its first occurrence), or a
+        special token, which free text cannot hold."""
+        chosen = _chosen_tools(tools, None, strict_only=True)
+        rules = [
+            rule
+            for i, (name, params) in enumerate(chosen)
+            for rule in self._call_rules(f"call_{i}", name, params, special)
+        ]
+        begin, separator, end = self._frame(special)
+        if self.trigger_starts_call:  # each call opens with the trigger: the first one is cut
+            rules += [
+                rule
+                for i, (name, params) in enumerate(chosen)
+                for rule in self._call_rules(f"first_{i}", name, params, special, after=self.trigger)
+            ]
+            rest = "first" + (f" ({separator} call)*" if parallel else "")
+        else:  # the trigger opens the block
+            trigger = _marker(self.trigger, special)
+            assert begin.startswith(trigger), (self.name, begin)
+            calls = f"call ({separator} call)*" if parallel and separator else "call+" if parallel else "call"
+            rest = " ".join(part for part in (begin[len(trigger) :].strip(), calls, end) if part)
+        if self.trigger in special:
+            opening = f"before_call: TEXT {_marker(self.trigger, special)}"
+        else:
+            opening = f"before_call[lazy]: TEXT {_lark(self.trigger)}"
+        start = "(before_call block)* TEXT" if parallel else "TEXT | before_call block"
+        return "\n".join(
+            [
+                "%llguidance {}",
+                f"start: {start}",
+                f"block: {rest}",
+                opening,
+                "TEXT: /(.|\\n)*/",
+                "call: " + " | ".join(f"call_{i}" for i in range(len(chosen))),
+                *(
+                    ["first: " + " | ".join(f"first_{i}" for i in range(len(chosen)))]
+                    if self.trigger_starts_call
+                    else []
+                ),
+                *rules,
+            ]
+        )
+
+    def special_markers(self, tokenizer) -> dict[str, int]:
+        """{marker: token id} for the format's markers that are special tokens of `tokenizer`."""
+        ids = {m: tokenizer.special_token_id(m) for m in self.markers}
+        return {m: i for m, i in ids.items() if i is not None}
 
     def render_calls(self, calls: list[dict]) -> str:
         """The text that an assistant message's OpenAI `tool_calls` stand for in this format."""
@@ -119,12 +201,13 @@ class ToolCallFormat:
 
     # -- grammar parts --
 
-    def _frame(self, special_tokens: bool) -> tuple[str, str, str]:
+    def _frame(self, special: Mapping[str, int]) -> tuple[str, str, str]:
         """Lark for what comes before the calls, between them, and after them."""
         raise NotImplementedError
 
-    def _call_rules(self, rule: str, name: str, params: dict, special_tokens: bool) -> list[str]:
-        """Lark rules, the first named `rule`, for one call of the tool."""
+    def _call_rules(self, rule: str, name: str, params: dict, special: Mapping[str, int], after: str = "") -> list[str]:
+        """Lark rules, the first named `rule`, for one call of the tool; `after`: the call's
+        text from just after this opening (which something else has matched)."""
         raise NotImplementedError
 
 
@@ -151,15 +234,18 @@ class _JsonObjectCalls(ToolCallFormat):
             f'"{self.arguments_key}": {json.dumps(_arguments_of(call), ensure_ascii=False)}}}'
         )
 
-    def _call_rules(self, rule, name, params, special_tokens):
-        before, after = self.call_wrap
+    def _call_rules(self, rule, name, params, special, after=""):
+        before, closing = self.call_wrap
         prefix = f'{before}{{"name": {json.dumps(name)}, "{self.arguments_key}": '
-        return [f"{rule}: {_lark(prefix)} {rule}_args {_lark('}' + after)}", f"{rule}_args: {_json_rule(params)}"]
+        assert prefix.startswith(after), (prefix, after)
+        prefix = prefix[len(after) :]
+        return [f"{rule}: {_lark(prefix)} {rule}_args {_lark('}' + closing)}", f"{rule}_args: {_json_rule(params)}"]
 
 
 class Hermes(_JsonObjectCalls):
     name = "hermes"
     openers = ("<tool_call>",)
+    trigger, trigger_starts_call = "<tool_call>", True
     arguments_key = "arguments"
     call_wrap = ("<tool_call>\n", "\n</tool_call>")
     instructions = (
@@ -179,13 +265,14 @@ class Hermes(_JsonObjectCalls):
     def render_calls(self, calls):
         return "\n".join(f"<tool_call>\n{self._call_text(call)}\n</tool_call>" for call in calls)
 
-    def _frame(self, special_tokens):
+    def _frame(self, special):
         return "", _lark("\n"), ""
 
 
 class Llama3Json(_JsonObjectCalls):
     name = "llama3_json"
     openers = ("<|python_tag|>", "{")
+    trigger, trigger_starts_call = "{", True
     arguments_key = "parameters"
     instructions = (
         "To call functions, respond with only JSON objects in the format "
@@ -210,13 +297,14 @@ class Llama3Json(_JsonObjectCalls):
     def render_calls(self, calls):
         return "; ".join(map(self._call_text, calls))
 
-    def _frame(self, special_tokens):
+    def _frame(self, special):
         return "", _lark("; "), ""
 
 
 class Llama4Pythonic(ToolCallFormat):
     name = "llama4_pythonic"
     openers = ("<|python_start|>", "[")
+    trigger = "["
     instructions = (
         "If you decide to invoke any of the function(s), you MUST put it in the format of "
         "[func_name1(params_name1=params_value1, params_name2=params_value2...), func_name2(params)]\n"
@@ -258,13 +346,16 @@ class Llama4Pythonic(ToolCallFormat):
         )
         return "[" + ", ".join(rendered) + "]"
 
-    def _frame(self, special_tokens):
+    def _frame(self, special):
         return _lark("["), _lark(", "), _lark("]")
 
-    def _call_rules(self, rule, name, params, special_tokens):
+    def _call_rules(self, rule, name, params, special, after=""):
         # Values are written as JSON (%json): JSON strings, numbers, lists and objects are Python
         # literals too, and the parser reads true/false/null. Keyword arguments come in the
         # schema's order, required ones always; only the schema's properties are offered.
+        if params is ANY_ARGUMENTS:  # any keywords, any values
+            value = f"/[A-Za-z_][A-Za-z0-9_]*=/ {_json_rule({})}"
+            return [f"{rule}: {_lark(name + '(')} ({value} ({_lark(', ')} {value})*)? {_lark(')')}"]
         shared = {k: params[k] for k in ("$defs", "definitions") if k in params}
         properties = [(k, v) for k, v in (params.get("properties") or {}).items() if k.isidentifier()]
         rules = [
@@ -311,6 +402,14 @@ def _kwargs_expression(items: list[tuple[str, bool]]) -> str:
 class KimiK2(ToolCallFormat):
     name = "kimi_k2"
     openers = ("<|tool_calls_section_begin|>",)
+    markers = (
+        "<|tool_calls_section_begin|>",
+        "<|tool_call_begin|>",
+        "<|tool_call_argument_begin|>",
+        "<|tool_call_end|>",
+        "<|tool_calls_section_end|>",
+    )
+    trigger = "<|tool_calls_section_begin|>"
     instructions = (
         "To call functions, write one tool-call section holding every call:\n"
         "<|tool_calls_section_begin|><|tool_call_begin|>functions.<function-name>:<call-number>"
@@ -349,21 +448,18 @@ class KimiK2(ToolCallFormat):
             )
         return "<|tool_calls_section_begin|>" + "".join(parts) + "<|tool_calls_section_end|>"
 
-    def _frame(self, special_tokens):
+    def _frame(self, special):
         return (
-            _marker("<|tool_calls_section_begin|>", special_tokens),
+            _marker("<|tool_calls_section_begin|>", special),
             "",
-            _marker("<|tool_calls_section_end|>", special_tokens),
+            _marker("<|tool_calls_section_end|>", special),
         )
 
-    def _call_rules(self, rule, name, params, special_tokens):
+    def _call_rules(self, rule, name, params, special, after=""):
         begin, arguments, end = (
-            _marker(f"<|tool_call_{part}|>", special_tokens) for part in ("begin", "argument_begin", "end")
+            _marker(f"<|tool_call_{part}|>", special) for part in ("begin", "argument_begin", "end")
         )
         return [
             f"{rule}: {begin} {_lark(f'functions.{name}:')} /[0-9]{{1,9}}/ {arguments} {rule}_args {end}",
             f"{rule}_args: {_json_rule(params)}",
         ]
-
-
-FORMATS: dict[str, ToolCallFormat] = {f.name: f for f in (Hermes(), Llama3Json(), Llama4Pythonic(), KimiK2())}

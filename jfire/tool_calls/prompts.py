@@ -6,9 +6,14 @@ from __future__ import annotations
 import json
 import re
 
-from jfire.tool_calls.formats import FORMATS, ToolCallFormat
+from jfire.tool_calls.formats import Hermes, KimiK2, Llama3Json, Llama4Pythonic, ToolCallFormat
+from jfire.tool_calls.more_formats import DeepSeekV3, DeepSeekV31, Llama4Json, Mistral
 from jfire.tool_calls.scan import _json_or_none
 
+FORMATS: dict[str, ToolCallFormat] = {
+    f.name: f
+    for f in (Hermes(), Llama3Json(), Llama4Pythonic(), Llama4Json(), KimiK2(), Mistral(), DeepSeekV3(), DeepSeekV31())
+}
 _FORMAT_BY_MODEL_TYPE = {
     "qwen2": "hermes",
     "qwen2_moe": "hermes",
@@ -19,6 +24,7 @@ _FORMAT_BY_MODEL_TYPE = {
     "llama4_text": "llama4_pythonic",
     "kimi_k2": "kimi_k2",
     "kimi_k25": "kimi_k2",
+    "deepseek_v3": "deepseek_v3",
 }
 
 
@@ -28,8 +34,15 @@ def format_for(chat_template: str | None, model_type: str | None = None) -> Tool
     template = chat_template or ""
     if "<|tool_calls_section_begin|>" in template:
         return FORMATS["kimi_k2"]
-    if "<|python_start|>" in template or "[func_name1(" in template:  # Llama 4's pythonic instructions
+    if "<｜tool▁calls▁begin｜>" in template:  # DeepSeek: V3 and R1 fence the arguments as ```json, V3.1 not
+        return FORMATS["deepseek_v3" if "```json" in template else "deepseek_v31"]
+    if "[TOOL_CALLS]" in template:
+        return FORMATS["mistral"]
+    if "[func_name1(" in template:  # Llama 4's pythonic instructions
         return FORMATS["llama4_pythonic"]
+    if "<|python_start|>" in template:
+        # Llama 4's released template asks for JSON calls ("parameters") and writes them so.
+        return FORMATS["llama4_json" if '"parameters"' in template else "llama4_pythonic"]
     if "<tool_call>" in template:
         return FORMATS["hermes"]
     if "<|python_tag|>" in template or "ipython" in template:
@@ -59,7 +72,9 @@ def prepare_messages(
     """OpenAI chat messages made renderable by the chat template.
 
     A template with tool support gets them as they are, except that tool calls' `arguments` JSON
-    text is also given parsed (HF templates iterate over it as a mapping). One without gets:
+    text is also given parsed (HF templates iterate over it as a mapping), and content None as ""
+    (Qwen 3's and DeepSeek's templates read the content of a turn that only calls tools, and a
+    None content, dropped as HF drops it, leaves it undefined). One without gets:
     - the tool prompt at the end of the system message (a system message is added if none);
     - each assistant message's tool calls appended to its content as text (render_calls);
     - each run of tool results as one message, each result in <tool_response>...</tool_response>
@@ -69,7 +84,7 @@ def prepare_messages(
     - content None as "", so that the template prints nothing for it.
     """
     if template_takes_tools(chat_template):
-        return [_with_parsed_arguments(m) for m in messages]
+        return [_for_template_with_tools(m) for m in messages]
     results_role = "user" if "raise_exception" in (chat_template or "") else "tool"
     out: list[dict] = []
     for message in messages:
@@ -104,7 +119,9 @@ def _text(content) -> str:
     return "".join(part.get("text", "") for part in content if isinstance(part, dict))
 
 
-def _with_parsed_arguments(message: dict) -> dict:
+def _for_template_with_tools(message: dict) -> dict:
+    if message.get("content") is None:
+        message = {**message, "content": ""}
     if not message.get("tool_calls"):
         return message
     calls = []

@@ -296,12 +296,16 @@ def test_grammar_is_valid_lark_for_llguidance(fmt):
         fmt.grammar(TOOLS, only="get_forecast")
 
 
-def test_kimi_grammar_writes_markers_as_special_tokens_on_request(default_tokenizer):
-    grammar = KIMI.grammar(TOOLS, special_tokens=True)
-    assert "<|tool_call_begin|> " in grammar and '"<|tool_call_begin|>' not in grammar
-    # Special tokens are checked against the tokenizer: the default model has none of Kimi's.
-    error = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(grammar), default_tokenizer[1])
-    assert "unknown special token" in error
+@pytest.mark.parametrize("fmt", [f for f in FORMATS.values() if f.markers], ids=lambda f: f.name)
+def test_markers_that_are_special_tokens_are_written_as_those_tokens(fmt, default_tokenizer):
+    """Given the markers' ids (as a tokenizer whose specials they are gives them), a grammar
+    matches each marker as its one token, never its spelling; without them, as text."""
+    special = {m: 1000 + i for i, m in enumerate(fmt.markers)}
+    for grammar in (fmt.grammar(TOOLS, special=special), fmt.auto_grammar(TOOLS, special=special)):
+        assert llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(grammar)) == ""
+        assert not any(json.dumps(marker) in grammar for marker in special)
+        assert f"<[{special[fmt.trigger]}]>" in grammar
+    assert json.dumps(fmt.trigger) in fmt.grammar(TOOLS)
 
 
 @pytest.mark.parametrize("fmt", FORMATS.values(), ids=list(FORMATS))
@@ -414,3 +418,31 @@ def test_prepare_messages_for_a_template_with_tool_support():
     assert prepared[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris", "days": 3}
     assert [m for i, m in enumerate(prepared) if i != 1] == [m for i, m in enumerate(CONVERSATION) if i != 1]
     assert CONVERSATION[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris", "days": 3}'  # not mutated
+
+
+# Markers as text here (the default tokenizer has none of them as special tokens); as special
+# tokens through the server: tests/serve/test_tool_constraints.py.
+@pytest.mark.parametrize("fmt", FORMATS.values(), ids=list(FORMATS))
+def test_auto_grammar_leaves_text_free_and_constrains_the_calls_it_must(fmt, default_tokenizer):
+    """tool_choice "auto" with a strict tool or parallel_tool_calls false: free text, a call
+    where the model writes the format's opener, the strict tool's arguments held to its schema
+    and the other tool's free, and without parallel calls one call that ends the output."""
+    tok, lltok = default_tokenizer
+    weather, time_tool = (dict(t, function=dict(t["function"])) for t in TOOLS)
+    weather["function"]["strict"] = True
+    tools = [weather, time_tool]
+    good, free = ACCEPTED[0], [_call("get_time", zone=1)]  # get_time is not strict: any arguments
+    prose = "It is sunny in Paris, I think."
+    for parallel in (True, False):
+        grammar = fmt.auto_grammar(tools, parallel=parallel)
+        assert _matches(lltok, tok, grammar, prose)
+        assert _matches(lltok, tok, grammar, fmt.render_calls(good))
+        assert _matches(lltok, tok, grammar, fmt.render_calls(free))
+        for calls in REJECTED[:-1]:  # the strict tool's schema holds
+            assert not _matches(lltok, tok, grammar, fmt.render_calls(calls)), fmt.render_calls(calls)
+        assert _matches(lltok, tok, grammar, fmt.render_calls(good + free)) == parallel
+        assert _matches(lltok, tok, grammar, fmt.render_calls(good) + "\n" + fmt.render_calls(free)) == parallel
+    if fmt is HERMES:  # text before a call is free; once the opener is written, a call follows
+        grammar = fmt.auto_grammar(tools, parallel=False)
+        assert _matches(lltok, tok, grammar, "Let me look that up.\n" + fmt.render_calls(good))
+        assert not _matches(lltok, tok, grammar, "Let me look that up.\n<tool_call>\nno call after all")
