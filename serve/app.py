@@ -358,6 +358,7 @@ async def _serve(
         logprobs=logprobs,
         echo=echo,
         prompt_ids=prompt_ids,
+        token_ids=body.return_token_ids,
     )
     request.state.responder = responder  # for the access log's line, written when the response has gone
     if body.stream:

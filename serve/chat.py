@@ -77,13 +77,33 @@ def render_chat(
     plan = OutputPlan(
         grammar=response_grammar(body), tool_format=fmt if tools else None, keep_special_tokens=tools is not None
     )
-    if tools and body.tool_choice is not None and body.tool_choice not in ("auto", "none"):
-        only = body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else None
-        try:
-            plan.grammar = fmt.grammar(tools, only=only, parallel=body.parallel_tool_calls and only is None)
-        except (ValueError, JfireError) as e:
-            raise PromptError(f"tools: a tool's parameters cannot be used as a JSON schema: {e}", "tools") from None
+    if tools:
+        plan.grammar = tool_grammar(body, tools, fmt, tokenizer) or plan.grammar
     return prompt_ids, plan
+
+
+def tool_grammar(body: ChatCompletionRequest, tools: list[dict], fmt, tokenizer) -> str | None:
+    """The grammar the request's tool settings ask for, or None where calls are free text:
+    a forced call (tool_choice "required" or a named function), or under "auto" a grammar
+    that leaves text free and constrains a call once the model starts one, when a tool is
+    `strict` or `parallel_tool_calls` is false. The markers of a format written in special
+    tokens (Kimi K2's) are matched as those tokens, which the model was trained to emit."""
+    choice = body.tool_choice
+    forced = choice is not None and choice not in ("auto", "none")
+    strict = [i for i, t in enumerate(tools) if t["function"].get("strict")]
+    if not forced and not strict and body.parallel_tool_calls:
+        return None
+    only = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    enforced = [i for i, t in enumerate(tools) if only in (None, t["function"]["name"])] if forced else strict
+    for i in enforced:
+        try:
+            grammars.check_json_schema(tools[i]["function"].get("parameters") or {"type": "object"})
+        except grammars.GrammarError as e:
+            raise PromptError(f"tools[{i}].function.parameters: {e}", "tools") from None
+    special = fmt.special_markers(tokenizer)
+    if forced:
+        return fmt.grammar(tools, only=only, parallel=body.parallel_tool_calls and only is None, special=special)
+    return fmt.auto_grammar(tools, parallel=body.parallel_tool_calls, special=special)
 
 
 def response_grammar(body: SamplingFields) -> str | None:
@@ -94,6 +114,8 @@ def response_grammar(body: SamplingFields) -> str | None:
     try:
         if fmt.type == "json_object":
             return grammars.json_object_grammar()
-        return grammars.json_schema_grammar(fmt.json_schema.schema_)
+        schema = fmt.json_schema.schema_
+        grammars.check_json_schema(schema)
+        return grammars.json_schema_grammar(schema)
     except grammars.GrammarError as e:
         raise PromptError(f"response_format: {e}", "response_format") from None

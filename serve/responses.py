@@ -63,12 +63,14 @@ class Responder:
         logprobs: int | None,
         echo: str = "",
         prompt_ids: list[int] = (),
+        token_ids: bool = False,
     ):
         self.state, self.request, self.engine = state, request, engine
         self.request_id, self.outputs, self.model, self.chat, self.plan = request_id, outputs, model, chat, plan
         self.choices = {rid: Choice(i, rid, plan, echo) for i, rid in enumerate(choice_ids)}
         self.logprobs = logprobs
         self.prompt_ids = list(prompt_ids)
+        self.token_ids = token_ids  # return the token ids beside the text (return_token_ids)
         self.tokenizer = engine.tokenizer
         self.created = int(time.time())
         self.start = time.perf_counter()
@@ -191,7 +193,7 @@ class Responder:
         if errors:
             return {"error": errors[0].error or "generation failed"}
         choices = [self._whole_choice(c) for c in self.choices.values()]
-        return {
+        body: dict[str, object] = {
             "id": self.request_id,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
@@ -199,6 +201,11 @@ class Responder:
             "choices": choices,
             "usage": self._usage(),
         }
+        if self.token_ids:
+            body["prompt_token_ids"] = self.prompt_ids
+            for choice, c in zip(choices, self.choices.values()):
+                choice["token_ids"] = c.token_ids
+        return body
 
     def _whole_choice(self, c: Choice) -> dict:
         text, finish = "".join(c.text), c.last.finish_reason
@@ -239,7 +246,23 @@ class Responder:
         }
 
     def _deltas(self, c: Choice, out: RequestOutput) -> list[dict]:
-        """The chunk choices one output makes: text (or tool-call) deltas, and the end."""
+        """The chunk choices one output makes: text (or tool-call) deltas, and the end; the
+        first of them carries the output's token ids when they were asked for."""
+        chunks = self._delta_chunks(c, out)
+        if self.token_ids and out.token_ids:
+            if not chunks:
+                chunks.append(
+                    {
+                        "index": c.index,
+                        **({"delta": {}} if self.chat else {"text": ""}),
+                        "finish_reason": None,
+                        "logprobs": None,
+                    }
+                )
+            chunks[0]["token_ids"] = out.token_ids
+        return chunks
+
+    def _delta_chunks(self, c: Choice, out: RequestOutput) -> list[dict]:
         finish = out.finish_reason if out.finished else None
         entries = out.logprobs or []
         if not self.chat:
@@ -281,6 +304,7 @@ class Responder:
         def event(payload) -> str:
             return f"data: {json.dumps(payload)}\n\n"
 
+        prompt_ids = {"prompt_token_ids": self.prompt_ids} if self.token_ids else {}
         try:
             if self.chat:
                 yield event(
@@ -290,7 +314,9 @@ class Responder:
                             for c in self.choices.values()
                         ]
                     )
+                    | prompt_ids
                 )
+                prompt_ids = {}
             while not self.finished:
                 got = await self._next()
                 if got is None:
@@ -301,7 +327,8 @@ class Responder:
                     yield "data: [DONE]\n\n"  # the stream still ends as streams end
                     return
                 for choice in self._deltas(c, out):
-                    yield event(self._chunk([choice]))
+                    yield event(self._chunk([choice]) | prompt_ids)
+                    prompt_ids = {}
             if include_usage:
                 chunk = self._chunk([])
                 chunk["usage"] = self._usage()

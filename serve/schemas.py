@@ -123,6 +123,10 @@ class SamplingFields(StrictObject):
         default=None, max_length=64, description="jfire extension: token ids that end the output"
     )
     response_format: ResponseFormat | None = None
+    return_token_ids: StrictBool = Field(
+        default=False,
+        description="extension (as vLLM's): each choice's token_ids and the response's prompt_token_ids",
+    )
     user: StrictStr | None = None
     # Accepted by the schema only to be refused by name (see UNSUPPORTED_FIELDS).
     functions: object = None
@@ -263,4 +267,13 @@ class ChatCompletionRequest(SamplingFields):
         forced = choice == "required" or isinstance(choice, NamedToolChoice)
         if forced and self.response_format is not None and self.response_format.type != "text":
             raise ValueError("response_format: cannot be combined with a tool_choice that forces a call")
+        # Under "auto" these constrain the calls with a grammar of their own (serve/chat.py).
+        constrained = choice != "none" and (
+            not self.parallel_tool_calls or any(t.function.strict for t in self.tools or [])
+        )
+        if constrained and self.tools and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError(
+                "response_format: cannot be combined with strict tools or parallel_tool_calls: false, "
+                "which constrain the output to their own calls"
+            )
         return self
