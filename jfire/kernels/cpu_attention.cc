@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <utility>
@@ -113,16 +114,25 @@ void Weigh(const float* p, int64_t g, int64_t n, int64_t d, const float* const* 
 }
 
 // Lane i of Fold<H>'s halves: pairs of vectors become one, lane groups of H floats from the
-// first in the lower half and from the second in the upper; Lo takes each group's first H
-// lanes, Hi its next H.
-typedef int32_t Lanes __attribute__((vector_size(sizeof(Vec))));
+// first in the lower half and from the second in the upper; the lower of the two halves takes
+// each group's first H lanes, the upper its next H. Indices below kLanes are the first
+// vector's lanes, from kLanes up the second's.
 constexpr int32_t FoldLane(int64_t h, bool upper, int64_t i) {
   const int64_t half = kLanes / 2, t = i % half;
   return static_cast<int32_t>((i < half ? 0 : kLanes) + (t / h) * 2 * h + t % h + (upper ? h : 0));
 }
+
+// The two vectors' lanes FoldLane names. __builtin_shufflevector is clang's, and GCC's from 12
+// on (the same machine code as GCC's own __builtin_shuffle, which clang lacks); GCC 11, the
+// oldest with __builtin_bit_cast and so the oldest to build these kernels, has only the latter.
 template <int64_t H, bool Upper, size_t... I>
-constexpr Lanes FoldMask(std::index_sequence<I...>) {
-  return Lanes{FoldLane(H, Upper, I)...};
+inline Vec FoldHalf(Vec a, Vec b, std::index_sequence<I...>) {
+#if __has_builtin(__builtin_shufflevector)
+  return __builtin_shufflevector(a, b, FoldLane(H, Upper, I)...);
+#else
+  typedef int32_t Lanes __attribute__((vector_size(sizeof(Vec))));
+  return __builtin_shuffle(a, b, Lanes{FoldLane(H, Upper, I)...});
+#endif
 }
 
 // Sums each of v[0..2H)'s lanes (H = kLanes / 2 at the top) into one vector whose lane j is the
@@ -130,9 +140,10 @@ constexpr Lanes FoldMask(std::index_sequence<I...>) {
 // the lanes each sum still spans. A vector's sum takes the same path whatever the others hold.
 template <int64_t H>
 inline Vec Fold(Vec* v) {
-  constexpr Lanes lower = FoldMask<H, false>(std::make_index_sequence<kLanes>());
-  constexpr Lanes upper = FoldMask<H, true>(std::make_index_sequence<kLanes>());
-  for (int64_t p = 0; p < H; ++p) v[p] = __builtin_shuffle(v[2 * p], v[2 * p + 1], lower) + __builtin_shuffle(v[2 * p], v[2 * p + 1], upper);
+  constexpr auto lanes = std::make_index_sequence<kLanes>();
+  for (int64_t p = 0; p < H; ++p) {
+    v[p] = FoldHalf<H, false>(v[2 * p], v[2 * p + 1], lanes) + FoldHalf<H, true>(v[2 * p], v[2 * p + 1], lanes);
+  }
   if constexpr (H > 1) return Fold<H / 2>(v);
   return v[0];
 }

@@ -33,7 +33,7 @@ def applies(q, k_pages, chunk=None) -> bool:
         and q.shape[1] <= MAX_TOKENS
         and q.dtype == k_pages.dtype == jnp.float32
         and cpu_matmul.in_place_enabled()
-        and cpu_matmul.available()
+        and cpu_matmul.ready()
     )
 
 
@@ -45,7 +45,7 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, positions, sliding_w
         return paged_attention_reference(
             q, k_pages, v_pages, layer, page_table, positions, sliding_window=sliding_window, chunk=chunk
         )
-    call = jax.ffi.ffi_call("jfire_paged_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    call = jax.ffi.ffi_call(cpu_matmul.target("jfire_paged_attention"), jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(
         q,
         k_pages,

@@ -11,7 +11,8 @@
 
 namespace jfire_cpu {
 
-// One vector register of floats on the CPU the library is built for (-march=native).
+// One vector register of floats on the CPU the library is built for (-march: native, or a
+// smaller ISA such as x86-64-v3, AVX2 without AVX-512, as tests/kernels/conftest.py builds).
 #if defined(__AVX512F__)
 typedef float Vec __attribute__((vector_size(64)));
 #else

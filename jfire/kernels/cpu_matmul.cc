@@ -48,7 +48,6 @@ void AccumulateRows(const float* __restrict x, const float* __restrict w, float*
         float* yr = y + r * n + c0;
         // One fused multiply-add per row of w, in order: the summation order of the register
         // blocks, so a row's result does not depend on how many rows share the call.
-#pragma GCC ivdep
         for (int64_t j = 0; j < len; ++j) {
           float acc = yr[j];
 #pragma GCC unroll 8
@@ -62,7 +61,6 @@ void AccumulateRows(const float* __restrict x, const float* __restrict w, float*
       for (int64_t r = 0; r < m; ++r) {
         const float a0 = x[r * k + kk];
         float* yr = y + r * n + c0;
-#pragma GCC ivdep
         for (int64_t j = 0; j < len; ++j) yr[j] += a0 * w0[j];
       }
     }

@@ -9,9 +9,10 @@ stacks in one call; `matmul_nt` is the tied embedding as the output head, read r
 instead of through a transposing dot.
 
 The kernels are a small C++ file called through XLA's FFI, built with the machine's C++
-compiler by `scripts/setup.sh` (or on first use) for the CPU it runs on. Where no compiler or
-no build is to be had, `available()` is False and the models keep XLA's dots; the answer is
-the same either way (tests/kernels/test_cpu_matmul.py).
+compiler (GCC or clang) by `scripts/setup.sh` (or on first use) for the CPU it runs on. Where
+no compiler or no build is to be had, `available()` is False, with one warning naming these
+and the attention kernel, and the models keep XLA's dots and XLA's paged attention; the answer
+is the same either way (tests/kernels/test_cpu_matmul.py, test_cpu_kernel_builds.py).
 
 They are for small row counts (decode, short prefill chunks): above `MAX_ROWS` rows XLA's
 blocked GEMM is faster than the slice copy costs, and the models use it.
@@ -19,6 +20,7 @@ blocked GEMM is faster than the slice copy costs, and the models use it.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -38,11 +40,24 @@ KERNELS_DIR = Path(__file__).parent
 SOURCES = tuple(KERNELS_DIR / name for name in ("cpu_matmul.cc", "cpu_attention.cc"))
 HEADERS = (KERNELS_DIR / "cpu_kernels.h",)
 BUILD_DIR = Path(__file__).with_name("_build")
-# -march=native: the library is built on (and keyed by) the CPU that runs it.
-# -ffp-contract=fast: a * b + c as one fused multiply-add everywhere (ISO C++ mode would
-# contract only some), so every path rounds the same way.
-FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd", "-w")
-TARGETS = ("jfire_stacked_matmul", "jfire_matmul_nt", "jfire_paged_attention")
+COMPILERS = ("g++", "clang++", "c++")  # looked for on PATH, in this order, where $CXX names none
+# With -march=native (`build`'s default) the library is built on, and keyed by, the CPU that runs
+# it; another target ISA (e.g. "x86-64-v3": AVX2 and FMA, no AVX-512) lets a test run the
+# branches of a smaller CPU. -ffp-contract=fast: a * b + c as one fused multiply-add everywhere
+# (ISO C++ mode would contract only some), so every path rounds the same way. The FFI headers
+# are -isystem: their own warnings are XLA's, not ours.
+FLAGS = ("-O3", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd", "-Wall", "-Wextra")
+MATMUL_TARGETS = ("jfire_stacked_matmul", "jfire_matmul_nt")
+ATTENTION_TARGETS = ("jfire_paged_attention",)  # cpu_attention.py
+TARGETS = MATMUL_TARGETS + ATTENTION_TARGETS
+UNAVAILABLE = (  # the one warning where the library cannot be had; %s: why
+    "jfire: the CPU matmul kernels ("
+    + ", ".join(MATMUL_TARGETS)
+    + ") and the CPU decode attention kernel ("
+    + ", ".join(ATTENTION_TARGETS)
+    + ") are unavailable, so the models use XLA's dots and XLA's paged attention "
+    "instead (the same answers, a slower decode): %s"
+)
 MAX_ROWS = 64  # rows (tokens) per product up to which the kernels beat a slice copy plus XLA's dot
 # The head (`matmul_nt`) is a dot product per vocabulary row, for a few rows only: at 16 rows it
 # took 42 ms of a decode step, and handing those rows back to XLA's blocked GEMM took the step
@@ -53,6 +68,9 @@ HEAD_MAX_ROWS = 4
 # single-device float32 CPU engine). A jax user context: part of jit's cache key, local to the
 # tracing thread.
 _IN_PLACE = jax.make_user_context(default_value=False)
+# Whose kernels a trace calls: "" for this machine's library (`available`), else the suffix of
+# the target names another `library` was registered under. A jax user context too.
+_LIBRARY = jax.make_user_context(default_value="")
 
 
 def in_place(enabled: bool):
@@ -74,54 +92,123 @@ def _cpu_flags() -> str:
     return os.uname().machine
 
 
-def library_path() -> Path:
-    """Where the library for these sources, these flags and this CPU is (or would be) built."""
+def find_compiler(compiler: str | None = None, search_path: str | None = None) -> str:
+    """The C++ compiler to build with, as a path: `compiler` (a name on the search path, or a
+    path) if given, else $CXX if set, else the first of COMPILERS on `search_path` (default
+    $PATH). Raises RuntimeError saying what was looked for where there is none."""
+    named = compiler or os.environ.get("CXX")
+    if named:
+        found = shutil.which(named, path=search_path)
+        if found is None:
+            raise RuntimeError(f"the C++ compiler {named!r}{'' if compiler else ' ($CXX)'} was not found")
+        return found
+    for name in COMPILERS:
+        if found := shutil.which(name, path=search_path):
+            return found
+    raise RuntimeError(
+        f"no C++ compiler found: none of {', '.join(COMPILERS)} is on PATH (install g++ or clang, or set CXX)"
+    )
+
+
+def compile_command(compiler: str, march: str, output: Path) -> list[str]:
+    """The command that builds the library with `compiler` for `march` (-march=) into `output`."""
+    return [compiler, f"-march={march}", *FLAGS, "-isystem", jax.ffi.include_dir(), f"-I{KERNELS_DIR}",
+            *map(str, SOURCES), "-o", str(output)]  # fmt: skip
+
+
+def library_path(compiler: str, march: str = "native", build_dir: Path | None = None) -> Path:
+    """Where the library for these sources and flags, this compiler (a path), target ISA and CPU
+    is (or would be) built."""
     code = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
-    key = hashlib.sha256(code + repr(FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
-    return BUILD_DIR / f"cpu_kernels-{key}.so"
+    made_by = repr((FLAGS, march, os.path.realpath(compiler), _cpu_flags())).encode()
+    key = hashlib.sha256(code + made_by).hexdigest()[:16]
+    return (build_dir or BUILD_DIR) / f"cpu_kernels-{march}-{Path(compiler).name}-{key}.so"
 
 
-def build(quiet: bool = False) -> Path:
-    """Compiles the kernels for this machine (a few seconds) unless already built; returns the
-    library. Raises RuntimeError with the compiler's message if it cannot."""
-    path = library_path()
+def build(
+    compiler: str | None = None, march: str = "native", build_dir: Path | None = None, quiet: bool = False
+) -> Path:
+    """Compiles the kernels (a few seconds) unless already built; returns the library. With
+    `compiler` (`find_compiler`'s: default $CXX, else g++, clang++ or c++ on PATH), for `march`
+    ("native": this CPU), into `build_dir` (default BUILD_DIR). Raises RuntimeError with the
+    compiler's message if it cannot; logs its warnings and keeps them in `diagnostics(library)`."""
+    compiler = find_compiler(compiler)
+    path = library_path(compiler, march, build_dir)
     if path.exists():
         return path
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        raise RuntimeError("no C++ compiler found (install g++, or set CXX)")
     path.parent.mkdir(parents=True, exist_ok=True)
     # Built under a temporary name and renamed: processes building at once each finish whole.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
-    cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{KERNELS_DIR}", *map(str, SOURCES), "-o", tmp]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    done = subprocess.run(compile_command(compiler, march, Path(tmp)), capture_output=True, text=True)
     if done.returncode:
         os.unlink(tmp)
-        raise RuntimeError(f"building {', '.join(p.name for p in SOURCES)} failed: {done.stderr.strip()[-2000:]}")
+        raise RuntimeError(
+            f"building {', '.join(p.name for p in SOURCES)} with {compiler} failed: {done.stderr.strip()[-2000:]}"
+        )
+    # What the compiler said (nothing, with GCC and clang), kept beside the library: the tests
+    # read it for each build they run.
+    path.with_suffix(".log").write_text(done.stderr)
     os.replace(tmp, path)
+    if done.stderr.strip():
+        log.warning("jfire: %s warned building the CPU kernels:\n%s", compiler, done.stderr.strip()[-4000:])
     if not quiet:
         log.info("built %s", path)
     return path
 
 
+def diagnostics(library: Path) -> str:
+    """What the compiler printed building `library` (warnings; empty where there were none)."""
+    return library.with_suffix(".log").read_text()
+
+
+@functools.cache
+def load(path: Path, suffix: str = "") -> None:
+    """Loads the library at `path` and registers its FFI targets, each as its name + `suffix`,
+    once per process. Raises OSError or AttributeError where it cannot."""
+    lib = ctypes.cdll.LoadLibrary(str(path))
+    for name in TARGETS:
+        jax.ffi.register_ffi_target(name + suffix, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
+
+
 @functools.cache
 def available() -> bool:
-    """Builds (if needed), loads and registers the kernels once per process; False, with one
-    warning, where they cannot be had (the models then keep XLA's dots)."""
+    """Builds (if needed), loads and registers this machine's kernels once per process; False,
+    with one warning naming the matmul and the attention kernels, where they cannot be had (the
+    models then keep XLA's dots and paged attention)."""
     try:
-        lib = ctypes.cdll.LoadLibrary(str(build()))
-        for name in TARGETS:
-            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
+        load(build())
     except (OSError, RuntimeError, AttributeError) as e:
-        log.warning("jfire: the CPU matmul kernels are unavailable (%s); using XLA's dots", e)
+        log.warning(UNAVAILABLE, e)
         return False
     return True
 
 
+@contextlib.contextmanager
+def library(path: Path):
+    """Kernels traced inside it are those of the library at `path` (a `build` with another
+    compiler or target ISA, as the tests run them) instead of this machine's. Its targets are
+    registered under names of their own: XLA keeps one handler per name, and this process may
+    hold this machine's library under the plain names already."""
+    suffix = "_" + hashlib.sha256(str(path).encode()).hexdigest()[:12]
+    load(Path(path), suffix)
+    with _LIBRARY(suffix):
+        yield
+
+
+def ready() -> bool:
+    """Whether kernels traced here can run: another `library` chosen, or this machine's available."""
+    return bool(_LIBRARY.value) or available()
+
+
+def target(name: str) -> str:
+    """The FFI target a trace here calls for kernel `name` (one of TARGETS)."""
+    return name + _LIBRARY.value
+
+
 def applies(rows: int, *arrays, max_rows: int = MAX_ROWS) -> bool:
     """Whether a product of `rows` rows over these arrays runs on the kernels."""
-    return in_place_enabled() and rows <= max_rows and all(a.dtype == jnp.float32 for a in arrays) and available()
+    return in_place_enabled() and rows <= max_rows and all(a.dtype == jnp.float32 for a in arrays) and ready()
 
 
 def stacked_matmul(x: jax.Array, stack: jax.Array, layer) -> jax.Array:
@@ -135,7 +222,9 @@ def stacked_matmuls(x: jax.Array, stacks, layer) -> tuple[jax.Array, ...]:
     *lead, k = x.shape
     rows = x.reshape(-1, k)
     shapes = tuple(jax.ShapeDtypeStruct((rows.shape[0], s.shape[2]), jnp.float32) for s in stacks)
-    outs = jax.ffi.ffi_call("jfire_stacked_matmul", shapes)(rows, jnp.asarray(layer, jnp.int32).reshape(1), *stacks)
+    outs = jax.ffi.ffi_call(target("jfire_stacked_matmul"), shapes)(
+        rows, jnp.asarray(layer, jnp.int32).reshape(1), *stacks
+    )
     return tuple(out.reshape(*lead, s.shape[2]) for out, s in zip(outs, stacks))
 
 
@@ -143,7 +232,9 @@ def matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [..., k] @ w.T, w [n, k]."""
     *lead, k = x.shape
     rows = x.reshape(-1, k)
-    out = jax.ffi.ffi_call("jfire_matmul_nt", jax.ShapeDtypeStruct((rows.shape[0], w.shape[0]), jnp.float32))(rows, w)
+    out = jax.ffi.ffi_call(target("jfire_matmul_nt"), jax.ShapeDtypeStruct((rows.shape[0], w.shape[0]), jnp.float32))(
+        rows, w
+    )
     return out.reshape(*lead, w.shape[0])
 
 
@@ -151,4 +242,4 @@ if __name__ == "__main__":  # scripts/setup.sh: build now rather than on the fir
     try:
         print(f"built {build(quiet=True)}")
     except RuntimeError as e:
-        print(f"jfire: CPU matmul kernels not built ({e}); XLA's dots will be used")
+        print(UNAVAILABLE % e)

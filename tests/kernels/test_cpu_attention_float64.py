@@ -127,7 +127,7 @@ def kernels():
     [([300, 1000, LONGEST], 1, None), ([LONGEST, 1500, 700], 2, 700)],
     ids=["full", "sliding-window"],
 )
-def test_matches_float64_within_the_rounding_bound(lengths, t, window, head_dim):
+def test_matches_float64_within_the_rounding_bound(lengths, t, window, head_dim, kernel_build):
     """Rows of 300, 1,000 and 2,048 positions (2 to 8 segments); a window of 700 that starts
     inside a segment, two query tokens per row. Head size 64 runs the kernel's vector loops
     (4 or 8 vectors a head), 24 its general ones."""
@@ -141,7 +141,7 @@ def test_matches_float64_within_the_rounding_bound(lengths, t, window, head_dim)
     )
 
 
-def test_one_key_more_or_fewer_breaks_the_bound():
+def test_one_key_more_or_fewer_breaks_the_bound(kernel_build):
     """The bound is no blanket: the float64 reference over one key fewer (the first of the
     2,048-position row, or of a window) or one more than the kernel attends to lies outside it."""
     q, k, v, table, positions = case([300, 1000, LONGEST], 1, 64, seed=65)

@@ -33,7 +33,7 @@ SHAPES = [(1, 576, 1536), (1, 1536, 576), (3, 5, 7), (8, 1027, 192), (17, 576, 9
 
 
 @pytest.mark.parametrize("m,k,n", SHAPES)
-def test_stacked_matmul_picks_the_layer_and_multiplies(m, k, n):
+def test_stacked_matmul_picks_the_layer_and_multiplies(m, k, n, kernel_build):
     rng = np.random.default_rng(m * 1000 + k)
     stack = rng.standard_normal((3, k, n), dtype=np.float32)
     x = rng.standard_normal((m, k), dtype=np.float32)
@@ -43,7 +43,7 @@ def test_stacked_matmul_picks_the_layer_and_multiplies(m, k, n):
 
 
 @pytest.mark.parametrize("m,k", [(1, 576), (2, 130), (7, 576), (64, 64)])
-def test_stacked_matmuls_give_each_stacks_product_and_the_lone_calls_bits(m, k):
+def test_stacked_matmuls_give_each_stacks_product_and_the_lone_calls_bits(m, k, kernel_build):
     """One call over several stacks of different widths (a layer's q, k and v) gives each
     stack's float64 product, and the same bits as multiplying by each stack alone."""
     rng = np.random.default_rng(m + k)
@@ -59,7 +59,7 @@ def test_stacked_matmuls_give_each_stacks_product_and_the_lone_calls_bits(m, k):
 
 
 @pytest.mark.parametrize("m,k,n", SHAPES)
-def test_matmul_nt_is_x_times_w_transposed(m, k, n):
+def test_matmul_nt_is_x_times_w_transposed(m, k, n, kernel_build):
     rng = np.random.default_rng(m * 1000 + n)
     w = rng.standard_normal((n, k), dtype=np.float32)
     x = rng.standard_normal((2, m, k), dtype=np.float32)  # leading dims are kept
@@ -67,7 +67,7 @@ def test_matmul_nt_is_x_times_w_transposed(m, k, n):
     within_float32_rounding(got.reshape(-1, n), x.reshape(-1, k), w.T)
 
 
-def test_stacked_matmul_inside_a_layer_scan():
+def test_stacked_matmul_inside_a_layer_scan(kernel_build):
     """A scan over 6 layers that multiplies by each layer's weight from the whole stack gives
     the layer-by-layer float64 products."""
     rng = np.random.default_rng(0)
@@ -117,7 +117,7 @@ def test_the_engine_programs_call_the_kernels_only_where_they_apply(default_chec
 
 
 @pytest.mark.parametrize("k,n", [(576, 1536), (1536, 576), (130, 70)])
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it(k, n):
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(k, n, kernel_build):
     """Every path (few rows, register blocks, the columns left over) sums in the same order,
     bit for bit: a sequence decodes the same alone or batched."""
     rng = np.random.default_rng(k + n)
