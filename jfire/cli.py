@@ -313,6 +313,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="as for serve, for each prefill group (of one process): host memory for its evicted prefix blocks",
     )
     n.add_argument(
+        "--no-prefix-routing",
+        dest="prefix_routing",
+        action="store_false",
+        help="choose prefill groups by session affinity and load only, not by which holds a prompt's prefix",
+    )
+    n.add_argument(
         "--shutdown-grace",
         type=float,
         default=30.0,
@@ -750,6 +756,7 @@ def cmd_launch(args) -> int:
         max_restarts=args.max_restarts,
         access_log=args.access_log,
         host_kv_bytes=int(args.host_kv_gb * (1 << 30)),
+        route_by_prefix=args.prefix_routing,
     )
     if args.process_id is None:
         if args.coordinator:

@@ -148,9 +148,13 @@ class Engine:
         ):
             time.sleep(0.01)
 
+    def wake(self) -> None:
+        """Turns the loop now if it is waiting idle (a connector with work from another thread)."""
+        self._commands.put(("wake", None))
+
     def shutdown(self) -> None:
         self._stop.set()
-        self._commands.put(("wake", None))
+        self.wake()
         if self._thread is not None:
             self._thread.join(timeout=30)
         if self.runner.step_channel is not None and self.error is None:

@@ -136,6 +136,11 @@ class BlockPool:
             self.ref_count[page] += 1
         return pages
 
+    def page_of(self, block_hash: bytes) -> int | None:
+        """The page holding this block, if any (used or cached), without taking a reference:
+        valid until the engine thread next allocates."""
+        return self._page_of_hash.get(block_hash)
+
     def register(self, page: int, block_hash: bytes) -> None:
         """Marks a page as holding a full block with this hash (its KV has been written)."""
         if block_hash in self._page_of_hash or page in self._hash_of_page:

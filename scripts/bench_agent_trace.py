@@ -18,7 +18,9 @@ It starts each deployment itself, one after the other (logs in /tmp/jfire-agent-
   colocated:      `jfire serve` (one process, one page pool);
   disaggregated:  `jfire launch meshes/local-2p1d.toml` (two prefill groups, one decode group);
                   every request carries `x-session-affinity: <session id>`, so a session's turns
-                  all go to the same prefill group, whose prefix cache holds the session.
+                  all go to the same prefill group, whose prefix cache holds the session
+                  (--no-affinity: no key; the frontend routes by prefix, or with the launch flag
+                  --no-prefix-routing in --engine-args, by load alone).
 For each it prints per turn the median TTFT over sessions and the mean prompt and cached tokens,
 then the run's prefix-cache hit ratio (cached / prompt tokens; goal >= 90%) and the last turn's
 median TTFT over the second's (goal <= 2: a long session's turn costs about what a short one's
@@ -447,13 +449,14 @@ def first_output_kind(chunk: dict) -> str | None:
     return "content" if delta.get("content") else "finish" if choices[0].get("finish_reason") else "empty"
 
 
-def stream_turn(http: httpx.Client, url: str, messages: list[dict], session_id: str) -> dict:
-    """One streamed chat request: TTFT, latency, prompt and cached tokens."""
+def stream_turn(http: httpx.Client, url: str, messages: list[dict], session_id: str | None) -> dict:
+    """One streamed chat request: TTFT, latency, prompt and cached tokens. `session_id`: the
+    session affinity key it carries (None: none)."""
     body = request_body(messages)
     t0 = time.perf_counter()
     ttft = first_kind = usage = None
-    with http.stream("POST", url + "/v1/chat/completions", json=body,
-                     headers={"x-session-affinity": session_id}) as r:
+    headers = {"x-session-affinity": session_id} if session_id is not None else {}
+    with http.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as r:
         if r.status_code != 200:
             raise RequestFailed(r.status_code, r.read().decode(errors="replace"), body)
         for line in r.iter_lines():
@@ -474,13 +477,13 @@ def stream_turn(http: httpx.Client, url: str, messages: list[dict], session_id: 
 
 
 def run_session(url: str, session: Session, turns: int, delay: float, records: list, errors: list,
-                lock: threading.Lock) -> None:
+                lock: threading.Lock, affinity: bool = True) -> None:
     time.sleep(delay)
     with httpx.Client(timeout=600) as http:
         for turn in range(1, turns + 1):
             session.add_turn(turn, turns)
             try:
-                record = stream_turn(http, url, session.messages, session.id)
+                record = stream_turn(http, url, session.messages, session.id if affinity else None)
             except (RequestFailed, httpx.HTTPError) as e:
                 with lock:
                     errors.append({"session": session.id, "turn": turn, "error": str(e),
@@ -500,7 +503,8 @@ def run_trace(url: str, args) -> tuple[list[dict], list[dict]]:
     sessions = [Session(args.seed, i) for i in range(args.sessions)]
     records, errors, lock = [], [], threading.Lock()
     threads = [threading.Thread(target=run_session, daemon=True,
-                                args=(url, s, args.turns, i * SESSION_STAGGER_S, records, errors, lock))
+                                args=(url, s, args.turns, i * SESSION_STAGGER_S, records, errors, lock,
+                                      args.affinity))
                for i, s in enumerate(sessions)]
     for t in threads:
         t.start()
@@ -658,8 +662,10 @@ def print_mode(mode: str, result: dict) -> None:
           f"{s['last_turn_prompt_tokens_max']} tokens")
     print(f"  KV cache: {kv['kv_pages_total']} pages, at most {kv['kv_pages_used_peak']} in use; "
           f"{kv['preemptions']} preemptions")
-    if result["session_groups"]:
+    if result["session_groups"] and result.get("affinity", True):
         print("  prefill group per session: " + ", ".join(f"{k} {v}" for k, v in result["session_groups"].items()))
+    if s.get("routing"):
+        print("  prefill groups chosen by: " + ", ".join(f"{k[len('routed_by_'):]} {v}" for k, v in s["routing"].items()))
     print(f"{'turn':>6} {'TTFT p50 ms':>12} {'prompt':>8} {'cached':>8} {'hit':>7}")
     for t in s["per_turn"]:
         hit = t["cached_tokens_mean"] / t["prompt_tokens_mean"] if t["prompt_tokens_mean"] else 0
@@ -718,8 +724,12 @@ def run_mode(mode: str, args) -> dict:
         sampler.join()
         summary = summarize(records, args.turns)
         summary["kv"] = sampler.summary()
+        stats = httpx.get(url + "/stats", timeout=10).json()
+        summary["routing"] = {k: stats[k] for k in ("routed_by_prefix", "routed_by_affinity", "routed_by_load")
+                              if k in stats}
         sessions = [Session(args.seed, i).id for i in range(args.sessions)]
         return {"mode": mode, "sessions": args.sessions, "turns": args.turns, "seconds": seconds,
+                "affinity": args.affinity,
                 "engine_args": engine_args, "tool_prompt_tokens": measure_tool_prompt(url),
                 "session_groups": {s: prefill_groups[affinity_index(s, len(prefill_groups))] for s in sessions}
                 if prefill_groups else None,
@@ -737,6 +747,8 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0, help="the trace is the same for the same seed")
     p.add_argument("--port", type=int, default=None, help="server port (default: a free one)")
     p.add_argument("--output", default="bench-agent-trace.json", help="where the results go (JSON)")
+    p.add_argument("--no-affinity", dest="affinity", action="store_false",
+                   help="send no x-session-affinity key: the frontend routes by prefix (if on) and load")
     p.add_argument("--engine-args", default=None,
                    help=f"engine flags instead of the default ({' '.join(ENGINE_ARGS)}), e.g. a smaller "
                    "--kv-cache-gb with --host-kv-gb (colocated only)")

@@ -2,8 +2,11 @@
 
 `RemoteEngine` implements `jfire.client.EngineClient`, the interface serve/ uses of the local
 engine too, so the HTTP service is the same code in both modes. Each request:
-  1. picks a prefill group (the `x-session-affinity` key hashes to one, so a conversation's
-     prefix cache keeps hitting; otherwise the least loaded) and a decode group (least loaded);
+  1. picks a prefill group: where the groups hold different lengths of the prompt's prefix
+     (jfire.disagg.prefix_index), the one with the least work, counting the blocks it would
+     compute and the prompts it is prefilling already; else the one the `x-session-affinity`
+     key hashes to, so a conversation's prefix cache keeps hitting; else the least loaded;
+     and a decode group (least loaded);
   2. asks the prefill group to run the prompt: it answers with the first token and where its
      KV cache waits to be pulled, in the wire split the decode group asked for;
   3. hands that to the decode group and relays its streamed outputs.
@@ -27,6 +30,7 @@ import httpx
 
 from jfire.disagg import cluster
 from jfire.disagg.deployment import Deployment
+from jfire.disagg.prefix_index import PrefixIndex
 from jfire.errors import EngineStopped, JfireError, QueueFull
 from jfire.grammar import Grammars
 from jfire.request_checks import RequestChecks, context_limit
@@ -34,6 +38,11 @@ from jfire.requests import RequestHandle, RequestOutput
 from jfire.sampling import SamplingParams
 
 HEALTH_POLL_S = 0.5
+# Routing by prefix weighs the blocks a group would have to compute against its queue: each
+# prompt it is prefilling already counts as this many blocks of work (NVIDIA Dynamo's KV router
+# weighs overlap against load the same way). Sessions sharing a long system prompt thus spread
+# over the groups, and a session's later turns, whose own history only one group holds, stay.
+PREFIX_LOAD_BLOCKS = 16
 SLOW_POLLS_DOWN = 3  # consecutive timed-out polls before a group that still accepts connections is down
 
 
@@ -75,6 +84,7 @@ class RemoteEngine:
         *,
         max_model_len: int | None = None,
         max_waiting: int = 1024,
+        route_by_prefix: bool = True,
     ):
         self.deployment = deployment
         self.store = store
@@ -89,6 +99,8 @@ class RemoteEngine:
         )
         self.max_waiting = max_waiting
         self.groups = {g.name: _GroupState(g.name, g.role) for g in deployment.groups}
+        self.route_by_prefix = route_by_prefix
+        self.prefix_index: PrefixIndex | None = None  # made once the groups say their page size
         self.ready = threading.Event()
         self.stopping = False  # drained: the launcher is stopping the groups
         self.error: BaseException | None = None
@@ -116,6 +128,7 @@ class RemoteEngine:
                 if "error" in info:
                     raise JfireError(f"group {state.name!r} failed to start: {info['error']}")
                 state.info, state.alive = info, True
+            self._index_groups()
         except Exception as e:  # noqa: BLE001 - a timeout from the store, or a group's start-up error
             self.error = e if isinstance(e, JfireError) else JfireError(f"groups did not register: {e}")
             print(f"jfire: frontend: error: {self.error}", file=sys.stderr, flush=True)
@@ -133,6 +146,16 @@ class RemoteEngine:
 
     def shutdown(self) -> None:
         self._stop.set()
+
+    def _index_groups(self) -> None:
+        """The prefix index over the prefill groups, sized to each one's caches."""
+        prefill = [s for s in self.groups.values() if s.role == "prefill"]
+        page_sizes = {s.info.get("page_size") for s in prefill}
+        if not self.route_by_prefix or len(prefill) < 2 or len(page_sizes) != 1 or None in page_sizes:
+            return  # one group needs no choosing; groups cutting blocks differently cannot share an index
+        self.prefix_index = PrefixIndex(page_sizes.pop())
+        for s in prefill:
+            self.prefix_index.set_capacity(s.name, s.info.get("cache_blocks") or s.info["pages_total"])
 
     def _watch(self) -> None:
         """Polls every group's stats: load for routing, liveness for /health."""
@@ -168,12 +191,17 @@ class RemoteEngine:
         )
         state.info, state.slow_polls = info, 0
         state.restarts += 1
+        if self.prefix_index is not None and state.role == "prefill":  # a new process: empty caches
+            self.prefix_index.forget(state.name)
+            self.prefix_index.set_capacity(state.name, info.get("cache_blocks") or info["pages_total"])
         return True
 
     def _mark_down(self, state: _GroupState, problem: str) -> None:
         if state.alive and not self.stopping:  # groups stopping after a drain are not news
             print(f"jfire: frontend: group {state.name!r} is down: {problem}", file=sys.stderr, flush=True)
         state.alive, state.problem = False, problem
+        if self.prefix_index is not None:
+            self.prefix_index.forget(state.name)
 
     def health(self) -> tuple[int, dict]:
         if self.error is not None:
@@ -203,6 +231,9 @@ class RemoteEngine:
         out["kv_transfer_bytes"] = self._counts["kv_transfer_bytes"]
         out["kv_transfers"] = self._counts["kv_transfers"]
         out["kv_handoffs"] = self._counts["kv_handoffs"]
+        for how in ("prefix", "affinity", "load"):  # how each request's prefill group was chosen
+            out[f"routed_by_{how}"] = self._counts[f"routed_by_{how}"]
+        out["prefix_fetches"] = self._counts["prefix_fetches"]  # prompts told to fetch blocks from another group
         out["running"] = sum(s.in_flight for s in self.groups.values() if s.role == "decode")
         return out
 
@@ -278,16 +309,57 @@ class RemoteEngine:
     def generate(self, requests):
         return [h.result() for h in [self.submit(ids, sp) for ids, sp in requests]]
 
-    def _pick(self, role: str, affinity: str | None) -> _GroupState:
+    def _pick(self, role: str, affinity: str | None = None, hashes: list[bytes] | None = None) -> _GroupState:
         live = sorted((s for s in self.groups.values() if s.role == role and s.alive), key=lambda s: s.name)
         if not live:
             raise JfireError(
                 f"no {role} group is up (all are down: "
                 f"{', '.join(s.name for s in self.groups.values() if s.role == role)})"
             )
-        if affinity and role == "prefill":
+
+        def load(s: _GroupState):
+            return (s.in_flight, s.stats.get("waiting", 0), -s.stats.get("pages_free", 0))
+
+        least = min(live, key=load)
+        if role != "prefill":
+            return least
+        if self.prefix_index is not None and hashes:
+            matched = {s.name: self.prefix_index.matched(s.name, hashes) for s in live}
+            if max(matched.values()) > min(matched.values()):  # the prefix tells the groups apart
+                prefilling = collections.Counter(g.name for g in self._prefilling.values())
+
+                def cost(s: _GroupState):
+                    return len(hashes) - matched[s.name] + PREFIX_LOAD_BLOCKS * prefilling[s.name]
+
+                self._counts["routed_by_prefix"] += 1
+                return min(live, key=lambda s: (cost(s), load(s)))
+        if affinity:
+            self._counts["routed_by_affinity"] += 1
             return live[affinity_index(affinity, len(live))]
-        return min(live, key=lambda s: (s.in_flight, s.stats.get("waiting", 0), -s.stats.get("pages_free", 0)))
+        self._counts["routed_by_load"] += 1
+        return least
+
+    def _prefix_source(self, chosen: _GroupState, hashes: list[bytes] | None) -> dict | None:
+        """Where the chosen prefill group can fetch the leading blocks of the prompt it lacks
+        (jfire.disagg.prefix_store): the live group of the same KV layout thought to hold the
+        most of them, when that is more than the chosen group holds; else None."""
+        if self.prefix_index is None or not hashes or not (chosen.info or {}).get("shares_prefixes"):
+            return None
+        have = self.prefix_index.matched(chosen.name, hashes)
+        holders = [
+            (self.prefix_index.matched(s.name, hashes), s)
+            for s in self.groups.values()
+            if s.role == "prefill"
+            and s.alive
+            and s is not chosen
+            and s.info.get("shares_prefixes")
+            and s.info.get("kv_layout") == chosen.info.get("kv_layout")
+        ]
+        held, holder = max(holders, key=lambda h: h[0], default=(0, None))
+        if holder is None or held <= have:
+            return None
+        self._counts["prefix_fetches"] += 1
+        return {"control": holder.info["control"], "first": have, "blocks": held}
 
     def _run(self, request_id, prompt_ids, sampling, emit, affinity) -> None:
         def fail(message: str) -> None:
@@ -303,8 +375,11 @@ class RemoteEngine:
                 )
             )
 
+        hashes = self.prefix_index.hashes(prompt_ids) if self.prefix_index is not None else None
         try:
-            prefill, decode = self._pick("prefill", affinity), self._pick("decode", None)
+            with self._lock:
+                prefill, decode = self._pick("prefill", affinity, hashes), self._pick("decode")
+                prefix_from = self._prefix_source(prefill, hashes)
         except JfireError as e:
             return fail(str(e))
         with self._lock:
@@ -314,7 +389,7 @@ class RemoteEngine:
             with self._lock:
                 self._prefilling[request_id] = prefill
             try:
-                first = self._prefill(prefill, decode, request_id, prompt_ids, sampling)
+                first = self._prefill(prefill, decode, request_id, prompt_ids, sampling, prefix_from)
             finally:
                 with self._lock:
                     self._prefilling.pop(request_id, None)
@@ -341,13 +416,17 @@ class RemoteEngine:
         with self._lock:
             return request_id in self._cancelled
 
-    def _prefill(self, group: _GroupState, decode: _GroupState, request_id, prompt_ids, sampling) -> dict | str:
-        """The prefill group's answer, or an error message."""
+    def _prefill(
+        self, group: _GroupState, decode: _GroupState, request_id, prompt_ids, sampling, prefix_from=None
+    ) -> dict | str:
+        """The prefill group's answer, or an error message. `prefix_from`: another prefill
+        group to fetch the prompt's leading blocks from first (`_prefix_source`)."""
         body = {
             "request_id": request_id,
             "prompt_ids": prompt_ids,
             "sampling": sampling.to_json(),
             "shards": decode.info.get("kv_shards", 1),
+            "prefix_from": prefix_from,
         }
         if max(group.info.get("processes", 1), decode.info.get("processes", 1)) > 1:
             # A group spanning processes: each process sends or pulls its own blocks of the
@@ -365,6 +444,8 @@ class RemoteEngine:
             return f"prefill group {group.name!r}: {_error_of(r)}"
         with self._lock:  # published, and the frontend knows where: the decode group pulls from here on
             self._counts["kv_handoffs"] += 1
+        if self.prefix_index is not None:  # the group holds the prompt's blocks now
+            self.prefix_index.record(group.name, self.prefix_index.hashes(prompt_ids))
         return r.json()
 
     def _decode(self, group: _GroupState, request_id, prompt_ids, sampling, first: dict, emit) -> str | None:

@@ -44,6 +44,7 @@ class Options:
     max_restarts: int = 3  # times each group process is restarted if it dies after start-up
     access_log: bool = True  # the frontend's line per request (serve/access_log.py)
     host_kv_bytes: int = 0  # each prefill group's host-memory tier (jfire.host_tier); 0: none
+    route_by_prefix: bool = True  # the frontend's choice of prefill group (jfire.disagg.prefix_index)
 
     def argv(self) -> list[str]:
         out = [
@@ -60,6 +61,8 @@ class Options:
             out += ["--port", str(self.port)]
         if not self.access_log:
             out += ["--no-access-log"]
+        if not self.route_by_prefix:
+            out += ["--no-prefix-routing"]
         return out + list(self.engine_args)
 
 
@@ -339,6 +342,7 @@ def _run_frontend(deployment: Deployment, coordinator: str, options: Options, en
         tokenizer,
         max_model_len=engine_config.max_model_len,
         max_waiting=engine_config.max_waiting,
+        route_by_prefix=options.route_by_prefix,
     )
     engine.start()
     state = ServerState(engine=engine, model_name=served_name, api_key=api_key, access_log=options.access_log)

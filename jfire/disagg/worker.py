@@ -23,18 +23,21 @@ import sys
 import threading
 import time
 
+import httpx
 import jax
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jfire import lockstep
-from jfire.disagg import blocks, cluster
+from jfire.disagg import blocks, cluster, prefix_store
 from jfire.disagg.connectors import DecodeConnector, PrefillConnector
 from jfire.disagg.deployment import Deployment, Process
+from jfire.disagg.prefix_store import SharedPrefixes
 from jfire.engine import Engine, EngineConfig
 from jfire.errors import JfireError
 from jfire.host_tier import HostTier
+from jfire.kv_cache import block_hashes, page_bytes
 from jfire.kv_connector import ConnectorStack, KVConnector
 from jfire.requests import RequestOutput
 from jfire.sampling import SamplingParams
@@ -46,8 +49,11 @@ def output_to_json(out: RequestOutput) -> dict:
     return {k: v for k, v in dataclasses.asdict(out).items() if v is not None}
 
 
-def create_control_app(engine, process: Process) -> FastAPI:
+def create_control_app(engine, process: Process, shared: SharedPrefixes | None = None) -> FastAPI:
+    """The group's HTTP control API. `shared`: the tier through which a prefill group lends its
+    prefix blocks to the other prefill groups and takes theirs (jfire.disagg.prefix_store)."""
     app = FastAPI(title=f"jfire {process.label}")
+    peers = httpx.Client(limits=httpx.Limits(max_connections=64))  # fetches from other groups
     # Ids cancelled here, most recent last: a /cancel can overtake its own /prefill (two
     # connections), which then must not run. Bounded: only the last few matter.
     cancelled: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -95,6 +101,31 @@ def create_control_app(engine, process: Process) -> FastAPI:
         engine.cancel(request_id)
         return {"cancelled": request_id}
 
+    @app.post("/kv/blocks")
+    async def kv_blocks(body: dict):
+        """The prefix blocks of the given hashes this group holds (leading run), for another."""
+        if shared is None:
+            return error(404, f"{process.label} shares no prefix blocks (it has no host tier: --host-kv-gb)")
+        try:
+            hashes = [bytes.fromhex(h) for h in body["hashes"]]
+        except (KeyError, TypeError, ValueError):
+            return error(400, "expected {'hashes': [hex block hashes]}")
+        exported = await asyncio.wait_for(asyncio.wrap_future(shared.export(hashes)), prefix_store.FETCH_TIMEOUT_S)
+        data = await asyncio.to_thread(lambda: prefix_store.encode_blocks(exported.to_host()))
+        return Response(data, media_type="application/octet-stream")
+
+    async def take_prefix_from(holder: dict, prompt_ids: list[int]) -> None:
+        """Blocks of the prompt another group holds and this one lacks, into the host tier."""
+        hashes = block_hashes(prompt_ids, engine.pool.page_size)[int(holder["first"]) : int(holder["blocks"])]
+        if shared is None or not hashes:
+            return
+        try:
+            blocks = await asyncio.to_thread(prefix_store.fetch_blocks, peers, holder["control"], hashes)
+        except (httpx.HTTPError, ValueError, KeyError) as e:  # down, slow, or garbled: computed here instead
+            print(f"jfire: {process.label}: no prefix blocks from {holder['control']} ({e})", file=sys.stderr)
+            return
+        shared.receive(blocks)
+
     @app.post("/prefill")
     async def prefill(body: dict, request: Request):
         if process.role != "prefill":
@@ -102,6 +133,8 @@ def create_control_app(engine, process: Process) -> FastAPI:
         request_id = body["request_id"]
         if request_id in cancelled:
             return error(499, "cancelled before it arrived")
+        if body.get("prefix_from"):
+            await take_prefix_from(body["prefix_from"], body["prompt_ids"])
         outputs, on_output = attach(request_id)
         try:
             engine.submit(
@@ -240,8 +273,11 @@ def run(
             server=server, store=store, transfer_timeout_s=deployment.transfer_timeout_s, group=group.name
         )
     role: KVConnector = connector
+    host_tier_bytes, shared = 0, None
     if host_kv_bytes and isinstance(connector, PrefillConnector) and len(members) == 1:
-        role = ConnectorStack(connector, HostTier(host_kv_bytes))
+        host_tier = HostTier(host_kv_bytes)
+        shared = SharedPrefixes(host_tier)  # the deployment's prefix store, through this tier
+        role, host_tier_bytes = ConnectorStack(connector, host_tier, shared), host_kv_bytes
     engine = Engine(loaded, config, role)
     if len(members) > 1:
         channel = lockstep.StepChannel(name, members, process.process_id, store)
@@ -297,6 +333,12 @@ def run(
                 "devices": len(loaded.mesh.devices.flat) if loaded.mesh is not None else 1,
                 "kv_shards": connector.layout.preferred_shards(),
                 "pages_total": engine.pool.num_pages,
+                # For routing by prefix: how prompts are cut into blocks, and how many blocks
+                # the group's caches hold (device pages and its host tier).
+                "page_size": engine.pool.page_size,
+                "shares_prefixes": shared is not None,
+                "cache_blocks": engine.pool.num_pages
+                + host_tier_bytes // page_bytes(loaded.config, config.page_size, loaded.dtype_of_params),
                 "processes": len(members),
                 "kv_layout": blocks.describe(connector.layout),
                 "startup_s": engine.startup_s,
@@ -313,7 +355,7 @@ def run(
         )
 
     threading.Thread(target=compile_then_register, name="jfire-compile", daemon=True).start()
-    app = create_control_app(engine, process)
+    app = create_control_app(engine, process, shared)
     uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=3))
     try:
         uv.run(sockets=[sock])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import pytest
 from jfire.disagg.deployment import Deployment
 from jfire.disagg.frontend import RemoteEngine
 from jfire.disagg.launch import Options, process_argv, process_env
+from jfire.disagg.prefix_index import PrefixIndex
 from jfire.errors import JfireError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -70,13 +72,15 @@ def test_jfire_launch_refuses_bad_arguments_cleanly():
 
 
 class _Group:
-    def __init__(self, name, role, alive=True, in_flight=0):
+    def __init__(self, name, role, alive=True, in_flight=0, info=None):
         self.name, self.role, self.alive, self.in_flight, self.stats = name, role, alive, in_flight, {}
+        self.info = info or {}
 
 
-def _router(groups):
+def _router(groups, prefix_index=None):
     engine = RemoteEngine.__new__(RemoteEngine)
     engine.groups = {g.name: g for g in groups}
+    engine.prefix_index, engine._counts, engine._prefilling = prefix_index, collections.Counter(), {}
     return engine
 
 
@@ -248,3 +252,59 @@ def test_a_launch_gives_its_groups_the_engine_settings_it_was_given(monkeypatch)
     assert cli.engine_config(parser.parse_args(group), single=False) == cli.engine_config(parser.parse_args(asked),
                                                                                            single=False)
     assert cli.engine_config(parser.parse_args(group), single=False).quick_compile
+
+
+def test_routing_by_prefix_weighs_the_blocks_to_compute_against_the_queue():
+    """SGLang's and Dynamo's cache-aware routing: the frontend's index of what it sent where
+    (jfire.disagg.prefix_index), bounded per group by the blocks its caches hold."""
+    index = PrefixIndex(page_size=4)
+    p0, p1 = _Group("prefill-0", "prefill"), _Group("prefill-1", "prefill")
+    router = _router([p0, p1, _Group("decode-0", "decode")], index)
+    system = list(range(1000, 1040))  # 10 blocks every session shares
+    session_a, session_b = system + list(range(40)), system + list(range(100, 140))
+    # Nothing known: session affinity, then load.
+    assert router._pick("prefill", "a", index.hashes(session_a)).name == router._pick("prefill", "a").name
+    index.record("prefill-0", index.hashes(session_a))
+    index.record("prefill-1", index.hashes(session_b))
+    # A's next turn goes where A's history is, whatever its affinity key says, and B's to B's.
+    assert router._pick("prefill", "b", index.hashes(session_a + [7] * 8)) is p0
+    assert router._pick("prefill", "a", index.hashes(session_b + [7] * 8)) is p1
+    # A new session shares only the system prompt, which both hold: affinity and load decide.
+    newcomer = index.hashes(system + list(range(500, 540)))
+    p0.in_flight = 3
+    assert router._pick("prefill", None, newcomer) is p1
+    # A holder busy prefilling others loses to an idle group once its queue outweighs the
+    # blocks it would save (10 here, PREFIX_LOAD_BLOCKS a prompt in its queue).
+    router._prefilling = {f"r{i}": p0 for i in range(2)}
+    assert router._pick("prefill", None, index.hashes(session_a + [7] * 8)) is p1
+    router._prefilling = {}
+    assert router._counts == {"routed_by_prefix": 3, "routed_by_affinity": 2, "routed_by_load": 1}
+    # A group that goes down loses its entries; capacity keeps the most recently used blocks.
+    index.forget("prefill-0")
+    assert index.matched("prefill-0", index.hashes(session_a)) == 0
+    index.set_capacity("prefill-1", 12)
+    assert index.blocks("prefill-1") == 12
+    assert index.matched("prefill-1", index.hashes(session_b)) == 0  # its leading blocks went first
+
+
+def test_a_group_chosen_for_load_fetches_the_prefix_another_holds():
+    """The shared prefix store (jfire.disagg.prefix_store): the frontend names the group of the
+    same KV layout thought to hold the most of the prompt, and the blocks to fetch from it."""
+    shares = {"shares_prefixes": True, "kv_layout": "float32 x 2 arrays"}
+    index = PrefixIndex(page_size=4)
+    p0 = _Group("prefill-0", "prefill", info={**shares, "control": "http://p0"})
+    p1 = _Group("prefill-1", "prefill", info={**shares, "control": "http://p1"})
+    router = _router([p0, p1, _Group("decode-0", "decode")], index)
+    prompt = index.hashes(list(range(80)))  # 20 blocks
+    index.record("prefill-0", prompt[:16])
+    index.record("prefill-1", prompt[:4])
+    assert router._prefix_source(p1, prompt) == {"control": "http://p0", "first": 4, "blocks": 16}
+    assert router._prefix_source(p0, prompt) is None  # nobody holds more than it does
+    # Not from a group that is down, shares nothing, or lays its KV out otherwise.
+    for change in ({"alive": False}, {"info": {**p0.info, "shares_prefixes": False}},
+                   {"info": {**p0.info, "kv_layout": "float32 x 2 arrays, 2 shards"}}):
+        saved = dict(vars(p0))
+        vars(p0).update(change)
+        assert router._prefix_source(p1, prompt) is None, change
+        vars(p0).update(saved)
+    assert router._counts["prefix_fetches"] == 1
