@@ -45,6 +45,16 @@ class EngineCollector:
             "Host prefix blocks whose bits differed from those saved: dropped and computed again",
         ),
         "host_load_s": ("jfire_host_kv_load_seconds", "Time spent loading prefix blocks back from host memory"),
+        # The prefix store shared by prefill groups (jfire.disagg.prefix_store) and routing by prefix.
+        "shared_blocks_received": (
+            "jfire_shared_kv_blocks_received",
+            "Prefix blocks fetched from another prefill group instead of computed",
+        ),
+        "shared_blocks_exported": ("jfire_shared_kv_blocks_exported", "Prefix blocks lent to other prefill groups"),
+        "prefix_fetches": ("jfire_prefix_fetches", "Prompts whose prefill group was told to fetch blocks from another"),
+        "routed_by_prefix": ("jfire_routed_by_prefix", "Prompts sent to a prefill group for the prefix it holds"),
+        "routed_by_affinity": ("jfire_routed_by_affinity", "Prompts sent to a prefill group by session affinity"),
+        "routed_by_load": ("jfire_routed_by_load", "Prompts sent to the least loaded prefill group"),
         # Disaggregated serving: KV cache moved from prefill groups to decode groups.
         "kv_transfer_bytes": ("jfire_kv_transfer_bytes", "KV cache bytes pulled from prefill into decode groups"),
         "kv_transfers": ("jfire_kv_transfers", "Requests whose KV cache moved from prefill to decode"),

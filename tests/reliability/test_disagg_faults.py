@@ -6,7 +6,8 @@ frontend routes to it again, and between rounds correct requests return exactly 
 `jfire generate`'s greedy output.
 
 The deployment: the frontend, prefill-0 and prefill-1 (so a dead prefill group is routed
-around) and decode-0, one CPU device each."""
+around) and decode-0, one CPU device each; the prefill groups have host tiers, through which
+they share prefix blocks (jfire.disagg.prefix_store), and one is killed mid-fetch."""
 
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def deployment(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("faults-2p1d")
     path = tmp / "faults-2p1d.toml"
     path.write_text(DEPLOYMENT)
-    running = launch(path, tmp / "launch.log", extra=("--max-restarts", "10"))
+    running = launch(path, tmp / "launch.log", extra=("--max-restarts", "10", "--host-kv-gb", "0.05"))
     yield running
     code = running.stop()
     assert code == 0, running.log.read_text()[-3000:]
@@ -253,6 +254,63 @@ def test_killing_prefill_mid_transfer(deployment, colocated_reference):
     assert "pulling the KV cache from prefill group 'prefill-0' failed" in str(result["error"])
     TALLY.failed_cleanly += 1
     assert stats(decode)["pages_used"] == 0  # freed before the error was sent; the thread is waited for below
+    restarted(deployment, "prefill-0", before)
+    assert_correct_and_nothing_held(deployment, colocated_reference)
+
+
+def prefill_directly(group: dict, request_id: str, prompt_ids: list[int], prefix_from: dict | None = None) -> dict:
+    """A prompt sent to a prefill group as the frontend sends it (its KV is never pulled: the
+    group releases it at the transfer's deadline)."""
+    from jfire.sampling import SamplingParams
+
+    body = {"request_id": request_id, "prompt_ids": prompt_ids, "shards": 1, "prefix_from": prefix_from,
+            "sampling": SamplingParams(temperature=0.0, max_tokens=1, seed=0).to_json()}
+    r = httpx.post(group["control"] + "/prefill", json=body, timeout=END_BOUND_S)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_a_prefix_fetched_from_another_group_and_its_holder_killed_mid_fetch(deployment, colocated_reference):
+    """The shared prefix store between the two prefill groups: a prompt prefill-0 computed is
+    taken by prefill-1 (its first token the same as computing it); with prefill-0 frozen and
+    then killed while prefill-1 fetches from it, prefill-1 computes the prompt itself, equally,
+    within the fetch's limit, and nothing is held afterwards."""
+    from jfire.checkpoint.load import load_config_and_tokenizer
+    from jfire.disagg.prefix_store import FETCH_TIMEOUT_S
+
+    before = all_up(deployment)
+    holder, taker = before["groups"]["prefill-0"], before["groups"]["prefill-1"]
+    # A prompt no other test sends, so neither group holds any of it yet.
+    ids = load_config_and_tokenizer("default")[1].encode("A prefix to share. " + PROMPTS[4]["prompt"])
+    blocks = len(ids) // 16
+    computed = prefill_directly(holder, "shared-0", ids)
+    source = {"control": holder["control"], "first": 0, "blocks": blocks}
+    received = stats(taker)["shared_blocks_received"]
+    taken = prefill_directly(taker, "shared-1", ids, source)
+    assert taken["first_token"] == computed["first_token"]
+    assert stats(taker)["shared_blocks_received"] == received + blocks
+    assert taken["prefix_hit_tokens"] == min(blocks * 16, len(ids) - 1) // 16 * 16  # all its blocks fetched
+    received += blocks
+
+    kill(holder, signal.SIGSTOP)  # frozen well inside the cluster's 10 s heartbeat
+    result: dict = {}
+
+    def fetch_while_the_holder_dies():
+        t0 = time.time()
+        result["answer"] = prefill_directly(taker, "shared-2", ids, source)
+        result["s"] = time.time() - t0
+
+    thread = threading.Thread(target=fetch_while_the_holder_dies)
+    thread.start()
+    TALLY.sent += 1
+    time.sleep(1.5)
+    kill(holder)
+    thread.join(timeout=FETCH_TIMEOUT_S + END_BOUND_S)
+    assert not thread.is_alive(), "a prefill hung on a dead holder"
+    assert result["answer"]["first_token"] == computed["first_token"]
+    assert result["s"] < FETCH_TIMEOUT_S + 10
+    assert stats(taker)["shared_blocks_received"] == received  # nothing arrived from the dead holder
+    TALLY.completed += 1
     restarted(deployment, "prefill-0", before)
     assert_correct_and_nothing_held(deployment, colocated_reference)
 
