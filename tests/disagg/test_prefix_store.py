@@ -7,25 +7,13 @@ frontend's side (which group to fetch from) is tests/disagg/test_deployment.py's
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
-from jfire.checkpoint.load import load_model
 from jfire.disagg.prefix_store import SharedPrefixes, decode_blocks, encode_blocks
 from jfire.engine import Engine, EngineConfig
 from jfire.host_tier import HostTier
 from jfire.kv_cache import block_hashes
 from jfire.kv_connector import ConnectorStack, KVConnector
-from jfire.sampling import SamplingParams
-
-PAGE = 4
-LIMITS = dict(page_size=PAGE, max_batch=2, prefill_budget=32, max_prefill_rows=2, max_model_len=96, aot=False,
-              quick_compile=True)
-GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tiny_hf_dir):
-    return load_model(str(tiny_hf_dir("llama2")), "float32")
+from tests.test_host_tier import GREEDY, LIMITS, PAGE, tiny_model  # noqa: F401 - the fixture, shared
 
 
 def group(model, num_pages: int):
