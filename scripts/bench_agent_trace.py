@@ -19,8 +19,9 @@ It starts each deployment itself, one after the other (logs in /tmp/jfire-agent-
   disaggregated:  `jfire launch meshes/local-2p1d.toml` (two prefill groups, one decode group);
                   every request carries `x-session-affinity: <session id>`, so a session's turns
                   all go to the same prefill group, whose prefix cache holds the session
-                  (--no-affinity: no key; the frontend routes by prefix, or with the launch flag
-                  --no-prefix-routing in --engine-args, by load alone).
+                  (--affinity turn: a new key every turn, so a session's turns spread over the
+                  groups; --affinity none: no key. The frontend routes by prefix first, unless
+                  --engine-args has the launch flag --no-prefix-routing).
 For each it prints per turn the median TTFT over sessions and the mean prompt and cached tokens,
 then the run's prefix-cache hit ratio (cached / prompt tokens; goal >= 90%) and the last turn's
 median TTFT over the second's (goal <= 2: a long session's turn costs about what a short one's
@@ -477,13 +478,14 @@ def stream_turn(http: httpx.Client, url: str, messages: list[dict], session_id: 
 
 
 def run_session(url: str, session: Session, turns: int, delay: float, records: list, errors: list,
-                lock: threading.Lock, affinity: bool = True) -> None:
+                lock: threading.Lock, affinity: str = "session") -> None:
     time.sleep(delay)
     with httpx.Client(timeout=600) as http:
         for turn in range(1, turns + 1):
             session.add_turn(turn, turns)
             try:
-                record = stream_turn(http, url, session.messages, session.id if affinity else None)
+                key = {"session": session.id, "turn": f"{session.id}-{turn}", "none": None}[affinity]
+                record = stream_turn(http, url, session.messages, key)
             except (RequestFailed, httpx.HTTPError) as e:
                 with lock:
                     errors.append({"session": session.id, "turn": turn, "error": str(e),
@@ -662,10 +664,10 @@ def print_mode(mode: str, result: dict) -> None:
           f"{s['last_turn_prompt_tokens_max']} tokens")
     print(f"  KV cache: {kv['kv_pages_total']} pages, at most {kv['kv_pages_used_peak']} in use; "
           f"{kv['preemptions']} preemptions")
-    if result["session_groups"] and result.get("affinity", True):
+    if result["session_groups"] and result.get("affinity", "session") == "session":
         print("  prefill group per session: " + ", ".join(f"{k} {v}" for k, v in result["session_groups"].items()))
     if s.get("routing"):
-        print("  prefill groups chosen by: " + ", ".join(f"{k[len('routed_by_'):]} {v}" for k, v in s["routing"].items()))
+        print("  routing: " + ", ".join(f"{k} {v}" for k, v in s["routing"].items()))
     print(f"{'turn':>6} {'TTFT p50 ms':>12} {'prompt':>8} {'cached':>8} {'hit':>7}")
     for t in s["per_turn"]:
         hit = t["cached_tokens_mean"] / t["prompt_tokens_mean"] if t["prompt_tokens_mean"] else 0
@@ -725,7 +727,8 @@ def run_mode(mode: str, args) -> dict:
         summary = summarize(records, args.turns)
         summary["kv"] = sampler.summary()
         stats = httpx.get(url + "/stats", timeout=10).json()
-        summary["routing"] = {k: stats[k] for k in ("routed_by_prefix", "routed_by_affinity", "routed_by_load")
+        summary["routing"] = {k: stats[k] for k in ("routed_by_prefix", "routed_by_affinity", "routed_by_load",
+                                                    "prefix_fetches", "shared_blocks_received")
                               if k in stats}
         sessions = [Session(args.seed, i).id for i in range(args.sessions)]
         return {"mode": mode, "sessions": args.sessions, "turns": args.turns, "seconds": seconds,
@@ -747,8 +750,10 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0, help="the trace is the same for the same seed")
     p.add_argument("--port", type=int, default=None, help="server port (default: a free one)")
     p.add_argument("--output", default="bench-agent-trace.json", help="where the results go (JSON)")
-    p.add_argument("--no-affinity", dest="affinity", action="store_false",
-                   help="send no x-session-affinity key: the frontend routes by prefix (if on) and load")
+    p.add_argument("--affinity", choices=("session", "turn", "none"), default="session",
+                   help="the x-session-affinity key each request carries: the session's (default), a new one "
+                   "every turn (a session's turns spread over the prefill groups, as behind a load balancer "
+                   "with no stickiness), or none (the frontend routes by prefix, if on, and load)")
     p.add_argument("--engine-args", default=None,
                    help=f"engine flags instead of the default ({' '.join(ENGINE_ARGS)}), e.g. a smaller "
                    "--kv-cache-gb with --host-kv-gb (colocated only)")
