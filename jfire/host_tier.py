@@ -15,16 +15,27 @@ the insert program, registered in the pool like any computed block, and the prom
 continues after them. Each block carries the sum of its bits as the device computed it when
 it was saved; the insert computes the same sum of what it wrote, and a block that differs (a
 corrupt or stale entry) is dropped and computed again, never served.
+
+Blocks are keyed by the model's identity as well as their hash (`model_identity`: the config,
+the page layout and a digest of the weights), so a store that outlives one engine or is shared
+by several (a restart, a disk tier, another group's blocks) never hands one model's KV to
+another: equal token ids of another model miss. A block whose arrays are not this engine's
+page layout is dropped before it is written in.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
+import json
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
+from jfire import faults
 from jfire.disagg.kv_transfer import kv_layout, transfer_programs
 from jfire.kv_connector import KVConnector, Progress
 from jfire.sharding import to_host
@@ -76,11 +87,69 @@ class HostPrefixCache:
             self.nbytes -= block.nbytes
 
 
-class HostTier(KVConnector):
-    """The colocated engine's connector with a host-memory tier of `capacity_bytes`."""
+class ModelBlocks:
+    """One model's blocks in a HostPrefixCache that may hold other models' too: each is stored
+    under the model's identity followed by its chained hash."""
 
-    def __init__(self, capacity_bytes: int):
-        self.cache = HostPrefixCache(capacity_bytes)
+    def __init__(self, store: HostPrefixCache, identity: bytes):
+        self.store, self.identity = store, identity
+
+    def __len__(self) -> int:
+        return len(self.store)
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        return self.identity + block_hash in self.store
+
+    @property
+    def nbytes(self) -> int:
+        return self.store.nbytes
+
+    def get(self, block_hash: bytes) -> HostBlock | None:
+        return self.store.get(self.identity + block_hash)
+
+    def put(self, block_hash: bytes, block: HostBlock) -> None:
+        self.store.put(self.identity + block_hash, block)
+
+    def drop(self, block_hash: bytes) -> None:
+        self.store.drop(self.identity + block_hash)
+
+
+def _bit_sum(x):
+    """The wrapping sum of an array's bits as uint32 (of its values, for integers)."""
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        x = jax.lax.bitcast_convert_type(x, {4: jnp.uint32, 2: jnp.uint16, 1: jnp.uint8}[jnp.dtype(x.dtype).itemsize])
+    return jnp.sum(x.astype(jnp.uint32), dtype=jnp.uint32)
+
+
+_weight_sums = jax.jit(lambda leaves: jnp.stack([_bit_sum(x) for x in leaves]))
+
+
+def model_identity(engine) -> bytes:
+    """16 bytes naming what a block's KV depends on besides its tokens: the model's config and
+    dtype, the page layout on the wire, and its weights (each array's sum of its bits: one pass
+    over them on the device, about as long as one decode step reads)."""
+    model, layout = engine.model, kv_layout(engine)
+    described = {
+        "family": type(model.config).__name__,
+        "config": model.config.to_dict(),
+        "dtype": str(model.dtype),
+        "kv_replication": model.kv_replication,
+        "page": [(layout.wire_shape(c), str(np.dtype(model.dtype_of_params))) for c in layout.arrays],
+    }
+    h = hashlib.blake2b(json.dumps(described, sort_keys=True, default=str).encode(), digest_size=16)
+    leaves = jax.tree.leaves(model.params)
+    if leaves:
+        h.update(np.asarray(_weight_sums(leaves)).tobytes())
+    return h.digest()
+
+
+class HostTier(KVConnector):
+    """The colocated engine's connector with a host-memory tier of `capacity_bytes`, or over
+    `store`, a HostPrefixCache that other engines' tiers may use too."""
+
+    def __init__(self, capacity_bytes: int = 0, *, store: HostPrefixCache | None = None):
+        self.store = store if store is not None else HostPrefixCache(capacity_bytes)
+        self.cache = ModelBlocks(self.store, b"")  # under the model's identity once bound
         self._saving: list[tuple[list[bytes], list, object]] = []  # gathered on the device, not yet on the host
         self.counts: collections.Counter = collections.Counter()
         self.load_s = 0.0  # spent loading blocks back
@@ -91,6 +160,8 @@ class HostTier(KVConnector):
         self.arrays_per_page = len(layout.arrays)
         self.gather = transfer_programs(engine, layout, "gather")
         self.insert = transfer_programs(engine, layout, "insert")
+        self.page_arrays = [(layout.wire_shape(c), np.dtype(engine.model.dtype_of_params)) for c in layout.arrays]
+        self.cache = ModelBlocks(self.store, model_identity(engine))
         engine.pool.on_evict = self._evicted
 
     def side_programs(self) -> list:
@@ -112,8 +183,10 @@ class HostTier(KVConnector):
         for hashes, wire, sums in saving:
             page_sums = to_host(sums)
             for i, block_hash in enumerate(hashes):
-                arrays = [np.asarray(a) for a in wire[i * n : (i + 1) * n]]
-                self.cache.put(block_hash, HostBlock(arrays, int(page_sums[i])))
+                block = HostBlock([np.asarray(a) for a in wire[i * n : (i + 1) * n]], int(page_sums[i]))
+                if faults.host_block_saved is not None:
+                    faults.host_block_saved(block_hash, block)
+                self.cache.put(block_hash, block)
 
     def update(self) -> Progress:
         self._settle()
@@ -125,6 +198,10 @@ class HostTier(KVConnector):
         for block_hash in hashes:
             block = self.cache.get(block_hash)
             if block is None:
+                break
+            if [(a.shape, a.dtype) for a in block.arrays] != self.page_arrays:  # not a page of this layout
+                self.cache.drop(block_hash)
+                self.counts["corrupt"] += 1
                 break
             found.append((block_hash, block))
         if not found:
@@ -141,12 +218,12 @@ class HostTier(KVConnector):
             arrays = [a for _, block in part for a in block.arrays]
             runner.pages, sums = self.insert.insert_with_sums(runner.pages, arrays, pages[i : i + len(part)])
             arrived += [int(s) for s in sums]
-        good = 0
-        while good < len(found) and arrived[good] == found[good][1].page_sum:
-            good += 1
-        if good < len(found):  # not what was saved: dropped, and computed again from there
-            self.cache.drop(found[good][0])
-            self.counts["corrupt"] += 1
+        differ = [s != block.page_sum for s, (_, block) in zip(arrived, found)]
+        good = differ.index(True) if any(differ) else len(found)
+        for (block_hash, _), bad in zip(found, differ):  # not what was saved: dropped, never served
+            if bad:
+                self.cache.drop(block_hash)
+                self.counts["corrupt"] += 1
         for page, (block_hash, _) in zip(pages[:good], found):
             pool.register(page, block_hash)
         pool.free(pages[good:])

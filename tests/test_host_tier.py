@@ -1,6 +1,7 @@
 """The host-memory tier under the prefix cache (jfire.host_tier): blocks the device pool
 evicts are kept in host memory and loaded back for a prompt that shares them, with the same
-greedy tokens as computing them; a corrupt host block is computed again, never served. And
+greedy tokens as computing them; a corrupt host block is computed again, never served, and so
+is a block of another model (keyed by the model's identity) or of another page layout. And
 block hashes that take extra keys."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import pytest
 
 from jfire.checkpoint.load import load_model
 from jfire.engine import Engine, EngineConfig
-from jfire.host_tier import HostTier
+from jfire.host_tier import HostBlock, HostPrefixCache, HostTier, model_identity
 from jfire.kv_cache import block_hashes
 from jfire.sampling import SamplingParams
 
@@ -59,6 +60,46 @@ def test_evicted_prefixes_come_back_from_host_memory(tiny_model):
         assert outputs[-1].prefix_hit_tokens == 0
         assert engine.stats()["host_blocks_corrupt"] == 1 and engine.stats()["host_blocks_loaded"] == loaded
         assert engine.stats()["pages_used"] == 0
+
+
+def test_an_entry_of_another_model_or_layout_is_never_served(tiny_model, tiny_hf_dir):
+    """One host store under engines of two models of the same config (other weights): the
+    blocks one computed are found again by a restart of the same model, never by the other,
+    whose prompt of equal token ids is computed (its own greedy tokens); a block whose arrays
+    are not the engine's page layout is dropped before it is written in."""
+    other_model = load_model(str(tiny_hf_dir("llama2", seed=1)), "float32")
+    target, *others = prompts(tiny_model)
+    hashes = block_hashes(target, PAGE)  # 10 full blocks, the same for both models
+    with Engine(other_model, EngineConfig(num_pages=256, prefix_caching=False, **LIMITS)) as plain:
+        expected_other = plain.generate([(target, GREEDY)])[0].token_ids
+    store = HostPrefixCache(64 << 20)
+    first = HostTier(store=store)
+    with Engine(tiny_model, EngineConfig(num_pages=26, **LIMITS), first) as engine:
+        expected = engine.generate([(target, GREEDY)])[0].token_ids
+        for other in others:  # evict the target's blocks into the store
+            engine.generate([(other, GREEDY)])
+    assert all(h in first.cache for h in hashes)
+
+    tier = HostTier(store=store)
+    with Engine(other_model, EngineConfig(num_pages=26, **LIMITS), tier) as engine:
+        assert tier.cache.identity != first.cache.identity
+        assert not any(h in tier.cache for h in hashes)  # equal token ids, another model: no match
+        # A page of another layout (other heads) under the target's first hash: dropped, not written in.
+        saved = store.get(first.cache.identity + hashes[0])
+        wrong = [np.zeros((*a.shape[:-1], a.shape[-1] // 2), a.dtype) for a in saved.arrays]
+        tier.cache.put(hashes[0], HostBlock(wrong, 0))
+        outputs = list(engine.submit(target, GREEDY))
+        assert [t for o in outputs for t in o.token_ids] == expected_other != expected
+        assert outputs[-1].prefix_hit_tokens == 0
+        stats = engine.stats()
+        assert (stats["host_blocks_loaded"], stats["host_blocks_corrupt"], stats["pages_used"]) == (0, 1, 0)
+
+    again = HostTier(store=store)  # the first model again (a restart): its blocks are its own
+    with Engine(tiny_model, EngineConfig(num_pages=26, **LIMITS), again) as engine:
+        assert again.cache.identity == first.cache.identity == model_identity(engine)
+        outputs = list(engine.submit(target, GREEDY))
+        assert [t for o in outputs for t in o.token_ids] == expected
+        assert outputs[-1].prefix_hit_tokens == 40 and engine.stats()["host_blocks_loaded"] == 10
 
 
 def test_block_hashes_take_extra_keys():
