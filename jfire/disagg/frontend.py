@@ -149,13 +149,14 @@ class RemoteEngine:
 
     def _index_groups(self) -> None:
         """The prefix index over the prefill groups, sized to each one's caches."""
-        prefill = [s for s in self.groups.values() if s.role == "prefill"]
-        page_sizes = {s.info.get("page_size") for s in prefill}
-        if not self.route_by_prefix or len(prefill) < 2 or len(page_sizes) != 1 or None in page_sizes:
+        infos = {s.name: s.info or {} for s in self.groups.values() if s.role == "prefill"}
+        page_sizes = {info.get("page_size") for info in infos.values()}
+        page_size = page_sizes.pop() if len(page_sizes) == 1 else None
+        if not self.route_by_prefix or len(infos) < 2 or not isinstance(page_size, int):
             return  # one group needs no choosing; groups cutting blocks differently cannot share an index
-        self.prefix_index = PrefixIndex(page_sizes.pop())
-        for s in prefill:
-            self.prefix_index.set_capacity(s.name, s.info.get("cache_blocks") or s.info["pages_total"])
+        self.prefix_index = PrefixIndex(page_size)
+        for name, info in infos.items():
+            self.prefix_index.set_capacity(name, info.get("cache_blocks") or info.get("pages_total", 1))
 
     def _watch(self) -> None:
         """Polls every group's stats: load for routing, liveness for /health."""
@@ -193,7 +194,7 @@ class RemoteEngine:
         state.restarts += 1
         if self.prefix_index is not None and state.role == "prefill":  # a new process: empty caches
             self.prefix_index.forget(state.name)
-            self.prefix_index.set_capacity(state.name, info.get("cache_blocks") or info["pages_total"])
+            self.prefix_index.set_capacity(state.name, info.get("cache_blocks") or info.get("pages_total", 1))
         return True
 
     def _mark_down(self, state: _GroupState, problem: str) -> None:
@@ -343,23 +344,22 @@ class RemoteEngine:
         """Where the chosen prefill group can fetch the leading blocks of the prompt it lacks
         (jfire.disagg.prefix_store): the live group of the same KV layout thought to hold the
         most of them, when that is more than the chosen group holds; else None."""
-        if self.prefix_index is None or not hashes or not (chosen.info or {}).get("shares_prefixes"):
+        mine = chosen.info or {}
+        if self.prefix_index is None or not hashes or not mine.get("shares_prefixes"):
             return None
         have = self.prefix_index.matched(chosen.name, hashes)
         holders = [
-            (self.prefix_index.matched(s.name, hashes), s)
+            (self.prefix_index.matched(s.name, hashes), info["control"])
             for s in self.groups.values()
-            if s.role == "prefill"
-            and s.alive
-            and s is not chosen
-            and s.info.get("shares_prefixes")
-            and s.info.get("kv_layout") == chosen.info.get("kv_layout")
+            if s.role == "prefill" and s.alive and s is not chosen
+            for info in [s.info or {}]
+            if info.get("shares_prefixes") and info.get("kv_layout") == mine.get("kv_layout")
         ]
-        held, holder = max(holders, key=lambda h: h[0], default=(0, None))
-        if holder is None or held <= have:
+        held, control = max(holders, key=lambda h: h[0], default=(0, None))
+        if control is None or held <= have:
             return None
         self._counts["prefix_fetches"] += 1
-        return {"control": holder.info["control"], "first": have, "blocks": held}
+        return {"control": control, "first": have, "blocks": held}
 
     def _run(self, request_id, prompt_ids, sampling, emit, affinity) -> None:
         def fail(message: str) -> None:

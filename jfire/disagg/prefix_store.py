@@ -17,7 +17,8 @@ others and takes theirs in:
 A holder that is down, slow or restarted costs only the fetch's time limit and the recompute.
 
 Groups of different KV layouts (meshes that split the cache differently) never share blocks:
-the frontend names a holder only of the same layout.
+the frontend names a holder only of the same layout, and a holder lends blocks only to a group
+whose model identity (config, page layout, weights: jfire.host_tier.model_identity) is its own.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import queue
+from collections.abc import Sequence
 
 import httpx
 import numpy as np
@@ -44,7 +46,7 @@ class Exported:
 
     hashes: list[bytes]
     host: dict[int, HostBlock]  # position in `hashes` -> block from the host tier
-    device: list[tuple[list[int], list, object]]  # (positions, wire arrays, page sums), dispatched
+    device: list[tuple[list[int], Sequence, object]]  # (positions, wire arrays, page sums), dispatched
     arrays_per_page: int
 
     def to_host(self) -> list[tuple[bytes, HostBlock]]:
@@ -73,6 +75,12 @@ class SharedPrefixes(KVConnector):
     def bind(self, engine) -> None:
         super().bind(engine)
         self.pool = engine.pool
+
+    @property
+    def identity(self) -> bytes:
+        """The model's identity the host tier files blocks under (jfire.host_tier.model_identity):
+        groups lend each other blocks only when theirs are equal."""
+        return self.host.cache.identity
 
     # -- any thread --------------------------------------------------------------------------
 
@@ -118,7 +126,7 @@ class SharedPrefixes(KVConnector):
                 break
         gather = self.host.gather
         widest = gather.widths[-1]
-        device = []
+        device: list[tuple[list[int], Sequence, object]] = []
         for start in range(0, len(on_device), widest):
             part = on_device[start : start + widest]
             wire, sums = gather.gather_dispatched(self.engine.runner.pages, [page for _, page in part])
@@ -135,7 +143,7 @@ class SharedPrefixes(KVConnector):
 
 def encode_blocks(blocks: list[tuple[bytes, HostBlock]]) -> bytes:
     """Blocks as one safetensors file: their hashes, page sums and each page's wire arrays."""
-    tensors = {
+    tensors: dict[str, np.ndarray] = {
         "hashes": np.frombuffer(b"".join(h for h, _ in blocks), np.uint8).reshape(len(blocks), -1),
         "sums": np.array([b.page_sum for _, b in blocks], np.uint64),
     }
@@ -150,7 +158,7 @@ def decode_blocks(data: bytes) -> list[tuple[bytes, HostBlock]]:
     hashes, sums = tensors["hashes"], tensors["sums"]
     blocks = []
     for i in range(len(sums)):
-        arrays = []
+        arrays: list[np.ndarray] = []
         while (name := f"page{i}.array{len(arrays)}") in tensors:
             arrays.append(tensors[name])
         blocks.append((hashes[i].tobytes(), HostBlock(arrays, int(sums[i]))))
@@ -158,10 +166,12 @@ def decode_blocks(data: bytes) -> list[tuple[bytes, HostBlock]]:
 
 
 def fetch_blocks(
-    http: httpx.Client, control: str, hashes: list[bytes], timeout_s: float = FETCH_TIMEOUT_S
+    http: httpx.Client, control: str, hashes: list[bytes], identity: bytes, timeout_s: float = FETCH_TIMEOUT_S
 ) -> list[tuple[bytes, HostBlock]]:
-    """The blocks another group (at `control`) holds of `hashes`, leading run first; raises
-    httpx.HTTPError when it does not answer in time."""
-    r = http.post(control + "/kv/blocks", json={"hashes": [h.hex() for h in hashes]}, timeout=timeout_s)
+    """The blocks another group (at `control`) holds of `hashes`, leading run first, if it runs
+    the model of this `identity`; raises httpx.HTTPError when it refuses or does not answer in
+    time."""
+    body = {"hashes": [h.hex() for h in hashes], "identity": identity.hex()}
+    r = http.post(control + "/kv/blocks", json=body, timeout=timeout_s)
     r.raise_for_status()
     return decode_blocks(r.content)

@@ -107,9 +107,11 @@ def create_control_app(engine, process: Process, shared: SharedPrefixes | None =
         if shared is None:
             return error(404, f"{process.label} shares no prefix blocks (it has no host tier: --host-kv-gb)")
         try:
-            hashes = [bytes.fromhex(h) for h in body["hashes"]]
+            hashes, identity = [bytes.fromhex(h) for h in body["hashes"]], bytes.fromhex(body["identity"])
         except (KeyError, TypeError, ValueError):
-            return error(400, "expected {'hashes': [hex block hashes]}")
+            return error(400, "expected {'hashes': [hex block hashes], 'identity': hex model identity}")
+        if identity != shared.identity:
+            return error(409, f"{process.label} runs another model (or layout): its blocks are not yours")
         exported = await asyncio.wait_for(asyncio.wrap_future(shared.export(hashes)), prefix_store.FETCH_TIMEOUT_S)
         data = await asyncio.to_thread(lambda: prefix_store.encode_blocks(exported.to_host()))
         return Response(data, media_type="application/octet-stream")
@@ -120,7 +122,9 @@ def create_control_app(engine, process: Process, shared: SharedPrefixes | None =
         if shared is None or not hashes:
             return
         try:
-            blocks = await asyncio.to_thread(prefix_store.fetch_blocks, peers, holder["control"], hashes)
+            blocks = await asyncio.to_thread(
+                prefix_store.fetch_blocks, peers, holder["control"], hashes, shared.identity
+            )
         except (httpx.HTTPError, ValueError, KeyError) as e:  # down, slow, or garbled: computed here instead
             print(f"jfire: {process.label}: no prefix blocks from {holder['control']} ({e})", file=sys.stderr)
             return

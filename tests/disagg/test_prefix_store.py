@@ -30,6 +30,7 @@ def test_blocks_computed_by_one_group_serve_another(tiny_model):
     holder, holder_store = group(tiny_model, num_pages=26)
     taker, taker_store = group(tiny_model, num_pages=64)
     with holder, taker:
+        assert holder_store.identity == taker_store.identity  # one model: they may lend each other blocks
         expected = holder.generate([(session, GREEDY)])[0].token_ids
         # On the holder's device: all 10 blocks, in order, with the sums the device computed.
         exported = holder_store.export(hashes).result(timeout=30).to_host()
