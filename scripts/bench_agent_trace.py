@@ -726,10 +726,11 @@ def run_mode(mode: str, args) -> dict:
         sampler.join()
         summary = summarize(records, args.turns)
         summary["kv"] = sampler.summary()
-        stats = httpx.get(url + "/stats", timeout=10).json()
-        summary["routing"] = {k: stats[k] for k in ("routed_by_prefix", "routed_by_affinity", "routed_by_load",
-                                                    "prefix_fetches", "shared_blocks_received")
-                              if k in stats}
+        metrics = scrape_metrics(url)
+        summary["routing"] = {k: int(metrics[f"jfire_{k}_total"])
+                              for k in ("routed_by_prefix", "routed_by_affinity", "routed_by_load", "prefix_fetches",
+                                        "shared_kv_blocks_received")
+                              if f"jfire_{k}_total" in metrics and mode == "disaggregated"}
         sessions = [Session(args.seed, i).id for i in range(args.sessions)]
         return {"mode": mode, "sessions": args.sessions, "turns": args.turns, "seconds": seconds,
                 "affinity": args.affinity,
