@@ -350,8 +350,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
     c.add_argument(
         "--compress",
-        action="store_true",
-        help="store the bf16 weights losslessly compressed (decoded on the device at load)",
+        nargs="?",
+        const="huffman",
+        choices=["huffman", "palette", "auto"],
+        help="store the bf16 weights losslessly compressed: huffman (the default; smallest, decoded "
+        "at load), palette (fixed-rate codes a matmul can read in place) or auto (palette for "
+        "the weights the fused matmul serves, the smaller of the two for the rest)",
     )
 
     r = sub.add_parser(
@@ -367,6 +371,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="reference",
         choices=ATTENTION_IMPLS,
         help="decoder for the round-trip check (default: reference, the plain-jnp one)",
+    )
+    r.add_argument(
+        "--codec",
+        default="huffman",
+        choices=["huffman", "palette", "auto"],
+        help="codec for weights read from files (a compressed checkpoint reports its own; default: huffman)",
     )
     r.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
@@ -568,7 +578,7 @@ def cmd_convert(args) -> int:
 def cmd_compress_report(args) -> int:
     from jfire.checkpoint import report
 
-    rep = report.report(args.path, args.decoder)
+    rep = report.report(args.path, args.decoder, codec_name=args.codec)
     print(json.dumps(rep) if args.json else report.format_table(rep))
     return 0 if rep["total"]["round_trip"] else 1
 

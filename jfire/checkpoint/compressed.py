@@ -1,10 +1,17 @@
 """Compressed jfire checkpoints: bf16 weights stored losslessly compressed, decoded on the device.
 
   DST/jfire.json   {"format": 2, ..., "compression": {"codec", "codec_version", "code_bits",
-                    "tensors": {name: {"stored": "huffman" | "raw", "layout", "payload_words",
-                                       "checksum", "bytes"}}}}
-  DST/params/      orbax-checkpoint: a raw tensor is its bf16 array; a compressed one is
-                   {"code_lengths", "lane_bits", "raw", "payload"} (see jfire.kernels.bf16_decode)
+                    ["palette_version",] "tensors": {name: {"stored": "huffman" | "palette" | "raw",
+                    "layout", "payload_words" | "exceptions", "checksum", "bytes"}}}}
+  DST/params/      orbax-checkpoint: a raw tensor is its bf16 array; a Huffman-coded one is
+                   {"code_lengths", "lane_bits", "raw", "payload"} (see jfire.kernels.bf16_decode),
+                   a palette-coded one {"codes", "raw", "palette", "exc_start", "exc_pos",
+                   "exc_exp"} (see jfire.kernels.palette_matmul)
+
+Two codecs: Huffman (the smallest, decoded whole) and palette (fixed-rate codes any tile of
+which decodes on its own, so a matmul can read them). A checkpoint with Huffman tensors only
+is written exactly as before palettes existed ("bf16-exponent-huffman" version 1); one with
+palette tensors is "bf16-exponent" version 2, which older readers refuse by its version.
 
 Loading restores the compressed arrays onto the device and decodes them there (the Pallas
 kernel; interpret mode on CPU). Every tensor's checksum is recomputed from the decoded bits
@@ -31,6 +38,7 @@ from jfire.checkpoint import codec, store
 from jfire.errors import JfireError
 from jfire.kernels.bf16_decode import CODE_BITS, Compressed, Layout, pad_payload
 from jfire.kernels.layer_weights import decode, default_decoder
+from jfire.kernels.palette_matmul import Palette, PaletteLayout, flat, pad_exceptions
 from jfire.models.family import Family
 from jfire.models.params import get_path, set_path
 from jfire.sharding import RULES
@@ -38,11 +46,20 @@ from jfire.sharding import RULES
 FORMAT_VERSION = 2
 CODEC = "bf16-exponent-huffman"
 CODEC_VERSION = 1
+# Checkpoints with palette-coded tensors (and maybe Huffman-coded ones beside them).
+MIXED_CODEC = "bf16-exponent"
+MIXED_CODEC_VERSION = 2
+PALETTE_VERSION = 1
+CODECS = ("huffman", "palette", "auto")
+# auto: palette where the fused matmul serves the tensor, unless it is this much (a fraction of
+# the bf16 size) larger than Huffman; elsewhere the smaller of the two.
+AUTO_MARGIN = 0.10
 # Logical axes a mesh may shard (jfire.sharding's rules) become the rows of the encode
 # layout, so that every shard is a set of whole rows (docs/compression.md). The layout is
 # recorded per tensor, so later rule changes do not affect existing checkpoints.
 SHARDABLE_AXES = tuple(name for name, rule in RULES.items() if rule)
 ARRAYS = ("code_lengths", "lane_bits", "raw", "payload")
+PALETTE_ARRAYS = ("codes", "raw", "palette", "exc_start", "exc_pos", "exc_exp")
 
 
 def layout_for(spec) -> Layout:
@@ -54,8 +71,54 @@ def layout_for(spec) -> Layout:
     return codec.make_layout(spec.shape, (0,) * unit + tuple(rows) + tuple(cols), unit, len(rows))
 
 
-def compress_params(config, params: dict, progress=None) -> tuple[dict, dict]:
-    """(the tree orbax saves, the manifest's "compression" section) for bf16 params."""
+def palette_layout_for(spec) -> PaletteLayout:
+    """A ParamSpec's palette layout: layers (and experts) are units; a linear layer's inputs
+    are the rows (the matmul's K), its outputs the columns; other tensors split after their
+    first axis. The tensor keeps its own axis order."""
+    from jfire.checkpoint import palette
+
+    units = (1 if spec.per_layer else 0) + (1 if spec.per_expert else 0)
+    return palette.make_layout(spec.shape, units, spec.n_in)
+
+
+def serves_fused(spec) -> bool:
+    """Whether the fused palette matmul can multiply by this weight: a linear layer (inputs
+    first). Expert stacks go through the grouped matmuls instead."""
+    return spec.n_in is not None and not spec.per_expert and spec.dtype is None
+
+
+def path_of(spec, stored: str) -> str:
+    """How a stored tensor reaches its use: 'fused' (the palette matmul reads it), 'decode'
+    (decoded to bf16 first) or 'plain'."""
+    if stored == "raw":
+        return "plain"
+    return "fused" if stored == "palette" and serves_fused(spec) else "decode"
+
+
+def encode_tensor(
+    value: np.ndarray, codec_name: str, layout: Layout, palette_layout: PaletteLayout, fused: bool
+) -> Compressed | Palette | None:
+    """`value` (bf16 bits) coded by `codec_name` (huffman, palette or auto), or None to store it
+    raw. auto: palette when the fused matmul serves the tensor and it costs at most AUTO_MARGIN
+    (of bf16) more than Huffman; otherwise the smaller of the two (both are decoded before use)."""
+    from jfire.checkpoint import palette
+
+    if codec_name == "huffman":
+        return codec.maybe_encode(value, layout)
+    if codec_name == "palette":
+        return palette.maybe_encode(value, palette_layout)
+    if codec_name != "auto":
+        raise JfireError(f"unknown codec {codec_name!r}; use one of: {', '.join(CODECS)}")
+    h = codec.maybe_encode(value, layout)
+    p = palette.maybe_encode(value, palette_layout)
+    if p is None or h is None:
+        return p or h
+    return p if p.nbytes <= h.nbytes + (AUTO_MARGIN * value.nbytes if fused else 0) else h
+
+
+def compress_params(config, params: dict, progress=None, codec_name: str = "huffman") -> tuple[dict, dict]:
+    """(the tree orbax saves, the manifest's "compression" section) for bf16 params, each
+    tensor coded by `codec_name`: huffman, palette or auto (per tensor, see AUTO_MARGIN)."""
     tree: dict = {}
     tensors = {}
     for spec in config.param_specs():
@@ -73,10 +136,17 @@ def compress_params(config, params: dict, progress=None) -> tuple[dict, dict]:
             continue
         value = codec.as_bits(np.asarray(get_path(params, spec.name)))
         entry = {"checksum": codec.checksum(value), "original_bytes": value.nbytes}
-        c = codec.maybe_encode(value, layout_for(spec))
+        c = encode_tensor(value, codec_name, layout_for(spec), palette_layout_for(spec), serves_fused(spec))
         if c is None:
             set_path(tree, spec.name, value.view(ml_dtypes.bfloat16))
             entry.update(stored="raw", bytes=value.nbytes)
+        elif isinstance(c, Palette):
+            set_path(tree, spec.name, {name: getattr(c, name) for name in PALETTE_ARRAYS})
+            coded = {"stored": "palette", "layout": c.layout.to_dict(), "exceptions": c.exceptions, "bytes": c.nbytes}
+            tensors[spec.name] = {**entry, **coded}
+            if progress:
+                progress(spec.name)
+            continue
         else:
             set_path(tree, spec.name, {name: getattr(c, name) for name in ARRAYS})
             entry.update(
@@ -85,8 +155,12 @@ def compress_params(config, params: dict, progress=None) -> tuple[dict, dict]:
         tensors[spec.name] = entry
         if progress:
             progress(spec.name)
-    section = {"codec": CODEC, "codec_version": CODEC_VERSION, "code_bits": CODE_BITS, "tensors": tensors}
-    return tree, section
+    if any(t["stored"] == "palette" for t in tensors.values()):
+        head = {"codec": MIXED_CODEC, "codec_version": MIXED_CODEC_VERSION, "code_bits": CODE_BITS,
+                "palette_version": PALETTE_VERSION}  # fmt: skip
+    else:
+        head = {"codec": CODEC, "codec_version": CODEC_VERSION, "code_bits": CODE_BITS}
+    return tree, {**head, "tensors": tensors}
 
 
 def is_compressed(manifest: dict) -> bool:
@@ -100,21 +174,28 @@ def check_section(path: Path, manifest: dict, specs) -> dict:
         raise JfireError(
             f"{path}/jfire.json is a compressed checkpoint without its 'compression' section; convert again"
         )
-    if (section.get("codec"), section.get("codec_version"), section.get("code_bits")) != (
-        CODEC,
-        CODEC_VERSION,
-        CODE_BITS,
-    ):
+    head = (section.get("codec"), section.get("codec_version"), section.get("code_bits"))
+    if head == (CODEC, CODEC_VERSION, CODE_BITS):
+        kinds: tuple[str, ...] = ("raw", "huffman")
+    elif head == (MIXED_CODEC, MIXED_CODEC_VERSION, CODE_BITS) and section.get("palette_version") == PALETTE_VERSION:
+        kinds = ("raw", "huffman", "palette")
+    else:
         raise JfireError(
             f"{path} is compressed with codec {section.get('codec')!r} version {section.get('codec_version')!r}; "
-            f"this jfire reads {CODEC!r} version {CODEC_VERSION} (convert the model again)"
+            f"this jfire reads {CODEC!r} version {CODEC_VERSION} and {MIXED_CODEC!r} version "
+            f"{MIXED_CODEC_VERSION} (palette version {PALETTE_VERSION}) (convert the model again)"
         )
     for spec in specs:
         entry = section["tensors"].get(spec.name)
         try:
-            assert entry["stored"] in ("raw", "huffman") and isinstance(entry["checksum"], int)
-            shape = Layout.from_dict(entry["layout"]).shape if entry["stored"] == "huffman" else spec.shape
-            assert entry["stored"] == "raw" or isinstance(entry["payload_words"], int)
+            assert entry["stored"] in kinds and isinstance(entry["checksum"], int)
+            shape = spec.shape
+            if entry["stored"] == "huffman":
+                shape = Layout.from_dict(entry["layout"]).shape
+                assert isinstance(entry["payload_words"], int)
+            elif entry["stored"] == "palette":
+                shape = PaletteLayout.from_dict(entry["layout"]).shape
+                assert isinstance(entry["exceptions"], int) and entry["exceptions"] >= 0
         except (AssertionError, KeyError, TypeError, ValueError):
             raise JfireError(
                 f"{path}/jfire.json does not describe tensor '{spec.name}' properly; convert the model again"
@@ -134,6 +215,12 @@ def abstract_tree(specs, section: dict, sharding) -> dict:
         entry = section["tensors"][spec.name]
         if entry["stored"] == "raw":
             set_path(tree, spec.name, jax.ShapeDtypeStruct(spec.shape, spec.dtype or jnp.bfloat16, sharding=sharding))
+            continue
+        if entry["stored"] == "palette":
+            shapes = PaletteLayout.from_dict(entry["layout"]).shapes(int(entry["exceptions"]))
+            set_path(
+                tree, spec.name, {k: jax.ShapeDtypeStruct(s, d, sharding=sharding) for k, (s, d) in shapes.items()}
+            )
             continue
         lay = Layout.from_dict(entry["layout"])
         shapes = {
@@ -184,6 +271,37 @@ def decode_checked(c: Compressed, decoder: str) -> tuple[jax.Array, jax.Array]:
     return _in_order_checked(_decode_encoded(flat, decoder), c.layout)
 
 
+@functools.partial(jax.jit, static_argnames=("decoder", "shape"))
+def _decode_palette(p: Palette, decoder: str, shape: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    values = decode(p, decoder).reshape(shape)
+    return values, device_checksum(values)
+
+
+def decode_palette_checked(p: Palette, decoder: str) -> tuple[jax.Array, jax.Array]:
+    """(bf16 values, their checksum), both on the device, of a palette-coded tensor. Decoded as
+    [units, rows, cols] with its exception lists padded to a power of two: tensors of one
+    layout share a compiled decoder (compiling costs more than decoding in interpret mode)."""
+    padded = pad_exceptions(flat(p), 1 << p.exceptions.bit_length())
+    return _decode_palette(padded, decoder, p.layout.shape)
+
+
+def check_palette_tables(path: Path, name: str, p: Palette) -> None:
+    """Refuses exception offsets that do not run from 0 to the list's end in order, and
+    positions outside their tile: the decoders would survive them, but they must not load."""
+    start = np.asarray(p.exc_start).astype(np.int64)
+    lay = p.layout
+    pos = np.asarray(p.exc_pos)[:-1]
+    if (
+        start[0] != 0
+        or start[-1] != p.exceptions
+        or np.any(np.diff(start) < 0)
+        or np.any(pos >= lay.tile_rows * lay.tile_cols)
+    ):
+        raise JfireError(
+            f"{path}: tensor '{name}' has invalid exception lists; the checkpoint is corrupt (convert the model again)"
+        )
+
+
 def check_tables(path: Path, name: str, c: Compressed) -> None:
     """Refuses code tables that are not complete prefix codes, and lane lengths that do not
     add up to the payload: the decoders would survive such garbage, but it must not load."""
@@ -208,6 +326,12 @@ def decode_tree(
         entry = section["tensors"][spec.name]
         if entry["stored"] == "raw":
             value, checksums[spec.name] = leaf, device_checksum(leaf)
+        elif entry["stored"] == "palette":
+            p = Palette(layout=PaletteLayout.from_dict(entry["layout"]), **{k: leaf[k] for k in PALETTE_ARRAYS})
+            check_palette_tables(path, spec.name, p)
+            value, checksums[spec.name] = decode_palette_checked(p, decoder)
+            if keep_compressed and spec.per_layer:
+                value = p
         else:
             c = Compressed(layout=Layout.from_dict(entry["layout"]), **{k: leaf[k] for k in ARRAYS})
             check_tables(path, spec.name, c)
@@ -216,7 +340,7 @@ def decode_tree(
                 value = c
         set_path(stored, spec.name, None)  # freed as decoded: device memory stays near the decoded size
         own = spec.dtype or dtype
-        set_path(params, spec.name, value if isinstance(value, Compressed) else value.astype(own))
+        set_path(params, spec.name, value if isinstance(value, (Compressed, Palette)) else value.astype(own))
     for name, checksum in jax.device_get(checksums).items():
         want = section["tensors"][name]["checksum"]
         if int(checksum) != want:
@@ -241,8 +365,9 @@ def _words(value: np.ndarray) -> np.ndarray:
 
 def compressed_bytes(params: dict) -> int:
     """Device bytes held by a params tree, counting compressed leaves at their stored size."""
-    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, Compressed))
-    return sum(leaf.nbytes if isinstance(leaf, Compressed) else leaf.size * leaf.dtype.itemsize for leaf in leaves)
+    coded = (Compressed, Palette)
+    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, coded))
+    return sum(leaf.nbytes if isinstance(leaf, coded) else leaf.size * leaf.dtype.itemsize for leaf in leaves)
 
 
 def ratio(section: dict) -> float:
@@ -253,10 +378,11 @@ def ratio(section: dict) -> float:
 # -- saving and restoring -----------------------------------------------------------------------------
 
 
-def save(dst: Path, config, params: dict, progress=None) -> dict:
-    """Writes a compressed checkpoint of bf16 `params` (host or device arrays) into dst;
-    returns the compression section written to the manifest."""
-    tree, section = compress_params(config, params, progress)
+def save(dst: Path, config, params: dict, progress=None, codec_name: str = "huffman") -> dict:
+    """Writes a compressed checkpoint of bf16 `params` (host or device arrays) into dst, coded
+    by `codec_name` (huffman, palette or auto); returns the compression section written to the
+    manifest."""
+    tree, section = compress_params(config, params, progress, codec_name)
     store.save(dst, config, tree, "bfloat16", compression=section)
     return section
 
@@ -273,6 +399,7 @@ def restore(
         raise JfireError("keeping layers compressed is not supported on a mesh yet")
     path = Path(path).absolute()
     config = store.config_of(manifest)
+    store.check_layer_stacks(path, manifest, config)
     specs = config.param_specs()
     section = check_section(path, manifest, specs)
     target = abstract_tree(specs, section, jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))

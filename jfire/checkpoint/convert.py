@@ -13,12 +13,19 @@ from jfire.checkpoint.read import count_source_tensors, open_source, parse_dtype
 from jfire.errors import JfireError
 
 
-def convert(src: Path, dst: Path, dtype: str = "bfloat16", *, progress: bool = True, compress: bool = False) -> Path:
+def convert(
+    src: Path, dst: Path, dtype: str = "bfloat16", *, progress: bool = True, compress: bool | str = False
+) -> Path:
     """Writes the checkpoint into a temporary sibling and renames it into place, so an
     interrupted conversion never leaves a half-written checkpoint that looks complete.
-    `compress` stores the bf16 weights losslessly compressed (jfire.checkpoint.compressed)."""
+    `compress` stores the bf16 weights losslessly compressed (jfire.checkpoint.compressed):
+    True or "huffman", "palette" (random-access codes the fused matmul reads) or "auto" (per
+    tensor)."""
     src, dst = Path(src).expanduser(), Path(dst).expanduser()
     target = parse_dtype(dtype)
+    codec_name = "huffman" if compress is True else compress or None
+    if codec_name not in (None, "huffman", "palette", "auto"):
+        raise JfireError(f"unknown --compress codec {codec_name!r}; use huffman, palette or auto")
     if compress and dtype != "bfloat16":
         raise JfireError(f"--compress stores bfloat16 weights; it cannot be combined with --dtype {dtype}")
     if store.is_checkpoint(src):
@@ -35,10 +42,10 @@ def convert(src: Path, dst: Path, dtype: str = "bfloat16", *, progress: bool = T
     dst.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
     try:
-        if compress:
+        if codec_name:
             from jfire.checkpoint import compressed
 
-            compressed.save(staging, config, params)
+            compressed.save(staging, config, params, codec_name=codec_name)
         else:
             store.save(staging, config, params, dtype)
         if tokenizer is not None:
