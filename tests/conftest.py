@@ -61,6 +61,8 @@ SLOWEST_FIRST = [
     "tests/test_batch_mode.py",
     "tests/test_compression_scripts.py",
     "tests/kernels/test_paged_attention.py",
+    "tests/kernels/test_palette_matmul.py",
+    "tests/kernels/test_cpu_kernel_builds.py",
     "tests/test_cache.py",
     "tests/test_compile_cache.py",
     "tests/test_cli_mesh.py",
