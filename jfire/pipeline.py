@@ -66,6 +66,8 @@ def _stages(layers, xs, positions, tables, pages, *, run, num_stages):
     stage = jax.lax.axis_index("pp")
     m = xs.shape[0]
     # The stage's first layer in the model (for per-layer data); in its cache slice, layer 0.
+    # A periodic segment's params lead with periods, its cache with layers: a stage holds whole
+    # periods (`Family.mesh_problems` refuses other splits), so both slices start at this layer.
     first_layer = run.segment.first + stage * (run.segment.count // num_stages)
     forward = [(i, (i + 1) % num_stages) for i in range(num_stages)]
 

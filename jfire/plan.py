@@ -253,7 +253,8 @@ def layer_bytes(cfg: Family, param_shardings: dict, dtype) -> int:
     """One layer's weights on one device as its step holds them, each param in its own dtype
     (`dtype` for the rest; FP8 experts in `dtype` too, as the step dequantizes them): the
     largest segment's per-layer shards (a device holds whole layers of its pipeline stage,
-    each split over tp/ep)."""
+    each split over tp/ep). A periodic segment's step runs a whole period, so its figure is
+    the period's layers together (every position's stack sits under the segment's name)."""
     per_segment: dict = {}
     for spec in cfg.param_specs():
         if spec.per_layer:

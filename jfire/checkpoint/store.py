@@ -1,12 +1,19 @@
 """The jfire checkpoint directory: orbax-checkpoint weights, the model config, the tokenizer.
 
-  DST/jfire.json          {"format": 1, "family": "llama" (the model family), "dtype": ..., "config": {...}}
+  DST/jfire.json          {"format": 1, "family": "llama" (the model family), "dtype": ..., "config": {...},
+                          "layer_stacks": "periodic"}
   DST/params/             orbax-checkpoint (StandardCheckpointer) of the params tree, per-layer
                           params in chunks of at most one layer (`layer_chunks`)
   DST/tokenizer.json, tokenizer_config.json   when the source had a tokenizer
 
 Format 2 is the same directory with bf16 weights stored losslessly compressed
 (`jfire.checkpoint.compressed`): the manifest gains a "compression" section.
+
+"layer_stacks": "periodic" marks the params tree of a model whose layer kinds repeat (Llama 4
+Maverick, a Qwen3-MoE sparse step) as one stack per position of the period (`layers.dense0`,
+`layers.moe1`, see `jfire.models.family.Segment`). Checkpoints written before it stored such
+models one segment per run of layers (`layers0`, `layers1`, ...) and are refused by name
+(`check_layer_stacks`); every other model is stored alike either way.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from jfire.models.registry import config_from_dict
 
 FORMAT_VERSION = 1
 COMPRESSED_FORMAT = 2
+LAYER_STACKS = "periodic"
 CHUNK_BYTES = 64 << 20  # the most one stored chunk of a per-layer param holds (see layer_chunks)
 MANIFEST = "jfire.json"
 
@@ -50,6 +58,7 @@ def save(dst: Path, config: Family, params: dict, dtype_name: str, compression: 
         "family": config.family,
         "dtype": dtype_name,
         "config": config.to_dict(),
+        "layer_stacks": LAYER_STACKS,
     }
     if compression:
         manifest["compression"] = compression
@@ -115,6 +124,7 @@ def restore(path: Path, dtype, shardings: dict | None = None) -> tuple[Family, d
     if manifest["format"] == COMPRESSED_FORMAT:
         raise JfireError(f"{path} is a compressed checkpoint: read it with jfire.checkpoint.compressed.restore")
     config = config_of(manifest)
+    check_layer_stacks(path, manifest, config)
     target = abstract_params(config.param_specs(), dtype)
     if shardings is None:
         single = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -127,6 +137,16 @@ def restore(path: Path, dtype, shardings: dict | None = None) -> tuple[Family, d
     except Exception as e:
         raise JfireError(f"cannot restore the weights in {path}/params: {_first_line(e)}") from None
     return config, params
+
+
+def check_layer_stacks(path: Path, manifest: dict, config: Family) -> None:
+    """Refuses a checkpoint stored before periodic layer stacks when its model has a period:
+    its params tree has other names than the config now declares."""
+    if manifest.get("layer_stacks") != LAYER_STACKS and any(s.period for s in config.segments()):
+        raise JfireError(
+            f"{path} was converted by an earlier jfire, which stored this model's alternating layer kinds "
+            "as one segment per run; jfire now stacks one period of them as one unit: convert the model again"
+        )
 
 
 def process_local() -> dict:

@@ -6,7 +6,8 @@ here; none of them reads a family's own fields (head counts, widths, ...):
 
   params      `param_specs()`: shape, logical axes, source names, init (jfire.models.params)
   cache       `cache_specs()`: each paged cache array with named axes, `pages` included
-  layers      `segments()`: runs of identical layers, each one scanned stack in the params
+  layers      `segments()`: runs of identical layers, or of one repeating period of layer
+              kinds, each scanned as one `lax.scan` over its stacked params
   meshes      `mesh_problems(shape)`: what a mesh must divide; `adapt_to_tp(tp)`: how the
               family reshapes itself for a tensor-parallel width (e.g. repeating KV heads)
   forward     `decoder(...)`, `run_segment(...)`, `logits(...)`: prefill chunks and decode
@@ -68,8 +69,14 @@ class CacheSpec:
 
 @dataclasses.dataclass(frozen=True)
 class Segment:
-    """A run of `count` identical layers starting at layer `first`, stored as one stacked
-    subtree `params[name]` (leading axis: its layers) and run as one `lax.scan`.
+    """A run of `count` layers starting at layer `first`, run as one `lax.scan`.
+
+    A uniform segment (no `period`) is `count` identical layers of `kind`, stored as one
+    stacked subtree `params[name]` (leading axis: its layers). A periodic segment repeats the
+    layer kinds of `period` (e.g. ("dense", "moe")) `count // len(period)` times: one scan step
+    runs one whole period, its layers unrolled, so each layer's structure is static inside the
+    step; `params[name]` then holds one stacked subtree per position of the period (`stacks()`),
+    each with a leading axis of periods.
 
     A segment that is not `piped` runs outside the pipeline on every stage (its params and
     cache arrays name their layer axis `layers_unpiped`, which pp does not split): a few
@@ -80,9 +87,48 @@ class Segment:
     name: str
     first: int
     count: int
-    kind: str  # the family's word for this layer structure, e.g. "dense" or "moe"
+    kind: str  # the family's word for this layer structure, e.g. "dense" or "moe"; "dense+moe" for a period
     piped: bool = True
     cache_offset: int | None = None
+    period: tuple[str, ...] = ()  # the layer kinds of one scan step, when more than one layer
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The kinds of the layers one scan step runs, in order."""
+        return self.period or (self.kind,)
+
+    @property
+    def steps(self) -> int:
+        """Scan steps: periods (or layers, for a uniform segment). Pipeline stages split these."""
+        return self.count // len(self.kinds)
+
+    def stacks(self) -> tuple[LayerStack, ...]:
+        """The stacked subtrees of this segment's params, one per position of the period."""
+        if not self.period:
+            return (LayerStack(self.name, self.kind, self.first, 1, self.count),)
+        k = len(self.period)
+        return tuple(
+            LayerStack(f"{self.name}.{kind}{pos}", kind, self.first + pos, k, self.steps)
+            for pos, kind in enumerate(self.period)
+        )
+
+    def describe(self) -> str:
+        if not self.period:
+            return f"{self.count} {self.kind}"
+        return f"{self.steps} periods of {len(self.period)} layers ({', '.join(self.period)})"
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerStack:
+    """One stacked subtree of a segment's params: `count` layers of `kind`, the model layers
+    `first`, `first + step`, ... (step 1 in a uniform segment; the period's length in a
+    periodic one). `path` is its dotted path in the params tree."""
+
+    path: str
+    kind: str
+    first: int
+    step: int
+    count: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,17 +156,40 @@ def shard_map_mesh(mesh):
 
 
 def segments_of(kinds: list[str], name: str = "layers") -> tuple[Segment, ...]:
-    """Consecutive runs of equal layer kinds as segments. One run keeps the plain name
-    (`layers`); several are `layers0`, `layers1`, ... in order."""
-    runs: list[list] = []
-    for i, kind in enumerate(kinds):
-        if runs and runs[-1][0] == kind:
-            runs[-1][2] += 1
+    """Layers of the given kinds as segments. All of one kind: one uniform segment (named
+    `layers`). Kinds that repeat with a period (Llama 4 Maverick's dense and MoE layers, a
+    Qwen3-MoE sparse step): one periodic segment of whole periods, then any leftover layers as
+    runs. Otherwise consecutive runs of equal kinds. Several segments are `layers0`,
+    `layers1`, ... in order."""
+    kinds = list(kinds)
+    period = _period(kinds)
+    if len(period) == 1:
+        return (Segment(name, 0, len(kinds), kinds[0]),)
+    out: list[tuple] = []  # (first, count, kind, period)
+    head = 0
+    if period:
+        head = len(kinds) - len(kinds) % len(period)
+        out.append((0, head, "+".join(period), period))
+    for i in range(head, len(kinds)):
+        if out and not out[-1][3] and out[-1][2] == kinds[i]:
+            first, count, kind, _ = out[-1]
+            out[-1] = (first, count + 1, kind, ())
         else:
-            runs.append([kind, i, 1])
-    if len(runs) == 1:
-        return (Segment(name, 0, runs[0][2], runs[0][0]),)
-    return tuple(Segment(f"{name}{k}", first, count, kind) for k, (kind, first, count) in enumerate(runs))
+            out.append((i, 1, kinds[i], ()))
+    if len(out) == 1:
+        first, count, kind, p = out[0]
+        return (Segment(name, first, count, kind, period=p),)
+    return tuple(Segment(f"{name}{k}", first, count, kind, period=p) for k, (first, count, kind, p) in enumerate(out))
+
+
+def _period(kinds: list[str]) -> tuple[str, ...]:
+    """The shortest period the kinds repeat with, at least twice from layer 0 (a leftover
+    shorter than a period may follow); () when there is none."""
+    n = len(kinds)
+    for p in range(1, n // 2 + 1):
+        if all(kinds[i] == kinds[i - p] for i in range(p, n)):
+            return tuple(kinds[:p])
+    return tuple(kinds[:1]) if n == 1 else ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,13 +242,17 @@ class Family:
             segments = [s for s in self.segments() if s.piped]
             if len(segments) != 1:
                 problems.append(
-                    f"pp={shape.pp} needs one uniform stack of layers, but this model has "
-                    f"{len(segments)} segments ({', '.join(f'{s.count} {s.kind}' for s in segments)})"
+                    f"pp={shape.pp} needs one stack of layers, uniform or one repeating period, but this "
+                    f"model has {len(segments)} segments ({', '.join(s.describe() for s in segments)})"
                 )
-            elif shape.pp > segments[0].count:
-                problems.append(f"pp={shape.pp} is more stages than the {segments[0].count} layers")
-            elif segments[0].count % shape.pp:
-                problems.append(f"pp={shape.pp} does not divide the {segments[0].count} layers into equal stages")
+            else:
+                s = segments[0]
+                unit = f"{s.count} layers" if not s.period else s.describe()
+                if shape.pp > s.steps:
+                    problems.append(f"pp={shape.pp} is more stages than the {unit}")
+                elif s.steps % shape.pp:
+                    whole = " (a stage holds whole periods)" if s.period else ""
+                    problems.append(f"pp={shape.pp} does not divide the {unit} into equal stages{whole}")
         return problems
 
     def skipped_source_prefixes(self) -> tuple[str, ...]:
@@ -313,6 +386,24 @@ def scan_layers(layer: Callable, stack, carry, dtype, *, in_place: bool = False)
     return carry
 
 
+def scan_segment(segment: Segment, layer: Callable, stack, carry, dtype, *, in_place: bool = False):
+    """Every layer of `segment` through `layer(carry, p, j, kind) -> carry`, `j` the layer's
+    index in the segment (traced), `kind` its kind (static), `p` its weights. One `lax.scan`
+    step per layer of a uniform segment, or per period of a periodic one, whose layers are then
+    unrolled inside the step (each reading its position's stack at the period's index)."""
+    if not segment.period:
+        return scan_layers(lambda c, p, j: (layer(c, p, j, segment.kind), None), stack, carry, dtype, in_place=in_place)
+    k = len(segment.period)
+    keys = [s.path.rsplit(".", 1)[1] for s in segment.stacks()]
+
+    def period(c, p, j):
+        for pos, (key, kind) in enumerate(zip(keys, segment.period)):
+            c = layer(c, p[key], j * k + pos, kind)
+        return c, None
+
+    return scan_layers(period, stack, carry, dtype, in_place=in_place)
+
+
 class StackedLayer(Mapping):
     """Layer `index` of a stacked weight tree, read lazily: `p[name]` slices that layer out
     (XLA:CPU copies it), while `layer_matmul` can multiply by it straight from the stack."""
@@ -321,7 +412,10 @@ class StackedLayer(Mapping):
         self.stack, self.index = stack, index
 
     def __getitem__(self, name):
-        return jax.lax.dynamic_index_in_dim(self.stack[name], self.index, keepdims=False)
+        value = self.stack[name]
+        if isinstance(value, Mapping):  # a periodic segment's stack of one position
+            return StackedLayer(value, self.index)
+        return jax.lax.dynamic_index_in_dim(value, self.index, keepdims=False)
 
     def __iter__(self):
         return iter(self.stack)

@@ -13,7 +13,8 @@ Einsum letters:
 
 Parameters are stacked over layers (leading `layers` axis) so a run of identical layers is
 one `lax.scan`: one compiled layer body, and a single axis for pipeline stages to split.
-Layers with experts and dense layers form separate runs (segments).
+Where dense layers and layers with experts alternate (Qwen3-MoE's `decoder_sparse_step`), one
+period of them is the scanned unit, its params stacked per position of the period.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from jfire.models.blocks import (
     rope_params,
     write_heads,
 )
-from jfire.models.family import CacheSpec, MeshShape, scan_layers, segments_of
+from jfire.models.family import CacheSpec, LayerStack, MeshShape, scan_segment, segments_of
 from jfire.models.params import ParamSpec
 
 # HF `architectures[0]` -> the name GGUF files use for the same family (None: not read from GGUF).
@@ -261,15 +262,16 @@ class LlamaConfig(PreNormFamily):
             ParamSpec("final_norm", (E,), ("embed",), "model.norm.weight", "output_norm.weight", init="ones"),
         ]
         for segment in self.segments():
-            specs += self._layer_specs(segment)
+            for stack in segment.stacks():
+                specs += self._layer_specs(stack)
         if not self.tie_word_embeddings:
             specs.append(ParamSpec("lm_head", (E, V), ("embed", "vocab"), "lm_head.weight", "output.weight", n_in=1))
         return tuple(specs)
 
-    def _layer_specs(self, segment) -> list[ParamSpec]:
-        L, E, F = segment.count, self.hidden_size, self.intermediate_size
+    def _layer_specs(self, stack: LayerStack) -> list[ParamSpec]:
+        L, E, F = stack.count, self.hidden_size, self.intermediate_size
         H, K, D = self.num_heads, self.num_kv_heads, self.head_dim
-        hf, s = "model.layers.{i}.", segment.name + "."
+        hf, s = "model.layers.{i}.", stack.path + "."
 
         def spec(name, shape, axes, hf_name, gguf, **kw):
             return ParamSpec(
@@ -278,7 +280,8 @@ class LlamaConfig(PreNormFamily):
                 ("layers", *axes),
                 hf + hf_name if hf_name else None,
                 gguf,
-                first_layer=segment.first,
+                first_layer=stack.first,
+                layer_step=stack.step,
                 **kw,
             )
 
@@ -322,7 +325,7 @@ class LlamaConfig(PreNormFamily):
                 "mlp_norm", (E,), ("embed",), "post_attention_layernorm.weight", "blk.{i}.ffn_norm.weight", init="ones"
             ),
         ]
-        if segment.kind == "moe":
+        if stack.kind == "moe":
             X, I = self.num_experts, self.moe_intermediate_size
             _, gate, (w_gate, w_up, w_down) = _MOE[self.architecture]
             specs += [
@@ -401,8 +404,8 @@ class LlamaConfig(PreNormFamily):
         attention_impl=None,
         parallel=None,
     ):
-        """One segment's stacked layers over activations x [b, t, e]; layer j of the stack reads
-        and writes cache layer cache_offset + j.
+        """One segment's stacked layers over activations x [b, t, e]; layer j of the segment
+        reads and writes cache layer cache_offset + j.
 
         New keys and values are written into their slots before attention, so the same function
         serves prefill (t = a prompt chunk) and decode (t = 1). Padding tokens carry position -1:
@@ -413,9 +416,8 @@ class LlamaConfig(PreNormFamily):
         cos, sin = rope_angles(positions, rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling))
         page, slot = cache_slots(positions, page_table, pages["k"].shape[2], pages["k"].shape[3])
         attend = attention_impl or paged_attention  # on the CPU kernel where it applies, else the reference
-        moe = segment.kind == "moe"
 
-        def layer(carry, p, j):
+        def layer(carry, p, j, kind):
             x, k_pages, v_pages = carry
             i = cache_offset + j
             with jax.named_scope("attention"):
@@ -434,7 +436,7 @@ class LlamaConfig(PreNormFamily):
                 if self.o_bias:
                     x = x + p["bo"]
             h = rms_norm(x, p["mlp_norm"], self.rms_norm_eps)
-            if moe:
+            if kind == "moe":
                 from jfire.models.experts import routed_experts
                 from jfire.models.moe import Router
 
@@ -452,7 +454,7 @@ class LlamaConfig(PreNormFamily):
                 with jax.named_scope("mlp"):
                     gate, up = layer_matmuls(h, p, ("w_gate", "w_up"))
                     x = x + layer_matmul(jax.nn.silu(gate) * up, p, "w_down")
-            return (x, k_pages, v_pages), None
+            return x, k_pages, v_pages
 
-        x, k, v = scan_layers(layer, stack, (x, pages["k"], pages["v"]), x.dtype, in_place=True)
+        x, k, v = scan_segment(segment, layer, stack, (x, pages["k"], pages["v"]), x.dtype, in_place=True)
         return x, {"k": k, "v": v}

@@ -12,7 +12,8 @@ Differences from the Llama family:
     sigmoid score scales each chosen expert's INPUT, plus a shared expert for every token;
     the other layers have a dense MLP of width `intermediate_size_mlp`.
 These per-layer switches (RoPE or not, chunk size) are scanned data, not Python branches.
-MoE and dense layers are separate segments.
+Where MoE and dense layers alternate (Maverick), one period of them (dense, moe) is the
+scanned unit: its layers are unrolled in the scan step, their params stacked per position.
 
 Einsum letters: b batch, t query tokens, e embed, h query heads, k kv heads, d head dim,
 f ffn, v vocab, x experts.
@@ -46,7 +47,7 @@ from jfire.models.blocks import (
     rope_params,
     write_heads,
 )
-from jfire.models.family import CacheSpec, MeshShape, scan_layers, segments_of
+from jfire.models.family import CacheSpec, LayerStack, MeshShape, scan_segment, segments_of
 from jfire.models.params import ParamSpec
 
 # Both layouts serve the same text model; the multimodal one nests it under `language_model.`.
@@ -168,18 +169,26 @@ class Llama4Config(PreNormFamily):
             ParamSpec("final_norm", (E,), ("embed",), pre + "model.norm.weight", None, init="ones"),
         ]
         for segment in self.segments():
-            specs += self._layer_specs(segment)
+            for stack in segment.stacks():
+                specs += self._layer_specs(stack)
         if not self.tie_word_embeddings:
             specs.append(ParamSpec("lm_head", (E, V), ("embed", "vocab"), pre + "lm_head.weight", None, n_in=1))
         return tuple(specs)
 
-    def _layer_specs(self, segment) -> list[ParamSpec]:
-        L, E, H, K, D = segment.count, self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
-        hf, s = self.hf_prefix + "model.layers.{i}.", segment.name + "."
+    def _layer_specs(self, stack: LayerStack) -> list[ParamSpec]:
+        L, E, H, K, D = stack.count, self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
+        hf, s = self.hf_prefix + "model.layers.{i}.", stack.path + "."
 
         def spec(name, shape, axes, hf_name, **kw):
             return ParamSpec(
-                s + name, (L, *shape), ("layers", *axes), hf + hf_name, None, first_layer=segment.first, **kw
+                s + name,
+                (L, *shape),
+                ("layers", *axes),
+                hf + hf_name,
+                None,
+                first_layer=stack.first,
+                layer_step=stack.step,
+                **kw,
             )
 
         specs = [
@@ -190,7 +199,7 @@ class Llama4Config(PreNormFamily):
             spec("wo", (H, D, E), ("q_heads", "head_dim", "embed"), "self_attn.o_proj.weight", n_in=2),
             spec("mlp_norm", (E,), ("embed",), "post_attention_layernorm.weight", init="ones"),
         ]
-        if segment.kind == "moe":
+        if stack.kind == "moe":
             X, F = self.num_experts, self.intermediate_size
             # gate_up_proj is fused [x, e, 2f], inputs first: gate is the first half.
             fused = dict(flat_source=False, source_full=2 * F)
@@ -281,9 +290,8 @@ class Llama4Config(PreNormFamily):
             jnp.floor((positions.astype(jnp.float32) + 1.0) / self.floor_scale)
         )
         temperature = temperature[:, :, None, None]
-        moe = segment.kind == "moe"
 
-        def layer(carry, p, j):
+        def layer(carry, p, j, kind):
             x, k_pages, v_pages = carry
             i, layer_id = cache_offset + j, layer_offset + j
             use_rope, chunk = data["rope"][layer_id], data["chunk"][layer_id]
@@ -305,7 +313,7 @@ class Llama4Config(PreNormFamily):
                 out = attend(q, k_pages, v_pages, i, page_table, positions, chunk=chunk)
                 x = x + out_projection(out, p["wo"])
             h = rms_norm(x, p["mlp_norm"], self.rms_norm_eps)
-            if moe:
+            if kind == "moe":
                 from jfire.models.experts import routed_experts
                 from jfire.models.moe import Router
 
@@ -323,7 +331,7 @@ class Llama4Config(PreNormFamily):
             else:
                 with jax.named_scope("mlp"):
                     x = x + gated_mlp(h, p["w_gate"], p["w_up"], p["w_down"])
-            return (x, k_pages, v_pages), None
+            return x, k_pages, v_pages
 
-        x, k, v = scan_layers(layer, stack, (x, pages["k"], pages["v"]), x.dtype)
+        x, k, v = scan_segment(segment, layer, stack, (x, pages["k"], pages["v"]), x.dtype)
         return x, {"k": k, "v": v}

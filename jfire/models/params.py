@@ -25,6 +25,7 @@ class ParamSpec:
     init: str = "normal"  # "normal", "ones" or "zeros"
     flat_source: bool = True  # non-linears (norms, biases) are vectors in HF; the embedding is not
     first_layer: int = 0  # per-layer params: the model layer of this stack's first entry
+    layer_step: int = 1  # per-layer params: model layers between entries (a periodic segment's period)
     per_expert: bool = False  # the source holds one tensor per expert ({e}), stacked after `layers`
     take: tuple[int, int] | None = None  # a slice [start, stop) of the source's last axis (fused tensors)
     source_full: int | None = None  # with `take`: the size of that last axis in the source
@@ -40,7 +41,7 @@ class ParamSpec:
     @property
     def layers(self) -> range:
         """The model layers this (per-layer) param holds."""
-        return range(self.first_layer, self.first_layer + self.shape[0])
+        return range(self.first_layer, self.first_layer + self.layer_step * self.shape[0], self.layer_step)
 
     @property
     def unit_shape(self) -> tuple[int, ...]:

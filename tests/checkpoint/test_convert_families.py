@@ -1,6 +1,7 @@
 """Conversion of the MoE families into jfire checkpoints (plain and compressed) gives back the
 weights read straight from the HF directory, bit for bit; the multimodal Llama 4 layout's
-vision tower is skipped with one line saying so; per-layer params are stored a layer per chunk."""
+vision tower is skipped with one line saying so; per-layer params are stored a layer per chunk;
+a checkpoint of alternating layers stored before periodic stacks is refused by name."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 from jfire.checkpoint import store
 from jfire.checkpoint.convert import convert
 from jfire.checkpoint.load import load_model
+from jfire.errors import JfireError
 
 
 @pytest.mark.parametrize("family,compress", [("llama4_mm", True), ("qwen3_moe_sparse", False)])
@@ -32,6 +34,14 @@ def test_converted_checkpoint_equals_the_hf_weights(family, compress, tiny_hf_di
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
         assert np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
     assert_layer_chunks(dst, store.read_config(dst))
+    # Both models alternate dense and MoE layers: one periodic segment, stacked per position.
+    # A checkpoint of theirs from before periodic stacks (one segment per run) is refused by name.
+    assert "layers.moe1.we_gate" in {s.name for s in store.read_config(dst).param_specs()}
+    manifest = json.loads((dst / store.MANIFEST).read_text())
+    del manifest["layer_stacks"]
+    (dst / store.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(JfireError, match="converted by an earlier jfire.*convert the model again"):
+        load_model(str(dst), "bfloat16")
 
 
 def assert_layer_chunks(dst, config):

@@ -14,6 +14,7 @@ import pytest
 
 from jfire import programs
 from jfire.models.llama import LlamaConfig
+from jfire.models.llama4 import Llama4Config
 from jfire.models.params import get_path, init_params
 from tests import greedy_programs
 from tests.mesh import greedy
@@ -26,6 +27,14 @@ MESHES = ["ep=4,tp=2", "pp=2,ep=2,tp=2", "ep=8"]
 PAGE, PAGES = 4, 64
 ROWS = greedy.ROWS
 EXPERT_PARAMS = ("layers.we_gate", "layers.we_up", "layers.we_down")
+# Llama 4 Maverick-shaped: MoE every second layer, NoPE layers 0 and 3 (global, temperature
+# tuned), chunked attention on the others; one periodic segment (dense, moe) scanned per period.
+# At pp=2 each stage holds one period: stage 1's layers 2 (RoPE) and 3 (NoPE) read their
+# per-layer switches at the model layer, not the stage's.
+LLAMA4 = Llama4Config(architecture="Llama4ForCausalLM", vocab_size=512, hidden_size=64, intermediate_size=48,
+                      intermediate_size_mlp=96, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=8,
+                      max_position_embeddings=256, num_experts=8, experts_per_token=1, moe_layers=(1, 3),
+                      rope_layers=(1, 2), attention_chunk_size=4, floor_scale=4.0, attn_scale=0.25)
 
 
 @pytest.fixture(scope="module")
@@ -86,3 +95,20 @@ def test_decode_exchanges_activations_never_expert_weights(spec, host_params):
     for match in re.finditer(r"= \w+\[([\d,]*)\][^=]*? all-gather(-start)?\(", hlo):
         shape = tuple(int(d) for d in match.group(1).split(",") if d)
         assert shape not in expert_shapes, f"all-gather of expert weights {shape}"
+
+
+@pytest.fixture(scope="module")
+def llama4_host():
+    return jax.tree.map(np.asarray, init_params(LLAMA4.param_specs(), jax.random.key(1), jnp.float32, scale=0.2))
+
+
+def test_periodic_llama4_at_pp2_ep2_tp2_equals_one_device(llama4_host):
+    (segment,) = LLAMA4.segments()
+    assert (segment.period, segment.steps) == (("dense", "moe"), 2)
+    table = np.arange(ROWS * 8, dtype=np.int32).reshape(ROWS, 8)[:, ::-1].copy()
+    run = lambda spec: greedy.run_greedy(LLAMA4, llama4_host, spec, table, num_pages=PAGES, page_size=PAGE)
+    _, params, _, _, _, mesh = greedy.setup(LLAMA4, llama4_host, "pp=2,ep=2,tp=2", PAGES, PAGE)
+    experts = get_path(params, "layers.moe1.we_gate")  # [periods, experts, embed, ffn]
+    for shard in experts.addressable_shards:
+        assert shard.data.shape == (1, LLAMA4.num_experts // 2, LLAMA4.hidden_size, LLAMA4.intermediate_size // 2)
+    greedy.assert_same_run(run("pp=2,ep=2,tp=2"), run(None))
