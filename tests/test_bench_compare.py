@@ -1,6 +1,10 @@
 """`jfire bench --compare`'s own pieces that decide what it measures: the F32 GGUF it hands
 llama.cpp holds exactly the values jfire loads from the default model's Q4_1 file, with the
-same metadata (so llama.cpp builds the same model and tokenizer)."""
+same metadata (so llama.cpp builds the same model and tokenizer); llama.cpp and transformers
+get the very prompts jfire's waves draw; llama-server runs 16 slots with continuous batching
+and is asked for exactly that many greedy tokens; and the greedy agreement is counted and
+flagged. (llama-server itself is not started here: it comes with the bench extra, not the
+test one.)"""
 
 from __future__ import annotations
 
@@ -8,6 +12,8 @@ import gguf
 import numpy as np
 import pytest
 
+from jfire import bench_compare as bc
+from jfire.bench import run_wave
 from jfire.bench_compare import format_compare, write_f32_gguf
 from jfire.checkpoint.default_model import default_gguf_path
 
@@ -27,13 +33,82 @@ def test_f32_gguf_holds_the_dequantized_weights_and_the_same_metadata(tmp_path):
     assert written.fields[gguf.Keys.General.FILE_TYPE].contents() == gguf.LlamaFileType.ALL_F32
 
 
-def test_the_table_names_every_engine_and_the_roofline():
+def test_the_table_names_every_engine_the_roofline_and_the_agreement():
     figures = dict(startup_s=1.0, ttft_s=0.5, decode_tps=20.0, conc16_tps=90.0, peak_rss_gb=1.5,
                    roofline_fraction=0.4)
-    text = format_compare({"median": {"jfire": {**figures, "startup_cold_s": 9.0}, "llama.cpp F32": figures},
-                           "roofline_decode_tps": 50.0, "bandwidth_gbs": 27.0, "rounds": 3, "machine": "2 cores"})
-    assert "jfire" in text and "llama.cpp F32" in text and "(9.0 s cold) 1.0 s" in text
+    median = {
+        "jfire": {**figures, "startup_cold_s": 9.0, "agree_tokens": 128},
+        "llama.cpp F32": {**figures, "agree_tokens": 128},
+        "llama.cpp Q4_1": {k: v for k, v in figures.items() if k != "roofline_fraction"} | {"agree_tokens": 37},
+        "transformers (safetensors)": {**figures, "agree_tokens": 37},
+    }
+    text = format_compare({"median": median, "roofline_decode_tps": 50.0, "bandwidth_gbs": 27.0, "rounds": 3,
+                           "machine": "2 cores"})
+    rows = {line.split("  ")[0]: line for line in text.splitlines()}
+    assert "(9.0 s cold) 1.0 s" in rows["jfire"] and rows["jfire"].endswith("(reference)")
+    assert rows["llama.cpp F32"].endswith("agree 128/128")
+    assert rows["llama.cpp Q4_1"].endswith("37/128 (8-bit activations)")  # differs by design: no flag
+    assert "%" not in rows["llama.cpp Q4_1"]  # the float32 roofline does not bound a 4-bit file
+    assert rows["transformers (safetensors)"].endswith("DIFFERS at token 38")
+    assert "WARNING: transformers (safetensors) computes with jfire's weights" in text
+    assert "WARNING" not in format_compare({"median": {k: median[k] for k in ("jfire", "llama.cpp F32")},
+                                            "roofline_decode_tps": 50.0, "bandwidth_gbs": 27.0, "rounds": 3,
+                                            "machine": "2 cores"})
     assert "50.0 tokens/s at 27.0 GB/s" in text and "40%" in text
+
+
+def test_leading_agreement_counts_the_shared_prefix():
+    assert bc.leading_agreement([1, 2, 3, 4], [1, 2, 3, 4]) == 4
+    assert bc.leading_agreement([1, 2, 3, 4], [1, 2, 9, 4]) == 2  # what follows a difference is not counted
+    assert bc.leading_agreement([5, 2], [1, 2]) == 0
+    assert bc.leading_agreement([1, 2, 3], [1, 2]) == 2
+
+
+class _RecordingEngine:
+    """Just enough of an Engine for `run_wave`: records the prompts and finishes each at once."""
+
+    vocab_size = 49152
+
+    def __init__(self):
+        self.prompts = []
+
+    def stats(self):
+        return {}
+
+    def submit(self, ids, sampling, on_output):
+        self.prompts.append(ids)
+        on_output(type("Out", (), {"token_ids": [7] * sampling.max_tokens, "finished": True})())
+
+
+def test_the_other_engines_get_the_prompts_jfire_s_waves_draw():
+    one, many = bc.prompts(_RecordingEngine.vocab_size)
+    alone, together = _RecordingEngine(), _RecordingEngine()
+    run_wave(alone, 1, bc.PROMPT_LEN, bc.DECODE_TOKENS + 1, seed=0)  # as `_jfire` calls it
+    run_wave(together, bc.CONC, bc.CONC_PROMPT, bc.CONC_TOKENS, seed=1)
+    assert alone.prompts == [one] and together.prompts == many
+    assert len(one) == 512 and len(many) == 16 and {len(p) for p in many} == {128}
+
+
+def test_llama_server_runs_16_slots_with_continuous_batching_and_room_for_each_request():
+    cmd = bc.llama_server_command("/bin/llama-server", "m.gguf", 8123, threads=2, flash_attn=False)
+    flag = lambda name: cmd[cmd.index(name) + 1]  # noqa: E731
+    assert cmd[0] == "/bin/llama-server" and flag("--model") == "m.gguf" and flag("--port") == "8123"
+    assert flag("--parallel") == "16" and "--cont-batching" in cmd and "--no-webui" in cmd
+    # --ctx-size is split among the slots: each must hold a 512-token prompt and 129 new tokens
+    assert int(flag("--ctx-size")) // 16 >= bc.PROMPT_LEN + bc.DECODE_TOKENS + 1
+    assert int(flag("--batch-size")) >= 16 * bc.CONC_PROMPT  # the 16 prompts prefill together
+    assert flag("--threads") == flag("--threads-batch") == "2"
+    assert flag("--flash-attn") == "off"  # llama.cpp's faster decode on this CPU; "on" for the other row
+    with_fa = bc.llama_server_command("/bin/llama-server", "m.gguf", 8123, threads=2, flash_attn=True)
+    assert with_fa[with_fa.index("--flash-attn") + 1] == "on"
+    assert "--no-repack" in cmd  # llama.cpp's AMX path crashes on this machine
+
+
+def test_llama_server_is_asked_for_exactly_n_greedy_tokens_after_the_ids():
+    r = bc.completion_request([11, 12, 13], 128, stream=True)
+    assert r["prompt"] == [11, 12, 13] and r["n_predict"] == 128 and r["ignore_eos"] and r["stream"]
+    assert r["temperature"] == 0 and r["top_k"] == 1 and r["samplers"] == ["top_k"] and r["repeat_penalty"] == 1
+    assert r["return_tokens"] and not r["cache_prompt"]
 
 
 @pytest.mark.parametrize("argv, message", [
