@@ -404,6 +404,8 @@ class RemoteEngine:
                 return emit(RequestOutput(request_id, [], "", finished=True, finish_reason="cancelled"))
             if isinstance(first, str):
                 return fail(first)
+            if self.prefix_index is not None and hashes:  # the group holds the prompt's blocks now
+                self.prefix_index.record(prefill.name, hashes)
             if self._take_cancel(request_id):
                 # Nobody will pull it: acknowledge on the decode side's behalf so the prefill
                 # group frees the pages now rather than at the timeout.
@@ -451,8 +453,6 @@ class RemoteEngine:
             return f"prefill group {group.name!r}: {_error_of(r)}"
         with self._lock:  # published, and the frontend knows where: the decode group pulls from here on
             self._counts["kv_handoffs"] += 1
-        if self.prefix_index is not None:  # the group holds the prompt's blocks now
-            self.prefix_index.record(group.name, self.prefix_index.hashes(prompt_ids))
         return r.json()
 
     def _decode(self, group: _GroupState, request_id, prompt_ids, sampling, first: dict, emit) -> str | None:
