@@ -158,13 +158,21 @@ class Tally:
             }
 
 
+def http_client(timeout: float | httpx.Timeout) -> httpx.Client:
+    """An HTTP client that lets an idle connection go before the server does. uvicorn closes one
+    after 5 s idle and httpx keeps one 5 s by default, so a request sent at that moment went out
+    on a connection the server was closing ("Server disconnected without sending a response"):
+    a loss the soak would count against the deployment."""
+    return httpx.Client(timeout=timeout, limits=httpx.Limits(keepalive_expiry=2.0))
+
+
 class Client:
     """One simulated client: draws a request kind, sends it, classifies what came back."""
 
     def __init__(self, url: str, config: SoakConfig, tally: Tally, rng: random.Random, long_prompts: list[str]):
         self.url, self.config, self.tally, self.rng = url, config, tally, rng
         self.long_prompts = long_prompts
-        self.http = httpx.Client(timeout=httpx.Timeout(30.0, read=config.request_timeout_s))
+        self.http = http_client(httpx.Timeout(30.0, read=config.request_timeout_s))
 
     def words(self, n: int) -> str:
         return " ".join(self.rng.choice(WORDS) for _ in range(n))
@@ -353,7 +361,7 @@ class Deployment:
 
     def __init__(self, url: str, *, server_pid: int | None = None, launcher_pid: int | None = None):
         self.url, self.server_pid, self.launcher_pid = url, server_pid, launcher_pid
-        self.http = httpx.Client(timeout=10.0)
+        self.http = http_client(10.0)
 
     def groups(self) -> dict:
         if self.launcher_pid is None:
@@ -450,7 +458,7 @@ def run(deployment: Deployment, config: SoakConfig, *, log=print) -> dict:
             client.run(client.rng.choices(kinds, weights)[0])
 
     def probe_loop() -> None:
-        http = httpx.Client(timeout=config.request_timeout_s)
+        http = http_client(config.request_timeout_s)
         while time.monotonic() < deadline and not stop.is_set():
             t0 = time.monotonic()
             try:
