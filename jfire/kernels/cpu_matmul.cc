@@ -1,4 +1,5 @@
-// Float32 matrix products for XLA:CPU that read their weights where they lie (see cpu_matmul.py).
+// Matrix products for XLA:CPU that read their weights where they lie (see cpu_matmul.py):
+// float32 inputs and outputs, weights in float32 or bfloat16.
 //
 //   jfire_stacked_matmul: y_i[m, n_i] = x[m, k] @ w_i[layer, k, n_i] for one or more stacks w_i,
 //     layer a device scalar. Inside the models' layer scan the weights stay one stacked array;
@@ -10,8 +11,14 @@
 // contraction in the same order, with fused multiply-adds), so a sequence decodes the same
 // tokens alone or batched. Both split their work into one chunk per thread of XLA's intra-op
 // pool (cpu_kernels.h). Chunks of w are read front to back, once.
+//
+// A bfloat16 weight is widened to float32 in registers as it is read (its 16 bits are a
+// float32's high half, exactly), and every sum runs in the same order as for float32: the
+// product equals the float32 kernel's on the widened weight, bit for bit, while half the bytes
+// stream from memory (decode reads every weight once a step, so it is bound by those bytes).
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -34,7 +41,34 @@ using jfire_cpu::Vec;
 // reached 25-27 GB/s at one row against 22-26 with 4 (alternating runs, the same bits).
 constexpr int64_t kStreamRows = 8;
 
-void AccumulateRows(const float* __restrict x, const float* __restrict w, float* __restrict y, int64_t m,
+// A weight element as float32: itself, or a bfloat16 (its bits, uint16_t) widened exactly.
+inline float Widen(float w) { return w; }
+inline float Widen(uint16_t w) {
+  const uint32_t bits = static_cast<uint32_t>(w) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// kLanes weight elements from p as one register of float32s.
+inline Vec LoadVec(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline Vec LoadVec(const uint16_t* p) {
+  typedef uint16_t Halves __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+  typedef uint32_t Words __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+  Halves h;
+  std::memcpy(&h, p, sizeof h);
+  const Words bits = __builtin_convertvector(h, Words) << 16;
+  Vec v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+template <typename W>
+void AccumulateRows(const float* __restrict x, const W* __restrict w, float* __restrict y, int64_t m,
                     int64_t k, int64_t n, int64_t k0, int64_t k1, int64_t c_begin, int64_t c_end) {
   const int64_t tile = std::max<int64_t>(64, (24 * 1024 / 4) / m / 16 * 16);
   for (int64_t c0 = c_begin; c0 < c_end; c0 += tile) {
@@ -42,7 +76,7 @@ void AccumulateRows(const float* __restrict x, const float* __restrict w, float*
     for (int64_t r = 0; r < m; ++r) std::memset(y + r * n + c0, 0, len * sizeof(float));
     int64_t kk = k0;
     for (; kk + kStreamRows <= k1; kk += kStreamRows) {
-      const float* w0 = w + kk * n + c0;
+      const W* w0 = w + kk * n + c0;
       for (int64_t r = 0; r < m; ++r) {
         const float* xr = x + r * k + kk;
         float* yr = y + r * n + c0;
@@ -51,17 +85,17 @@ void AccumulateRows(const float* __restrict x, const float* __restrict w, float*
         for (int64_t j = 0; j < len; ++j) {
           float acc = yr[j];
 #pragma GCC unroll 8
-          for (int64_t i = 0; i < kStreamRows; ++i) acc += xr[i] * w0[i * n + j];
+          for (int64_t i = 0; i < kStreamRows; ++i) acc += xr[i] * Widen(w0[i * n + j]);
           yr[j] = acc;
         }
       }
     }
     for (; kk < k1; ++kk) {
-      const float* w0 = w + kk * n + c0;
+      const W* w0 = w + kk * n + c0;
       for (int64_t r = 0; r < m; ++r) {
         const float a0 = x[r * k + kk];
         float* yr = y + r * n + c0;
-        for (int64_t j = 0; j < len; ++j) yr[j] += a0 * w0[j];
+        for (int64_t j = 0; j < len; ++j) yr[j] += a0 * Widen(w0[j]);
       }
     }
   }
@@ -79,13 +113,13 @@ constexpr int64_t kBlockCols = kLanes * kBlockVecs;
 // y[0:R, 0:kBlockCols] = x[0:R, k0:k1] @ w[k0:k1, 0:kBlockCols], the accumulators held in
 // registers: per row of w, kBlockVecs loads feed R * kBlockVecs fused multiply-adds (the
 // few-rows form reloads its accumulators for every row of w, which bounds it at 8-64 rows).
-template <int64_t R>
-void Block(const float* __restrict x, int64_t k, const float* __restrict w, int64_t n, float* __restrict y,
+template <int64_t R, typename W>
+void Block(const float* __restrict x, int64_t k, const W* __restrict w, int64_t n, float* __restrict y,
            int64_t k0, int64_t k1) {
   Vec acc[R][kBlockVecs] = {};
   for (int64_t kk = k0; kk < k1; ++kk) {
     Vec wv[kBlockVecs];
-    for (int64_t c = 0; c < kBlockVecs; ++c) std::memcpy(&wv[c], w + kk * n + c * kLanes, sizeof(Vec));
+    for (int64_t c = 0; c < kBlockVecs; ++c) wv[c] = LoadVec(w + kk * n + c * kLanes);
     for (int64_t r = 0; r < R; ++r) {
       const float a = x[r * k + kk];
       for (int64_t c = 0; c < kBlockVecs; ++c) acc[r][c] += a * wv[c];
@@ -98,7 +132,8 @@ void Block(const float* __restrict x, int64_t k, const float* __restrict w, int6
 // y = x[:, k0:k1] @ w[k0:k1, :] for x [m, k], w [k, n]. One or two rows stream w with the
 // few-rows form; more go through register blocks (the last block taking the rows left),
 // and the few-rows form takes the columns past the last whole block.
-void MultiplyRows(const float* __restrict x, const float* __restrict w, float* __restrict y, int64_t m, int64_t k,
+template <typename W>
+void MultiplyRows(const float* __restrict x, const W* __restrict w, float* __restrict y, int64_t m, int64_t k,
                   int64_t n, int64_t k0, int64_t k1) {
   const int64_t block_cols = n / kBlockCols * kBlockCols;
   if (m <= 2 || block_cols == 0) {
@@ -113,13 +148,13 @@ void MultiplyRows(const float* __restrict x, const float* __restrict w, float* _
       const float* xr = x + r0 * k;
       float* yr = y + r0 * n + c0;
       switch (std::min(kBlockRows, m - r0)) {
-        case 1: Block<1>(xr, k, w + c0, n, yr, k0, k1); break;
-        case 2: Block<2>(xr, k, w + c0, n, yr, k0, k1); break;
-        case 3: Block<3>(xr, k, w + c0, n, yr, k0, k1); break;
-        case 4: Block<4>(xr, k, w + c0, n, yr, k0, k1); break;
+        case 1: Block<1, W>(xr, k, w + c0, n, yr, k0, k1); break;
+        case 2: Block<2, W>(xr, k, w + c0, n, yr, k0, k1); break;
+        case 3: Block<3, W>(xr, k, w + c0, n, yr, k0, k1); break;
+        case 4: Block<4, W>(xr, k, w + c0, n, yr, k0, k1); break;
 #if !defined(__AVX512F__)
-        case 5: Block<5>(xr, k, w + c0, n, yr, k0, k1); break;
-        case 6: Block<6>(xr, k, w + c0, n, yr, k0, k1); break;
+        case 5: Block<5, W>(xr, k, w + c0, n, yr, k0, k1); break;
+        case 6: Block<6, W>(xr, k, w + c0, n, yr, k0, k1); break;
 #endif
       }
     }
@@ -127,18 +162,55 @@ void MultiplyRows(const float* __restrict x, const float* __restrict w, float* _
   if (block_cols < n) AccumulateRows(x, w, y, m, k, n, k0, k1, block_cols, n);
 }
 
-// y[r, n0:n1] = x[r, :] . w[n0:n1, :] for r < m; w is [n, k] row-major.
-void DotRows(const float* __restrict x, const float* __restrict w, float* __restrict y, int64_t m, int64_t k,
+// y[r, n0:n1] = x[r, :] . w[n0:n1, :] for r < m; w is [n, k] row-major. Each dot product
+// sums kDotVecs registers of lanes side by side (enough to hide the multiply-add latency), then
+// adds them pairwise and their lanes in order, then the tail: one order, written out, so that a
+// float32 and a bfloat16 weight sum alike (a compiler's own vectorized reduction picks its width
+// by the element type).
+constexpr int64_t kDotVecs = 4;
+
+template <typename W>
+void DotRows(const float* __restrict x, const W* __restrict w, float* __restrict y, int64_t m, int64_t k,
              int64_t n, int64_t n0, int64_t n1) {
+  const int64_t step = kDotVecs * kLanes, whole = k / step * step;
   for (int64_t j = n0; j < n1; ++j) {
-    const float* wj = w + j * k;
+    const W* wj = w + j * k;
     for (int64_t r = 0; r < m; ++r) {
       const float* xr = x + r * k;
-      float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-      for (int64_t i = 0; i < k; ++i) acc += xr[i] * wj[i];
-      y[r * n + j] = acc;
+      Vec acc[kDotVecs] = {};
+      for (int64_t i = 0; i < whole; i += step) {
+        for (int64_t v = 0; v < kDotVecs; ++v) acc[v] += LoadVec(xr + i + v * kLanes) * LoadVec(wj + i + v * kLanes);
+      }
+      for (int64_t half = kDotVecs / 2; half > 0; half /= 2) {
+        for (int64_t v = 0; v < half; ++v) acc[v] += acc[v + half];
+      }
+      float sum = 0.0f;
+      for (int64_t l = 0; l < kLanes; ++l) sum += acc[0][l];
+      for (int64_t i = whole; i < k; ++i) sum = std::fma(xr[i], Widen(wj[i]), sum);
+      y[r * n + j] = sum;
     }
+  }
+}
+
+// A weight's float32 or bfloat16 elements, or nullptr where it is of another type.
+template <typename W>
+const W* WeightData(const ffi::AnyBuffer& w);
+template <>
+const float* WeightData<float>(const ffi::AnyBuffer& w) {
+  return w.element_type() == ffi::F32 ? static_cast<const float*>(w.untyped_data()) : nullptr;
+}
+template <>
+const uint16_t* WeightData<uint16_t>(const ffi::AnyBuffer& w) {
+  return w.element_type() == ffi::BF16 ? static_cast<const uint16_t*>(w.untyped_data()) : nullptr;
+}
+
+// y = x[:, k0:k1] @ w[k0:k1, :] for a weight of either type (bf16: bfloat16 bits).
+void MultiplyAny(const float* x, const void* w, bool bf16, float* y, int64_t m, int64_t k, int64_t n, int64_t k0,
+                 int64_t k1) {
+  if (bf16) {
+    MultiplyRows(x, static_cast<const uint16_t*>(w), y, m, k, n, k0, k1);
+  } else {
+    MultiplyRows(x, static_cast<const float*>(w), y, m, k, n, k0, k1);
   }
 }
 
@@ -147,8 +219,9 @@ int64_t Threads(ffi::ThreadPool& pool, int64_t work_rows) {
 }
 
 // y_i = x @ w_i[layer] for every stack w_i [layers, k, n_i] given (one or more, all with the
-// same k and layer count): the products of one input (a layer's q, k and v, or its gate and
-// up) share one pass over the pool, so its threads are woken once for all of them.
+// same k and layer count, each float32 or bfloat16): the products of one input (a layer's q, k
+// and v, or its gate and up) share one pass over the pool, so its threads are woken once for
+// all of them.
 ffi::Error StackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
                          ffi::RemainingArgs stack_args, ffi::RemainingRets out_rets) {
   const auto xd = x.dimensions();
@@ -159,29 +232,36 @@ ffi::Error StackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   }
   const int64_t m = xd[0], k = xd[1];
   const int32_t l = layer.typed_data()[0];
-  // Each product: its layer of w, its output, its width, and where its partials start.
+  // Each product: its layer of w (and whether bfloat16), its output, its width, and where its
+  // partials start.
   struct Product {
-    const float* w;
+    const void* w;
+    bool bf16;
     float* y;
     int64_t n, offset;
   };
   std::vector<Product> products(count);
   int64_t total = 0;  // floats of output over all products
   for (int64_t i = 0; i < count; ++i) {
-    auto w = stack_args.get<ffi::Buffer<ffi::F32>>(i);
+    auto w = stack_args.get<ffi::AnyBuffer>(i);
     auto y = out_rets.get<ffi::Buffer<ffi::F32>>(i);
-    if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("jfire_stacked_matmul: float32 only");
+    if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("jfire_stacked_matmul: bad operands");
+    const bool bf16 = WeightData<uint16_t>(*w) != nullptr;
+    if (!bf16 && WeightData<float>(*w) == nullptr) {
+      return ffi::Error::InvalidArgument("jfire_stacked_matmul: a stack is neither float32 nor bfloat16");
+    }
     const auto wd = w->dimensions();
     if (wd.size() != 3 || wd[1] != k) return ffi::Error::InvalidArgument("jfire_stacked_matmul: a stack is not [layers, k, n]");
     if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("jfire_stacked_matmul: layer index out of range");
     const int64_t n = wd[2];
-    products[i] = {w->typed_data() + static_cast<int64_t>(l) * k * n, (*y)->typed_data(), n, total};
+    const int64_t at = static_cast<int64_t>(l) * k * n * (bf16 ? 2 : 4);  // bytes to the layer
+    products[i] = {static_cast<const char*>(w->untyped_data()) + at, bf16, (*y)->typed_data(), n, total};
     total += m * n;
   }
   const float* xp = x.typed_data();
   const int64_t chunks = Threads(pool, k);
   if (chunks == 1) {
-    for (const Product& p : products) MultiplyRows(xp, p.w, p.y, m, k, p.n, 0, k);
+    for (const Product& p : products) MultiplyAny(xp, p.w, p.bf16, p.y, m, k, p.n, 0, k);
     return ffi::Error::Success();
   }
   // Chunks split k, so each reads whole rows of every w; chunk 0 sums into the outputs, the
@@ -194,7 +274,7 @@ ffi::Error StackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
     const int64_t k0 = c * per, k1 = std::max(k0, std::min(k, k0 + per));
     for (int64_t i = 0; i < count; ++i) {
       const Product& p = ps[i];
-      MultiplyRows(xp, p.w, c == 0 ? p.y : parts + (c - 1) * total + p.offset, m, k, p.n, k0, k1);
+      MultiplyAny(xp, p.w, p.bf16, c == 0 ? p.y : parts + (c - 1) * total + p.offset, m, k, p.n, k0, k1);
     }
   });
   for (const Product& p : products) {
@@ -206,21 +286,26 @@ ffi::Error StackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   return ffi::Error::Success();
 }
 
-ffi::Error MatmulNT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                    ffi::ResultBuffer<ffi::F32> y) {
+ffi::Error MatmulNT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1]) {
     return ffi::Error::InvalidArgument("jfire_matmul_nt takes x [m, k] and w [n, k]");
   }
+  const float* w32 = WeightData<float>(w);
+  const uint16_t* w16 = WeightData<uint16_t>(w);
+  if (w32 == nullptr && w16 == nullptr) return ffi::Error::InvalidArgument("jfire_matmul_nt: w is neither float32 nor bfloat16");
   const int64_t m = xd[0], k = xd[1], n = wd[0];
   const float* xp = x.typed_data();
-  const float* wp = w.typed_data();
   float* yp = y->typed_data();
   const int64_t chunks = Threads(pool, n);
   const int64_t per = (n + chunks - 1) / chunks;
   RunChunks(pool, chunks, [=](int64_t c) {
-    const int64_t n0 = c * per, n1 = std::min(n, n0 + per);
-    DotRows(xp, wp, yp, m, k, n, n0, std::max(n0, n1));
+    const int64_t n0 = c * per, n1 = std::max(n0, std::min(n, n0 + per));
+    if (w16 != nullptr) {
+      DotRows(xp, w16, yp, m, k, n, n0, n1);
+    } else {
+      DotRows(xp, w32, yp, m, k, n, n0, n1);
+    }
   });
   return ffi::Error::Success();
 }
@@ -239,5 +324,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jfire_matmul_nt, MatmulNT,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,5 +1,7 @@
-"""Float32 matrix products for XLA:CPU that read the weights where they lie (`cpu_matmul.cc`),
-and the build of jfire's CPU kernels (these and `cpu_attention.cc`) into one library.
+"""Matrix products for XLA:CPU that read the weights where they lie (`cpu_matmul.cc`): float32
+in and out, weights in float32 or bfloat16 (widened in registers; the same bits as float32 on
+the widened weight, from half the bytes). And the build of jfire's CPU kernels (these and
+`cpu_attention.cc`) into one library.
 
 Why: the models keep each run of layers as one stacked array and scan over it. Inside the
 scan XLA:CPU copies every layer's weight slice out of the stack before its dot, and at decode
@@ -206,9 +208,18 @@ def target(name: str) -> str:
     return name + _LIBRARY.value
 
 
-def applies(rows: int, *arrays, max_rows: int = MAX_ROWS) -> bool:
-    """Whether a product of `rows` rows over these arrays runs on the kernels."""
-    return in_place_enabled() and rows <= max_rows and all(a.dtype == jnp.float32 for a in arrays) and ready()
+WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16)  # what the kernels read; inputs and outputs are float32
+
+
+def applies(rows: int, x, *weights, max_rows: int = MAX_ROWS) -> bool:
+    """Whether a product of `rows` rows of x by these weights runs on the kernels."""
+    return (
+        in_place_enabled()
+        and rows <= max_rows
+        and x.dtype == jnp.float32
+        and all(w.dtype in WEIGHT_DTYPES for w in weights)
+        and ready()
+    )
 
 
 def stacked_matmul(x: jax.Array, stack: jax.Array, layer) -> jax.Array:

@@ -67,6 +67,27 @@ def test_matmul_nt_is_x_times_w_transposed(m, k, n, kernel_build):
     within_float32_rounding(got.reshape(-1, n), x.reshape(-1, k), w.T)
 
 
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_bfloat16_weights_give_the_float32_kernels_bits_on_the_widened_weights(m, k, n, kernel_build):
+    """A bfloat16 weight (stack or head) is widened exactly and summed in the float32 order:
+    the product equals the float32 kernel's on the same values held as float32, bit for bit,
+    in one call with float32 stacks beside it too."""
+    rng = np.random.default_rng(m * 7 + n)
+    stack16 = jnp.asarray(rng.standard_normal((2, k, n), dtype=np.float32), jnp.bfloat16)
+    stack32 = stack16.astype(jnp.float32)
+    other = rng.standard_normal((2, k, 40), dtype=np.float32)
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    grouped = jax.jit(cpu_matmul.stacked_matmuls)
+    for layer in range(2):
+        got16, got_other = grouped(x, [stack16, other], jnp.int32(layer))
+        want32, want_other = grouped(x, [stack32, other], jnp.int32(layer))
+        np.testing.assert_array_equal(np.asarray(got16), np.asarray(want32))
+        np.testing.assert_array_equal(np.asarray(got_other), np.asarray(want_other))
+    head16 = jnp.asarray(rng.standard_normal((n, k), dtype=np.float32), jnp.bfloat16)
+    nt = jax.jit(cpu_matmul.matmul_nt)
+    np.testing.assert_array_equal(np.asarray(nt(x, head16)), np.asarray(nt(x, head16.astype(jnp.float32))))
+
+
 def test_stacked_matmul_inside_a_layer_scan(kernel_build):
     """A scan over 6 layers that multiplies by each layer's weight from the whole stack gives
     the layer-by-layer float64 products."""
