@@ -323,7 +323,7 @@ class CompiledPrograms:
         return (shape[1:] in self._decode) if shape[0] == "decode" else (shape[1:] in self._prefill)
 
     def _compile(self, shape: tuple) -> None:
-        exe = compile_cache.program(*self._program(shape), self._devices, self.compiler_options)
+        exe = compile_cache.program(*self.program(shape), self._devices, self.compiler_options)
         if shape[0] == "decode":
             self._decode = {**self._decode, shape[1:]: exe}
         else:
@@ -331,10 +331,11 @@ class CompiledPrograms:
 
     def is_stored(self, shape: tuple) -> bool:
         """Whether an earlier start stored this bucket's program (loading it is cheap)."""
-        return compile_cache.is_stored(*self._program(shape), self._devices, self.compiler_options)
+        return compile_cache.is_stored(*self.program(shape), self._devices, self.compiler_options)
 
-    def _program(self, shape: tuple) -> tuple:
-        """(jitted function, abstract arguments, static arguments) of a bucket."""
+    def program(self, shape: tuple) -> tuple:
+        """(jitted function, abstract arguments, static arguments) of a bucket: what `_compile`
+        compiles, and what tests/test_cuda_export.py lowers for CUDA on a CPU-only machine."""
         i32 = jnp.int32
         s = functools.partial(jax.ShapeDtypeStruct, sharding=self._input_sharding)
         w = self.buckets.pages_per_row
