@@ -424,6 +424,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="estimate the programs' workspace with a stated formula instead of compiling them on XLA:CPU (faster)",
     )
+    pl.add_argument(
+        "--usd-per-device-hour",
+        type=float,
+        default=None,
+        help="what one device costs an hour, for the cost per million output tokens on paper (default: 2.0)",
+    )
     pl.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     return parser
 
@@ -806,6 +812,7 @@ def cmd_plan(args) -> int:
         compile=not args.no_compile,
         device_memory_gib=args.device_memory_gib,
         limits=plan.Limits(max_batch=args.max_batch, prefill_budget=args.prefill_budget, max_context=args.max_context),
+        usd_per_device_hour=args.usd_per_device_hour,
     )
     print(json.dumps(result) if args.json else plan.format_plan(result))
     return 0 if result["fits"] else 1

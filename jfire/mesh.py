@@ -18,6 +18,9 @@ A mesh file:
     [device]              # optional: what each device is, for `jfire plan`
     kind = "H200"
     memory_gib = 140.0    # usable memory per device, as the driver reports it
+    memory_tb_per_s = 4.8 # optional, spec-sheet peaks for the plan's throughput on paper:
+    bf16_tflops = 989.0   # memory bandwidth (1e12 B/s), dense bf16 (1e12 FLOP/s) and the
+    link_gb_per_s = 450.0 # device-to-device link, one direction (1e9 B/s)
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from jfire.models.family import Family, MeshShape
 
 AXES = ("dp", "pp", "tp", "ep")
 MESHES_DIR = Path(__file__).resolve().parents[1] / "meshes"
+# The [device] table's spec-sheet peaks (MeshSpec.device_<key>), beside kind and memory_gib.
+DEVICE_PEAKS = ("memory_tb_per_s", "bf16_tflops", "link_gb_per_s")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +53,10 @@ class MeshSpec:
     devices_per_host: int | None = None
     device_kind: str | None = None  # [device] kind, e.g. "H200" (named in plans)
     device_memory_gib: float | None = None  # [device] memory_gib: usable memory of one device
+    # [device] spec-sheet peaks of one device, for the plan's throughput on paper (jfire/throughput.py)
+    device_memory_tb_per_s: float | None = None
+    device_bf16_tflops: float | None = None
+    device_link_gb_per_s: float | None = None
 
     def __post_init__(self):
         for axis in AXES:
@@ -66,6 +75,10 @@ class MeshSpec:
             raise JfireError(
                 f"mesh {self.name!r}: [device] memory_gib must be a positive number of GiB, got {memory!r}"
             )
+        for key in DEVICE_PEAKS:
+            value = getattr(self, f"device_{key}")
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+                raise JfireError(f"mesh {self.name!r}: [device] {key} must be a positive number, got {value!r}")
         if self.device_kind is not None and not isinstance(self.device_kind, str):
             raise JfireError(
                 f'mesh {self.name!r}: [device] kind must be a string like "H200", got {self.device_kind!r}'
@@ -99,10 +112,10 @@ class MeshSpec:
             raise JfireError(f"mesh file {path}: unknown axes {sorted(unknown)}; axes are {', '.join(AXES)}")
         hosts = doc.get("hosts", {})
         device = doc.get("device", {})
-        if not isinstance(device, dict) or set(device) - {"kind", "memory_gib"}:
+        if not isinstance(device, dict) or set(device) - {"kind", "memory_gib", *DEVICE_PEAKS}:
             raise JfireError(
-                f'mesh file {path}: [device] takes kind (e.g. "H200") and memory_gib (e.g. 140.0), '
-                f"got {sorted(device) if isinstance(device, dict) else device!r}"
+                f'mesh file {path}: [device] takes kind (e.g. "H200"), memory_gib (e.g. 140.0) and '
+                f"the spec-sheet peaks {', '.join(DEVICE_PEAKS)}, got {sorted(device) if isinstance(device, dict) else device!r}"
             )
         return cls(
             name=doc.get("name", Path(path).stem),
@@ -112,6 +125,9 @@ class MeshSpec:
             devices_per_host=hosts.get("devices_per_host"),
             device_kind=device.get("kind"),
             device_memory_gib=device.get("memory_gib"),
+            device_memory_tb_per_s=device.get("memory_tb_per_s"),
+            device_bf16_tflops=device.get("bf16_tflops"),
+            device_link_gb_per_s=device.get("link_gb_per_s"),
         )
 
     @classmethod

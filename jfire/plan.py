@@ -34,6 +34,12 @@ and are multiplied by expert in lax loops, one layer's local experts dequantized
 a GPU: for DeepSeek-V3 on pp=2 x tp=8 that layer, in float32 (twice its bf16 size on a GPU), is
 most of the workspace.
 
+Throughput and cost on paper (jfire/throughput.py, docs/plan.md): where the mesh file's [device]
+table gives the device's spec-sheet bandwidth and bf16 FLOP/s, the plan adds bounds on decode
+tokens/s at a few batch sizes, prefill tokens/s and TTFT at a few prompt lengths, and the cost
+per million output tokens, from the bytes each device reads and the FLOPs it does per step
+(`step_passes` counts the weights, as held above).
+
 The figures these plans come to are printed by `jfire plan`; the README shows the plans of the
 shipped meshes, kept equal to the code by its tests, and they are copied nowhere else.
 """
@@ -52,7 +58,7 @@ import numpy as np
 from jax.sharding import SingleDeviceSharding
 
 from jfire import mesh as meshes
-from jfire import sharding
+from jfire import sharding, throughput
 from jfire.checkpoint.load import DTYPES
 from jfire.errors import JfireError
 from jfire.kernels import int4_experts
@@ -282,6 +288,40 @@ def kv_values_per_layer(cfg: Family, cache_shardings: dict) -> int:
     return total
 
 
+def step_passes(cfg: Family, param_shardings: dict, dtype, pp: int) -> tuple[throughput.Pass, throughput.Pass]:
+    """What one device reads and multiplies of its weights in a step (jfire/throughput.py): the
+    part outside the pipeline, once a step (everything when pp == 1), and one stage's part,
+    once a tick. Each param's shard in its own dtype, as `weight_bytes` counts it; the routed
+    experts (an `experts` axis, their scales too) apart, since a step reads only those its
+    tokens touch; the embedding table looked up (a row a token), not read, unless it is also
+    the LM head; the LM head multiplied by one token a row (the sampled one)."""
+    piped = {s.name for s in cfg.segments() if s.piped and pp > 1}
+    once, tick = throughput.Pass(), throughput.Pass(share=pp)
+    names = {spec.name for spec in cfg.param_specs()}
+    fields = cfg.to_dict()
+    experts, per_token = fields.get("num_experts", 0), fields.get("experts_per_token", 0)
+    for spec in cfg.param_specs():
+        if spec.name == "embed" and "lm_head" in names:
+            continue
+        part = tick if spec.name.split(".")[0] in piped else once
+        held = math.prod(get_path(param_shardings, spec.name).shard_shape(spec.shape))
+        read = held * spec_dtype(spec, dtype).itemsize
+        flops = 2 * weights_held(spec) * held / math.prod(spec.shape)
+        if "experts" in spec.axes:
+            part.expert_bytes += read
+            part.token_flops += flops * per_token / experts
+        else:
+            part.weight_bytes += read
+            if spec.name in ("lm_head", "embed"):
+                part.row_flops += flops
+            else:
+                part.token_flops += flops
+    for segment in cfg.segments():
+        part = tick if segment.name in piped else once
+        part.layers += tuple(range(segment.first, segment.first + segment.count))
+    return once, tick
+
+
 # -- the programs and their workspace ---------------------------------------------------------------
 
 
@@ -408,8 +448,10 @@ def plan(
     compile: bool = True,
     device_memory_gib: float | None = None,
     devices=None,
+    usd_per_device_hour: float | None = None,
 ) -> dict:
-    """The memory plan of `model` on `spec` as a JSON-ready dict (see `format_plan`)."""
+    """The memory plan of `model` on `spec` as a JSON-ready dict (see `format_plan`), with its
+    throughput and cost on paper where the mesh gives the device's peaks."""
     from jfire.engine import EngineConfig
     from jfire.programs import Buckets
     from jfire.request_checks import context_limit
@@ -420,6 +462,8 @@ def plan(
     engine = EngineConfig()
     max_batch = _at_least("--max-batch", limits.max_batch, engine.max_batch, 1)
     prefill_budget = _at_least("--prefill-budget", limits.prefill_budget, engine.prefill_budget, 16)
+    if usd_per_device_hour is not None and not usd_per_device_hour > 0:
+        raise JfireError(f"--usd-per-device-hour must be > 0, got {usd_per_device_hour}")
     if limits.max_context is not None and limits.max_context < 2:
         raise JfireError(f"--max-context must be >= 2 (a prompt token and a generated one), got {limits.max_context}")
     cfg = read_model_config(model)
@@ -509,6 +553,21 @@ def plan(
             "context (lower --max-context, or use a bigger mesh)"
         )
     counts = parameter_counts(cfg, DTYPES[dtype])
+    peaks = throughput.Device.of(spec)
+    speed = None
+    if peaks is not None:
+        once, tick = step_passes(wide, param_shardings, DTYPES[dtype], spec.pp)
+        speed = throughput.figures(
+            throughput.model_on_mesh(wide, once, tick, param_shardings, cache_shardings, spec, kv_device),
+            peaks,
+            devices=len(per_device),
+            kind=kind,
+            max_batch=max_batch,
+            context=max_model_len,
+            prefill_chunk=prefill_budget,
+            max_prompt=wide.to_dict()["max_position_embeddings"],
+            usd_per_device_hour=usd_per_device_hour,
+        )
     return {
         "model": str(model),
         "family": cfg.family,
@@ -594,6 +653,7 @@ def plan(
         "fits": not problems,
         "problems": problems,
         "per_device": per_device,
+        "throughput": speed,
     }
 
 
@@ -645,6 +705,51 @@ def _quantized_line(p: dict) -> str:
     if not parts:
         return ""
     return f", except {' and '.join(parts)} and their scales ({_gib(p['scale_bytes'])}: bytes, not parameters)"
+
+
+def _throughput_lines(p: dict) -> list[str]:
+    """The plan's throughput and cost on paper, in a few lines (jfire/throughput.py)."""
+    t = p.get("throughput")
+    if t is None:
+        return ["throughput  not on paper: the mesh file's [device] table gives no memory_tb_per_s and bf16_tflops"]
+    a = t["assumptions"]
+    link = f", link {a['link_bytes_per_s'] / 1e9:g} GB/s" if a["link_bytes_per_s"] else ""
+    head = (
+        f"throughput  bounds on paper (docs/plan.md): {a['device'] or 'a device'} at "
+        f"{a['memory_bytes_per_s'] / 1e12:g} TB/s, {a['bf16_flops_per_s'] / 1e12:g} bf16 TFLOP/s{link}; "
+        f"{a['devices_reading_at_once']} devices read at once"
+    )
+    if a["pipeline_ticks"]:
+        head += (
+            f" per stage, a step of b rows in m + {p['mesh']['pp'] - 1} ticks of b/m "
+            f"(m micro-batches, at most {p['mesh']['microbatches']})"
+        )
+    usd = t["usd_per_million_output_tokens"]
+    price = f"${a['usd_per_device_hour']:g} per device-hour" + (
+        ", the default: --usd-per-device-hour" if a["usd_per_device_hour_source"] == "default" else ""
+    )
+    lines = [
+        head,
+        f"decode      tok/s ($ per M output tokens at {price}), rows {a['kv_context_tokens']:,} tokens deep: "
+        + ", ".join(f"batch {b}: {n:,.0f} (${usd[b]:.2f})" for b, n in t["decode_tokens_per_s"].items()),
+    ]
+    if t["ttft_s"]:
+        lines.append(
+            f"prefill     TTFT, one prompt in {a['prefill_chunk_tokens']}-token chunks, FLOPs at "
+            f"{a['efficiency']['prefill_flops']:.0%} of peak: "
+            + ", ".join(
+                f"{int(n):,} tokens {s:.3g} s ({t['prefill_tokens_per_s'][n]:,.0f} tok/s)"
+                for n, s in t["ttft_s"].items()
+            )
+        )
+    if a["experts_touched_per_layer"]:
+        lines.append(
+            f"experts     touched per layer, of {a['experts']} (top-{a['experts_per_token']})"
+            + (", a micro-batch's rows at a time" if a["pipeline_ticks"] else "")
+            + ": "
+            + ", ".join(f"{n:.1f} at batch {b}" for b, n in a["experts_touched_per_layer"].items())
+        )
+    return lines
 
 
 def format_plan(p: dict) -> str:
@@ -704,4 +809,4 @@ def format_plan(p: dict) -> str:
         )
     else:
         lines.append("fits        no: " + "; ".join(p["problems"]))
-    return "\n".join(lines)
+    return "\n".join(lines + _throughput_lines(p))
