@@ -134,7 +134,7 @@ def model_identity(engine) -> bytes:
         "config": model.config.to_dict(),
         "dtype": str(model.dtype),
         "kv_replication": model.kv_replication,
-        "page": [(layout.wire_shape(c), str(np.dtype(model.dtype_of_params))) for c in layout.arrays],
+        "page": [(layout.wire_shape(c), str(np.dtype(model.kv_dtype))) for c in layout.arrays],
     }
     h = hashlib.blake2b(json.dumps(described, sort_keys=True, default=str).encode(), digest_size=16)
     leaves = jax.tree.leaves(model.params)
@@ -160,7 +160,7 @@ class HostTier(KVConnector):
         self.arrays_per_page = len(layout.arrays)
         self.gather = transfer_programs(engine, layout, "gather")
         self.insert = transfer_programs(engine, layout, "insert")
-        self.page_arrays = [(layout.wire_shape(c), np.dtype(engine.model.dtype_of_params)) for c in layout.arrays]
+        self.page_arrays = [(layout.wire_shape(c), np.dtype(engine.model.kv_dtype)) for c in layout.arrays]
         self.cache = ModelBlocks(self.store, model_identity(engine))
         engine.pool.on_evict = self._evicted
 

@@ -37,18 +37,17 @@ MODEL_CALLS = ("prefill", "decode", "penalty")  # the calls every runner has
 
 
 def uses_cpu_kernels(model: LoadedModel, wanted: bool) -> bool:
-    """The CPU kernels that read weights and pages in place apply: one float32 CPU device
-    (jfire.kernels.cpu_matmul, cpu_attention)."""
-    if not wanted or model.mesh is not None or model.dtype_of_params != jnp.float32:
+    """The CPU kernels that read weights and pages in place apply: one CPU device computing in
+    float32, with float32 or bfloat16 weights (jfire.kernels.cpu_matmul, cpu_attention)."""
+    if not wanted or model.mesh is not None or model.kv_dtype != jnp.float32:
         return False
-    device = next(iter(jax.tree.leaves(model.params)[0].devices()))
-    return device.platform == "cpu" and cpu_matmul.available()
+    return model.platform == "cpu" and cpu_matmul.available()
 
 
 def pool_size(model: LoadedModel, config, max_model_len: int) -> int:
     """How many KV pages the engine's pool has: `num_pages`, else as many as `kv_cache_bytes`
     holds on the device holding the most of a page."""
-    cfg, dtype, mesh = model.config, model.dtype_of_params, model.mesh
+    cfg, dtype, mesh = model.config, model.kv_dtype, model.mesh
     cache_shardings = sharding.cache_shardings(cfg, mesh) if mesh is not None else None
     per_page = page_bytes(cfg, config.page_size, dtype)
     if cache_shardings is not None:
@@ -74,7 +73,7 @@ class ModelRunner:
         mesh = model.mesh
         self.num_pages = pool_size(model, config, max_model_len)
         cache_shardings = sharding.cache_shardings(self.cfg, mesh) if mesh is not None else None
-        self.pages = init_pages(self.cfg, self.num_pages, config.page_size, model.dtype_of_params, cache_shardings)
+        self.pages = init_pages(self.cfg, self.num_pages, config.page_size, model.kv_dtype, cache_shardings)
         layer_stack = (
             Pipeline(mesh, model.mesh_spec.num_microbatches) if mesh is not None and mesh.shape["pp"] > 1 else None
         )

@@ -36,6 +36,24 @@ class LoadedModel:
         return DTYPES[self.dtype]
 
     @property
+    def kv_dtype(self):
+        """The dtype of the activations and the KV cache: the weights', except bfloat16 weights
+        on one CPU device, which compute in float32. A CPU has no fast bfloat16 arithmetic, and
+        decode there is bound by the bytes of weight it reads: the matmul kernels widen bfloat16
+        weights in registers (jfire.kernels.cpu_matmul), so half the bytes are read and nothing
+        is rounded to bfloat16 but the weights themselves (llama.cpp runs BF16 weights the same
+        way). The embedding's rows are widened as they are looked up (the models' `decoder`)."""
+        dtype = self.dtype_of_params
+        if dtype == jax.numpy.bfloat16 and self.mesh is None and self.platform == "cpu":
+            return jax.numpy.float32
+        return dtype
+
+    @property
+    def platform(self) -> str:
+        """Where the params live: "cpu", "gpu", "tpu"."""
+        return next(iter(jax.tree.leaves(self.params)[0].devices())).platform
+
+    @property
     def parallel(self) -> Parallel | None:
         """The mesh for blocks that place their own collectives (expert dispatch)."""
         if self.mesh is None or (self.mesh.shape["ep"] == 1 and self.mesh.shape["tp"] == 1):

@@ -268,7 +268,7 @@ class TransferPrograms:
 def kv_layout(engine) -> KVLayout:
     """The layout of an engine's cache pages on the wire."""
     model = engine.model
-    return KVLayout(model.config, model.kv_replication, engine.config.page_size, model.dtype_of_params, model.mesh)
+    return KVLayout(model.config, model.kv_replication, engine.config.page_size, model.kv_dtype, model.mesh)
 
 
 def transfer_programs(engine, layout: KVLayout, kind: str) -> TransferPrograms:

@@ -342,7 +342,7 @@ def run(
                 "page_size": engine.pool.page_size,
                 "shares_prefixes": shared is not None,
                 "cache_blocks": engine.pool.num_pages
-                + host_tier_bytes // page_bytes(loaded.config, config.page_size, loaded.dtype_of_params),
+                + host_tier_bytes // page_bytes(loaded.config, config.page_size, loaded.kv_dtype),
                 "processes": len(members),
                 "kv_layout": blocks.describe(connector.layout),
                 "startup_s": engine.startup_s,

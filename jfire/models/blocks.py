@@ -298,7 +298,10 @@ class PreNormFamily(Family):
     def decoder(
         self, params, tokens, positions, pages, page_table, *, attention_impl=None, layer_stack=None, parallel=None
     ):
-        x = params["embed"][tokens]  # [b, t, e]
+        # [b, t, e], in the cache's dtype: bfloat16 rows widen to float32 beside bfloat16
+        # weights on the CPU (jfire.checkpoint.load.LoadedModel.kv_dtype), and stay as they are
+        # where the cache has the weights' dtype.
+        x = params["embed"][tokens].astype(jax.tree.leaves(pages)[0].dtype)
         x, pages = run_segments(
             self,
             params,
