@@ -131,23 +131,24 @@ constexpr int64_t kBlockRows = 6, kBlockVecs = 2;
 #endif
 constexpr int64_t kBlockCols = kLanes * kBlockVecs;
 
-// y[0:R, 0:kBlockCols] = x[0:R, k0:k1] @ w[k0:k1, 0:kBlockCols], the accumulators held in
-// registers: per row of w, kBlockVecs loads feed R * kBlockVecs fused multiply-adds (the
-// few-rows form reloads its accumulators for every row of w, which bounds it at 8-64 rows).
-template <int64_t R, typename W>
-void Block(const float* __restrict x, int64_t k, const W* __restrict w, int64_t n, float* __restrict y,
-           int64_t k0, int64_t k1) {
+// y[0:R, 0:kBlockCols] = x[0:R, k0:k1] @ w[0:k1-k0, 0:kBlockCols] (w: rows k0..k1 of a strip,
+// ldw floats apart; y: ldy apart), the accumulators held in registers: per row of w,
+// kBlockVecs loads feed R * kBlockVecs fused multiply-adds (the few-rows form reloads its
+// accumulators for every row of w, which bounds it at 8-64 rows).
+template <int64_t R>
+void Block(const float* __restrict x, int64_t k, const float* __restrict w, int64_t ldw, float* __restrict y,
+           int64_t ldy, int64_t k0, int64_t k1) {
   Vec acc[R][kBlockVecs] = {};
   for (int64_t kk = k0; kk < k1; ++kk) {
     Vec wv[kBlockVecs];
-    for (int64_t c = 0; c < kBlockVecs; ++c) wv[c] = LoadVec(w + kk * n + c * kLanes);
+    for (int64_t c = 0; c < kBlockVecs; ++c) wv[c] = LoadVec(w + (kk - k0) * ldw + c * kLanes);
     for (int64_t r = 0; r < R; ++r) {
       const float a = x[r * k + kk];
       for (int64_t c = 0; c < kBlockVecs; ++c) acc[r][c] += a * wv[c];
     }
   }
   for (int64_t r = 0; r < R; ++r)
-    for (int64_t c = 0; c < kBlockVecs; ++c) std::memcpy(y + r * n + c * kLanes, &acc[r][c], sizeof(Vec));
+    for (int64_t c = 0; c < kBlockVecs; ++c) std::memcpy(y + r * ldy + c * kLanes, &acc[r][c], sizeof(Vec));
 }
 
 // y = x[:, k0:k1] @ w[k0:k1, :] for x [m, k], w [k, n]. One or two rows stream w with the
@@ -161,21 +162,41 @@ void MultiplyRows(const float* __restrict x, const W* __restrict w, float* __res
     AccumulateRows(x, w, y, m, k, n, k0, k1, 0, n);
     return;
   }
+  // A bfloat16 strip is widened once into this thread's buffer, which every row block then
+  // reads as float32: widened in the blocks, each value was widened once per row block (4
+  // times at 16 rows), which made 16 rows a third slower than float32.
+  thread_local std::vector<float> widened;
+  if constexpr (sizeof(W) != sizeof(float)) widened.resize((k1 - k0) * kBlockCols);
   // Column strips outside, row blocks inside: a strip of w (k1 - k0 rows of kBlockCols floats)
   // is read from memory once and stays in cache for the row blocks after the first; with the
   // rows outside, every row block streamed the whole of w from memory again.
   for (int64_t c0 = 0; c0 < block_cols; c0 += kBlockCols) {
+    const float* strip;
+    int64_t ldw;
+    if constexpr (sizeof(W) == sizeof(float)) {
+      strip = w + k0 * n + c0;
+      ldw = n;
+    } else {
+      for (int64_t kk = k0; kk < k1; ++kk) {
+        for (int64_t c = 0; c < kBlockVecs; ++c) {
+          const Vec v = LoadVec(w + kk * n + c0 + c * kLanes);
+          std::memcpy(widened.data() + (kk - k0) * kBlockCols + c * kLanes, &v, sizeof v);
+        }
+      }
+      strip = widened.data();
+      ldw = kBlockCols;
+    }
     for (int64_t r0 = 0; r0 < m; r0 += kBlockRows) {
       const float* xr = x + r0 * k;
       float* yr = y + r0 * n + c0;
       switch (std::min(kBlockRows, m - r0)) {
-        case 1: Block<1, W>(xr, k, w + c0, n, yr, k0, k1); break;
-        case 2: Block<2, W>(xr, k, w + c0, n, yr, k0, k1); break;
-        case 3: Block<3, W>(xr, k, w + c0, n, yr, k0, k1); break;
-        case 4: Block<4, W>(xr, k, w + c0, n, yr, k0, k1); break;
+        case 1: Block<1>(xr, k, strip, ldw, yr, n, k0, k1); break;
+        case 2: Block<2>(xr, k, strip, ldw, yr, n, k0, k1); break;
+        case 3: Block<3>(xr, k, strip, ldw, yr, n, k0, k1); break;
+        case 4: Block<4>(xr, k, strip, ldw, yr, n, k0, k1); break;
 #if !defined(__AVX512F__)
-        case 5: Block<5, W>(xr, k, w + c0, n, yr, k0, k1); break;
-        case 6: Block<6, W>(xr, k, w + c0, n, yr, k0, k1); break;
+        case 5: Block<5>(xr, k, strip, ldw, yr, n, k0, k1); break;
+        case 6: Block<6>(xr, k, strip, ldw, yr, n, k0, k1); break;
 #endif
       }
     }
