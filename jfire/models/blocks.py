@@ -236,7 +236,8 @@ def lm_head(x: jax.Array, params: dict, tied: bool) -> jax.Array:
         if tied:
             from jfire.kernels import cpu_matmul
 
-            if cpu_matmul.applies(math.prod(x.shape[:-1]), x, params["embed"], max_rows=cpu_matmul.HEAD_MAX_ROWS):
+            embed = params["embed"]
+            if cpu_matmul.applies(math.prod(x.shape[:-1]), x, embed, max_rows=cpu_matmul.head_max_rows(embed)):
                 return cpu_matmul.matmul_nt(x, params["embed"])
             return jnp.einsum("...e,ve->...v", x, params["embed"], preferred_element_type=jnp.float32)
         return jnp.einsum("...e,ev->...v", x, params["lm_head"], preferred_element_type=jnp.float32)
