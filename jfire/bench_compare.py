@@ -14,6 +14,11 @@ over the rounds. A program that prints figures, not a test.
   keeps flash attention on, which prefills faster. The original Q4_1 file runs too, for
   reference: the same weight values at 1/6 of the bytes per token, its products taken with
   8-bit activations.
+- jfire bf16 and llama.cpp BF16: the same float32 values rounded to bfloat16 (`--dtype
+  bfloat16`; a BF16 GGUF written from them, `write_bf16_gguf`), half the bytes a token. jfire
+  keeps the activations and the KV cache in float32 and widens each weight in registers as it
+  reads it (docs/compression.md); llama.cpp rounds the activations to bfloat16 for its
+  products. Their greedy tokens are held to jfire bf16's.
 - transformers loads the same weights in float32 from safetensors: the parent converts the
   GGUF once (transformers' GGUF reader, outside every timed region: it parses the metadata in
   Python for many seconds, which no serving deployment pays) and `save_pretrained`s it.
@@ -55,14 +60,40 @@ import numpy as np
 
 PROMPT_LEN, DECODE_TOKENS, CONC, CONC_PROMPT, CONC_TOKENS = 512, 128, 16, 128, 128
 SLOT_CTX = 1024  # llama-server splits --ctx-size among its slots: each gets jfire's max_model_len
-ENGINES = ("jfire", "llama.cpp F32", "llama.cpp F32 flash-attn", "llama.cpp Q4_1", "transformers (safetensors)")
+ENGINES = (
+    "jfire",
+    "jfire bf16",
+    "llama.cpp F32",
+    "llama.cpp F32 flash-attn",
+    "llama.cpp BF16",
+    "llama.cpp Q4_1",
+    "transformers (safetensors)",
+)
+# Rows whose weights are the float32 values rounded to bfloat16: their greedy tokens are held to
+# jfire bf16's, their roofline is twice float32's (half the bytes a token).
+BF16_ROWS = ("jfire bf16", "llama.cpp BF16")
+# Rows that round the activations before a product (llama.cpp's Q4_1 and BF16 products): their
+# greedy tokens may differ by design.
+ROUNDED_ACTIVATIONS = {"llama.cpp Q4_1": "8-bit activations", "llama.cpp BF16": "bfloat16 activations"}
 FIRST_TOKEN = "FIRST-TOKEN"  # the child prints this once its first request has produced a token
 
 
 def write_f32_gguf(src: Path, dst: Path) -> Path:
     """The GGUF at src with every tensor dequantized to float32, metadata unchanged (file type
     set to all-F32): the same values jfire loads from src, in a file llama.cpp reads."""
+    return _write_dequantized_gguf(src, dst, bf16=False)
+
+
+def write_bf16_gguf(src: Path, dst: Path) -> Path:
+    """The same with each matrix rounded to bfloat16 as jfire rounds it (`--dtype bfloat16`:
+    to nearest, ties to even) and the 1-D tensors (norms) kept float32, as llama.cpp's own
+    converter writes a BF16 file: the weights `jfire bf16` serves, in a file llama.cpp reads."""
+    return _write_dequantized_gguf(src, dst, bf16=True)
+
+
+def _write_dequantized_gguf(src: Path, dst: Path, bf16: bool) -> Path:
     import gguf
+    import jax.numpy as jnp
 
     reader = gguf.GGUFReader(src)
     arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
@@ -71,12 +102,19 @@ def write_f32_gguf(src: Path, dst: Path) -> Path:
         if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
             continue  # written by GGUFWriter itself
         vtype = field.types[0]
-        value = int(gguf.LlamaFileType.ALL_F32) if field.name == gguf.Keys.General.FILE_TYPE else field.contents()
+        file_type = gguf.LlamaFileType.MOSTLY_BF16 if bf16 else gguf.LlamaFileType.ALL_F32
+        value = int(file_type) if field.name == gguf.Keys.General.FILE_TYPE else field.contents()
         writer.add_key_value(
             field.name, value, vtype, sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
         )
     for t in reader.tensors:
-        writer.add_tensor(t.name, np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32))
+        values = np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+        if bf16 and values.ndim > 1:
+            rounded = np.asarray(jnp.asarray(values).astype(jnp.bfloat16))
+            # GGUF's BF16 is the 16 high bits, stored as uint16 with the tensor type named.
+            writer.add_tensor(t.name, rounded.view(np.uint16), raw_dtype=gguf.GGMLQuantizationType.BF16)
+        else:
+            writer.add_tensor(t.name, values)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -123,19 +161,18 @@ def leading_agreement(reference: list[int], tokens: list[int]) -> int:
     return n
 
 
-def computes_in_float(engine: str) -> bool:
-    """Whether the engine multiplies jfire's weight values by float activations, as jfire does
-    (llama.cpp's Q4_1 products round the activations to 8 bits first)."""
-    return "Q4_1" not in engine
+def reference_of(engine: str) -> str:
+    """The jfire row whose greedy tokens an engine's are held to: the one with its weights."""
+    return "jfire bf16" if engine in BF16_ROWS else "jfire"
 
 
 def agreement_text(engine: str, agree: int, total: int) -> str:
-    if engine == "jfire":
+    if engine in ("jfire", "jfire bf16") and reference_of(engine) == engine:
         return "(reference)"
     if agree == total:
         return f"agree {agree}/{total}"
-    if not computes_in_float(engine):
-        return f"{agree}/{total} (8-bit activations)"
+    if engine in ROUNDED_ACTIVATIONS:
+        return f"{agree}/{total} ({ROUNDED_ACTIVATIONS[engine]})"
     return f"DIFFERS at token {agree + 1}"
 
 
@@ -162,13 +199,13 @@ def write_hf_safetensors(dst: Path) -> Path:
 # -- the engines, each measured in its own process ------------------------------------------------
 
 
-def _jfire(cache_dir: str) -> dict:
+def _jfire(cache_dir: str, dtype: str) -> dict:
     from jfire.bench import run_wave
     from jfire.checkpoint.load import load_model
     from jfire.engine import Engine, EngineConfig
     from jfire.sampling import SamplingParams
 
-    model = load_model("default", "float32")
+    model = load_model("default", dtype)
     config = EngineConfig(max_batch=CONC, max_model_len=SLOT_CTX, compilation_cache_dir=cache_dir)
     with Engine(model, config) as engine:
         engine.generate([([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=1))])
@@ -341,8 +378,8 @@ def _transformers(checkpoint: str) -> dict:
 def measure_engine(engine: str, arg: str) -> dict:
     """Runs in the child: one engine's figures, with this process's peak RSS (llama.cpp: its
     server's)."""
-    if engine == "jfire":
-        out = _jfire(arg)
+    if engine.startswith("jfire"):
+        out = _jfire(arg, "bfloat16" if engine in BF16_ROWS else "float32")
     elif engine.startswith("llama.cpp"):
         out = _llama_server(arg, flash_attn=engine.endswith("flash-attn"))
     else:
@@ -397,6 +434,7 @@ def _compare(rounds: int, output: str | None, chart: str | None, engines, q4: Pa
     from jfire.checkpoint.load import load_config_and_tokenizer
 
     f32 = write_f32_gguf(q4, work / "default-f32.gguf")
+    bf16 = write_bf16_gguf(q4, work / "default-bf16.gguf")
     hf = work / "hf-safetensors"
     if any(e.startswith("transformers") for e in engines):  # once, untimed, in a process of its own
         subprocess.run([sys.executable, "-m", "jfire.bench_compare", "write-hf-safetensors", str(hf)], check=True)
@@ -405,8 +443,10 @@ def _compare(rounds: int, output: str | None, chart: str | None, engines, q4: Pa
     model_bytes = sum(4 * int(np.prod(spec.shape)) for spec in load_config_and_tokenizer("default")[0].param_specs())
     args = {
         "jfire": cache,
+        "jfire bf16": cache,
         "llama.cpp F32": str(f32),
         "llama.cpp F32 flash-attn": str(f32),
+        "llama.cpp BF16": str(bf16),
         "llama.cpp Q4_1": str(q4),
         "transformers (safetensors)": str(hf),
     }
@@ -436,10 +476,11 @@ def _compare(rounds: int, output: str | None, chart: str | None, engines, q4: Pa
         if engine == "jfire":  # the first launch compiled everything; the rest loaded the cache
             s["startup_s"] = statistics.median(x["startup_s"] for x in rs[1:]) if len(rs) > 1 else rs[0]["startup_s"]
             s["startup_cold_s"] = rs[0]["startup_s"]
-        if computes_in_float(engine):  # the Q4_1 file reads 1/6 of the float32 bytes a token
-            s["roofline_fraction"] = s["decode_tps"] / roofline
-        if "jfire" in greedy:  # the fewest leading tokens shared with jfire's, over the rounds
-            s["agree_tokens"] = min(leading_agreement(ref, g) for ref, g in zip(greedy["jfire"], greedy[engine]))
+        if "Q4_1" not in engine:  # the Q4_1 file reads 1/6 of the float32 bytes a token
+            s["roofline_fraction"] = s["decode_tps"] / (roofline * (2 if engine in BF16_ROWS else 1))
+        if reference_of(engine) in greedy:  # the fewest leading tokens shared with it, over the rounds
+            ref = greedy[reference_of(engine)]
+            s["agree_tokens"] = min(leading_agreement(a, b) for a, b in zip(ref, greedy[engine]))
         summary[engine] = s
     results = {
         "machine": _machine(),
@@ -489,13 +530,14 @@ def format_compare(results: dict) -> str:
             f"{roofline:>12}{s['conc16_tps']:>8.1f} t/s{s['peak_rss_gb']:>7.2f} GB  {agree}"
         )
     lines.append(
-        f"roofline (batch-1 decode, float32): {results['roofline_decode_tps']:.1f} tokens/s at "
-        f"{results['bandwidth_gbs']:.1f} GB/s; medians of {results['rounds']} alternating rounds; "
-        f"{results['machine']}"
+        f"roofline (batch-1 decode, float32; twice that for the bf16 rows): "
+        f"{results['roofline_decode_tps']:.1f} tokens/s at {results['bandwidth_gbs']:.1f} GB/s; "
+        f"medians of {results['rounds']} alternating rounds; {results['machine']}"
     )
     lines.append(
         f"greedy vs jfire: leading tokens of the {DECODE_TOKENS} after the {PROMPT_LEN}-token prompt equal to "
-        "jfire's (the fewest over the rounds); llama.cpp's Q4_1 products round activations to 8 bits"
+        "jfire's with the same weights (bf16 rows: jfire bf16's; the fewest over the rounds); llama.cpp's Q4_1 "
+        "and BF16 products round activations to 8 bits and to bfloat16"
     )
     if flagged:
         lines.append(f"WARNING: {', '.join(flagged)} computes with jfire's weights but its greedy tokens differ")

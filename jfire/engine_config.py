@@ -29,9 +29,10 @@ class EngineConfig:
     # Steady decoding dispatches each step before reading the previous step's ids (the ids
     # stay on the device and feed the next step): the host's work overlaps the device's.
     run_ahead: bool = True
-    # On one float32 CPU device, small products read each layer's weights where they lie in the
-    # stack, and decode attention each page's keys and values where they lie
-    # (jfire.kernels.cpu_matmul, cpu_attention), instead of XLA:CPU copying them out first.
+    # On one CPU device computing in float32 (float32 or bfloat16 weights), products read each
+    # layer's weights where they lie in the stack, and decode attention each page's keys and
+    # values where they lie (jfire.kernels.cpu_matmul, cpu_attention), instead of XLA:CPU
+    # copying them out first.
     cpu_kernels: bool = True
     # Compile with XLA's backend optimisation off (programs.QUICK_COMPILE): faster start-up,
     # slower steps. For tiny models and trying things out, not for serving a real model.

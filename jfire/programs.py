@@ -165,7 +165,7 @@ def prefill(
     prompt token after each position whose logprob is wanted (-1: none, the usual case).
     Returns (SampleOut of the next ids with the prompt's logprobs, their logits [b, v],
     penalties, pages). `cpu_matmul`: small products read the weights in place
-    (jfire.kernels.cpu_matmul; one float32 CPU device only)."""
+    (jfire.kernels.cpu_matmul; one CPU device computing in float32 only)."""
     with cpu_matmul_kernels.in_place(cpu_matmul):
         hidden, pages = cfg.decoder(
             params, tokens, positions, pages, page_table, layer_stack=layer_stack, parallel=parallel

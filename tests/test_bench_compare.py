@@ -14,7 +14,7 @@ import pytest
 
 from jfire import bench_compare as bc
 from jfire.bench import run_wave
-from jfire.bench_compare import format_compare, write_f32_gguf
+from jfire.bench_compare import format_compare, write_bf16_gguf, write_f32_gguf
 from jfire.checkpoint.default_model import default_gguf_path
 
 
@@ -33,12 +33,33 @@ def test_f32_gguf_holds_the_dequantized_weights_and_the_same_metadata(tmp_path):
     assert written.fields[gguf.Keys.General.FILE_TYPE].contents() == gguf.LlamaFileType.ALL_F32
 
 
+def test_bf16_gguf_holds_the_weights_jfire_bf16_serves(tmp_path):
+    """Each matrix of the BF16 GGUF is the float32 value rounded as `--dtype bfloat16` rounds it
+    (jnp's float32 -> bfloat16: to nearest, ties to even), bit for bit; 1-D tensors stay float32."""
+    import jax.numpy as jnp
+
+    src = default_gguf_path()
+    dst = write_bf16_gguf(src, tmp_path / "bf16.gguf")
+    original, written = gguf.GGUFReader(src), gguf.GGUFReader(dst)
+    assert written.fields[gguf.Keys.General.FILE_TYPE].contents() == gguf.LlamaFileType.MOSTLY_BF16
+    for a, b in zip(original.tensors, written.tensors, strict=True):
+        want = gguf.quants.dequantize(a.data, a.tensor_type)
+        if want.ndim == 1:
+            assert b.tensor_type == gguf.GGMLQuantizationType.F32 and np.array_equal(np.asarray(b.data), want)
+            continue
+        assert b.tensor_type == gguf.GGMLQuantizationType.BF16, b.name
+        rounded = np.asarray(jnp.asarray(want).astype(jnp.bfloat16)).view(np.uint16)
+        assert np.array_equal(np.asarray(b.data).view(np.uint16).reshape(want.shape), rounded), b.name
+
+
 def test_the_table_names_every_engine_the_roofline_and_the_agreement():
     figures = dict(startup_s=1.0, ttft_s=0.5, decode_tps=20.0, conc16_tps=90.0, peak_rss_gb=1.5,
                    roofline_fraction=0.4)
     median = {
         "jfire": {**figures, "startup_cold_s": 9.0, "agree_tokens": 128},
         "llama.cpp F32": {**figures, "agree_tokens": 128},
+        "jfire bf16": {**figures, "agree_tokens": 128},
+        "llama.cpp BF16": {**figures, "agree_tokens": 90},
         "llama.cpp Q4_1": {k: v for k, v in figures.items() if k != "roofline_fraction"} | {"agree_tokens": 37},
         "transformers (safetensors)": {**figures, "agree_tokens": 37},
     }
@@ -47,7 +68,9 @@ def test_the_table_names_every_engine_the_roofline_and_the_agreement():
     rows = {line.split("  ")[0]: line for line in text.splitlines()}
     assert "(9.0 s cold) 1.0 s" in rows["jfire"] and rows["jfire"].endswith("(reference)")
     assert rows["llama.cpp F32"].endswith("agree 128/128")
-    assert rows["llama.cpp Q4_1"].endswith("37/128 (8-bit activations)")  # differs by design: no flag
+    assert rows["jfire bf16"].endswith("(reference)")  # the bf16 rows' own reference
+    assert rows["llama.cpp BF16"].endswith("90/128 (bfloat16 activations)")  # differs by design: no flag
+    assert rows["llama.cpp Q4_1"].endswith("37/128 (8-bit activations)")
     assert "%" not in rows["llama.cpp Q4_1"]  # the float32 roofline does not bound a 4-bit file
     assert rows["transformers (safetensors)"].endswith("DIFFERS at token 38")
     assert "WARNING: transformers (safetensors) computes with jfire's weights" in text

@@ -7,8 +7,8 @@ batch-1 step of the default model (docs/performance.md). The kernel reads every 
 where it lies in the stacked cache, once, and splits the work over fixed 256-position
 segments, so a row's result does not depend on the batch it is in.
 
-It serves the layer scans of a single-device float32 CPU engine, where the CPU matmul kernels
-are on (`cpu_matmul.in_place`), for steps of a few tokens per row (decode); a prefill chunk's
+It serves the layer scans of a single-device CPU engine computing in float32, where the CPU
+matmul kernels are on (`cpu_matmul.in_place`), for steps of a few tokens per row (decode); a prefill chunk's
 attention is a batch of matrix products, which XLA's blocked GEMM does better.
 """
 

@@ -71,7 +71,7 @@ HEAD_MAX_ROWS = 4
 BF16_HEAD_MAX_ROWS = 32
 
 # Whether the models' layer scans read their weights in place (set by the programs for a
-# single-device float32 CPU engine). A jax user context: part of jit's cache key, local to the
+# single-device CPU engine computing in float32). A jax user context: part of jit's cache key, local to the
 # tracing thread.
 _IN_PLACE = jax.make_user_context(default_value=False)
 # Whose kernels a trace calls: "" for this machine's library (`available`), else the suffix of
