@@ -116,9 +116,32 @@ def _lead_or_follow(args, engine) -> int | None:
     return lockstep.follow(engine, channel)
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
+def _add_engine_args(p: argparse.ArgumentParser, *, auto: bool = False) -> None:
+    """The engine's flags; `auto`: --kv-cache-gb also takes 'auto', the default on accelerators
+    (serve and launch: jfire.device_memory)."""
     p.add_argument("--max-batch", type=int, default=None, help="most sequences decoding at once (default 64)")
-    p.add_argument("--kv-cache-gb", type=float, default=1.0, help="device memory for the paged KV cache (default 1)")
+    if auto:
+        from jfire.device_memory import kv_cache_gb
+
+        p.add_argument(
+            "--kv-cache-gb",
+            type=kv_cache_gb,
+            default=None,
+            help="device memory per device for the paged KV cache, or 'auto': the room `jfire plan` leaves "
+            "for it on these devices with these limits, refusing to start when one full context does not "
+            "fit (default: auto on accelerators, 1 on CPU devices)",
+        )
+        p.add_argument(
+            "--device-memory-gib",
+            type=float,
+            default=None,
+            help="with --kv-cache-gb auto (implies it): memory per device in GiB to plan from (default: what "
+            "JAX's allocator may use on the device; required on CPU devices, which report none)",
+        )
+    else:
+        p.add_argument(
+            "--kv-cache-gb", type=float, default=1.0, help="device memory for the paged KV cache (default 1)"
+        )
     p.add_argument(
         "--prefill-budget",
         type=int,
@@ -178,10 +201,18 @@ def engine_config(args, *, single: bool):
         raise JfireError(f"--max-context must be >= 2 (a prompt token and a generated one), got {max_context}")
     if args.prefill_budget < 16:
         raise JfireError(f"--prefill-budget must be >= 16, got {args.prefill_budget}")
-    if not args.kv_cache_gb > 0:
-        raise JfireError(f"--kv-cache-gb must be > 0, got {args.kv_cache_gb}")
+    from jfire import device_memory
+
+    gb = args.kv_cache_gb
+    if gb in (None, device_memory.AUTO):
+        # Sized once the devices are known (device_memory.size_pool); left out on CPU devices, 1 GiB.
+        kv_cache_bytes = device_memory.CPU_DEFAULT_BYTES
+    elif not gb > 0:
+        raise JfireError(f"--kv-cache-gb must be > 0, got {gb}")
+    else:
+        kv_cache_bytes = int(gb * (1 << 30))
     return EngineConfig(
-        kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)),
+        kv_cache_bytes=kv_cache_bytes,
         attention=args.attention,
         prefill_budget=args.prefill_budget,
         max_model_len=getattr(args, "max_context", None),
@@ -249,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     _add_model_args(v)
-    _add_engine_args(v)
+    _add_engine_args(v, auto=True)
     v.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0: every interface)")
     v.add_argument("--port", type=int, default=8000, help="HTTP port")
     v.add_argument(
@@ -298,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of weights and activations"
     )
-    _add_engine_args(n)
+    _add_engine_args(n, auto=True)
     n.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 on a cluster)")
     n.add_argument("--port", type=int, default=None, help="the frontend's port (default: the deployment's)")
     n.add_argument("--api-key", default=None, help="as for serve (default: $JFIRE_API_KEY)")
@@ -661,6 +692,7 @@ def cmd_serve(args) -> int:
     import dataclasses
     from concurrent.futures import ThreadPoolExecutor
 
+    from jfire import device_memory
     from jfire.checkpoint.load import load_model
     from jfire.memory import limit_malloc_arenas, trim_freed_memory_periodically
 
@@ -678,15 +710,26 @@ def cmd_serve(args) -> int:
         raise JfireError(f"--host-kv-gb must be >= 0, got {args.host_kv_gb}")
     if args.host_kv_gb and args.coordinator is not None:
         raise JfireError("--host-kv-gb serves one process; leave it out for a group spanning processes")
+    size = device_memory.PoolSize.of(args)
+    spec = _mesh_spec(args)
+
+    def load(config):
+        import jax
+
+        # The pool from the plan (--kv-cache-gb auto) before a weight is read: a model that
+        # does not fit is refused in a second, not after its load.
+        config = device_memory.size_pool(
+            config, size, model=args.model, dtype=args.dtype, spec=spec, devices=jax.devices()
+        )
+        return config, load_model(args.model, args.dtype, mesh_spec=spec, keep_compressed=args.keep_compressed)
+
     # The weights load on a thread while the server's modules import: reading the checkpoint
     # waits on its reader threads, importing runs Python; together ~0.3 s off a warm start.
     with ThreadPoolExecutor(1, thread_name_prefix="jfire-load") as pool:
-        loading = pool.submit(
-            load_model, args.model, args.dtype, mesh_spec=_mesh_spec(args), keep_compressed=args.keep_compressed
-        )
+        loading = pool.submit(load, config)
         from serve import server
 
-        model = loading.result()
+        config, model = loading.result()
     if not leads:
         from jfire.engine import Engine
 
@@ -719,6 +762,7 @@ def cmd_launch(args) -> int:
     import dataclasses
     import os
 
+    from jfire import device_memory
     from jfire.disagg import launch
     from jfire.disagg.deployment import Deployment
     from serve.server import served_name
@@ -737,9 +781,11 @@ def cmd_launch(args) -> int:
             f"--host-kv-gb serves prefill groups of one process; {', '.join(spanning)} span several: "
             "leave it out for this deployment"
         )
+    size = device_memory.PoolSize.of(args)  # each group sizes its own pool (jfire.disagg.worker)
     passed = [
         ("--host-kv-gb", args.host_kv_gb or None),
         ("--kv-cache-gb", args.kv_cache_gb),
+        ("--device-memory-gib", args.device_memory_gib),
         ("--prefill-budget", args.prefill_budget),
         ("--attention", args.attention),
         ("--max-queue", args.max_queue),
@@ -789,6 +835,7 @@ def cmd_launch(args) -> int:
         config,
         api_key,
         args.served_model_name or served_name(args.model),
+        size,
     )
 
 
@@ -833,6 +880,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         _use_cpu_devices(getattr(args, "cpu_devices", None))
+        if args.command in ("serve", "launch"):
+            # JAX's allocator, as the plan counts the device (jfire.device_memory): before
+            # anything starts JAX's backend (a look at the devices, a model's load), which reads
+            # it once; the processes a launch starts inherit it.
+            from jfire.device_memory import use_plan_allocator
+
+            use_plan_allocator()
         if args.command in ("generate", "serve"):
             _join_group(args)
         status = COMMANDS[args.command](args)

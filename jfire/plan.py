@@ -40,6 +40,10 @@ tokens/s at a few batch sizes, prefill tokens/s and TTFT at a few prompt lengths
 per million output tokens, from the bytes each device reads and the FLOPs it does per step
 (`step_passes` counts the weights, as held above).
 
+`jfire serve` and `jfire launch` size their page pool with `plan` itself (`--kv-cache-gb auto`,
+jfire/device_memory.py: the workspace estimated, the device's memory its allocator's limit) and
+refuse to start with `format_refusal`'s figures where one full context does not fit.
+
 The figures these plans come to are printed by `jfire plan`; the README shows the plans of the
 shipped meshes, kept equal to the code by its tests, and they are copied nowhere else.
 """
@@ -447,11 +451,16 @@ def plan(
     limits: Limits = Limits(),
     compile: bool = True,
     device_memory_gib: float | None = None,
+    device_memory_source: str | None = None,
     devices=None,
     usd_per_device_hour: float | None = None,
+    kv_dtype: str | None = None,
 ) -> dict:
     """The memory plan of `model` on `spec` as a JSON-ready dict (see `format_plan`), with its
-    throughput and cost on paper where the mesh gives the device's peaks."""
+    throughput and cost on paper where the mesh gives the device's peaks. `kv_dtype`: the KV
+    cache's dtype where it is not the weights' (bfloat16 weights on one CPU device keep a
+    float32 cache: `LoadedModel.kv_dtype`); `device_memory_source` names where a given
+    `device_memory_gib` came from (serve and launch: the device's allocator, jfire.device_memory)."""
     from jfire.engine import EngineConfig
     from jfire.programs import Buckets
     from jfire.request_checks import context_limit
@@ -459,6 +468,11 @@ def plan(
     if dtype not in DTYPES:
         raise JfireError(f"unknown dtype {dtype!r}; use one of: {', '.join(DTYPES)}")
     kind, memory_gib, memory_source = device_memory(spec, device_memory_gib)
+    if device_memory_source is not None and device_memory_gib is not None:
+        memory_source = device_memory_source
+    kv_dtype = kv_dtype or dtype
+    if kv_dtype not in DTYPES:
+        raise JfireError(f"unknown KV cache dtype {kv_dtype!r}; use one of: {', '.join(DTYPES)}")
     engine = EngineConfig()
     max_batch = _at_least("--max-batch", limits.max_batch, engine.max_batch, 1)
     prefill_budget = _at_least("--prefill-budget", limits.prefill_budget, engine.prefill_budget, 16)
@@ -478,7 +492,7 @@ def plan(
         order = [({a: 0 for a in meshes.AXES}, devices[0])]
 
     weights = weight_bytes(wide, param_shardings, DTYPES[dtype])
-    kv = kv_bytes_per_token(wide, cache_shardings, DTYPES[dtype])
+    kv = kv_bytes_per_token(wide, cache_shardings, DTYPES[kv_dtype])
     page_size = engine.page_size
     max_model_len = context_limit(wide, limits.max_context)
     buckets = Buckets.for_limits(
@@ -538,19 +552,19 @@ def plan(
     multiple = _pages_split(wide, cache_shardings)
     pages = capacity // page_size // multiple * multiple  # the engine takes whole multiples of the split
     per_page = (
-        sharding.page_bytes_per_device(wide, page_size, DTYPES[dtype], cache_shardings)
+        sharding.page_bytes_per_device(wide, page_size, DTYPES[kv_dtype], cache_shardings)
         if mesh is not None
         else page_size * kv_device
     )
     kv_cache_bytes = pages * per_page  # per device: what --kv-cache-gb should be
-    kv_model = cfg.kv_bytes_per_token(DTYPES[dtype])  # the cache declaration's, each layer once
+    kv_model = cfg.kv_bytes_per_token(DTYPES[kv_dtype])  # the cache declaration's, each layer once
     problems = []
     if min(d["kv_bytes_free"] for d in per_device) <= 0:
         problems.append("the weights, workspace and reserve leave no memory for the KV cache")
-    elif capacity < max_model_len:
+    elif pages * page_size < max_model_len:  # whole pages: a row takes its last page whole
         problems.append(
-            f"the KV cache holds {capacity} tokens, less than one sequence of the {max_model_len}-token "
-            "context (lower --max-context, or use a bigger mesh)"
+            f"the KV cache holds {pages * page_size} tokens ({pages} pages of {page_size}), less than one "
+            f"sequence of the {max_model_len}-token context (lower --max-context, or use a bigger mesh)"
         )
     counts = parameter_counts(cfg, DTYPES[dtype])
     peaks = throughput.Device.of(spec)
@@ -647,6 +661,8 @@ def plan(
         "page_size": page_size,
         "kv_pages": pages,
         "kv_cache_gb_per_device": math.floor(kv_cache_bytes / GIB * 100) / 100,
+        "kv_cache_bytes_per_device": kv_cache_bytes,
+        "kv_dtype": kv_dtype,
         "max_context": max_model_len,
         "max_batch": max_batch,
         "prefill_budget": prefill_budget,
@@ -752,6 +768,51 @@ def _throughput_lines(p: dict) -> list[str]:
     return lines
 
 
+def _tightest(p: dict) -> dict:
+    """The device with the least room for the KV cache."""
+    return min(p["per_device"], key=lambda d: d["kv_bytes_free"])
+
+
+def _memory_sum(p: dict, d: dict) -> str:
+    """Device d's memory, less what the plan takes from it, in words and figures."""
+    return (
+        f"device memory {_gib(d['memory_bytes'])} (from {p['device_memory_source']}) - weights "
+        f"{_gib(d['weight_bytes'])} - workspace {_gib(d['workspace_bytes'])} ({p['workspace_source']}: "
+        f"--max-batch {p['max_batch']}, --prefill-budget {p['prefill_budget']}) - reserve "
+        f"{_gib(d['reserve_bytes'])} leaves {_gib(d['kv_bytes_free'])} for the KV cache"
+    )
+
+
+def format_pool(p: dict) -> str:
+    """The pool a plan that fits gives an engine, in one line (serve and launch with
+    `--kv-cache-gb auto` print it at start-up)."""
+    d = _tightest(p)
+    return (
+        f"{p['kv_pages']:,} KV pages of {p['page_size']} tokens, {_gib(p['kv_cache_bytes_per_device'])} per "
+        f"device ({p['kv_pages'] * p['page_size'] / p['max_context']:.1f} contexts of {p['max_context']:,}): "
+        + _memory_sum(p, d)
+    )
+
+
+def format_refusal(p: dict) -> str:
+    """Why a plan does not fit, as one paragraph with its figures, for the device with the least
+    room: what `jfire serve` and `launch` say when `--kv-cache-gb auto` refuses to start."""
+    d = _tightest(p)
+    where = (
+        f"device {d['index']} of the {p['devices']} of mesh {p['mesh']['name']!r}" if p["devices"] > 1 else "one device"
+    )
+    context = -(-p["max_context"] // p["page_size"]) * p["page_size"]  # a row's pages are whole
+    return (
+        f"{p['model']} ({p['dtype']}) does not fit {where} with room for one full context: "
+        + _memory_sum(p, d)
+        + f", and one {p['max_context']:,}-token context needs {_gib(context * d['kv_bytes_per_token'])} "
+        f"({_kib(d['kv_bytes_per_token'])} a token). Lower --max-context, --max-batch or --prefill-budget, "
+        + ("load the weights in bfloat16 (--dtype), " if p["dtype"] != "bfloat16" else "")
+        + "spread the model over more devices (--mesh), or state the devices' memory with --device-memory-gib "
+        "if they have more (jfire plan --no-compile prints the same figures)"
+    )
+
+
 def format_plan(p: dict) -> str:
     mesh = p["mesh"]
     axes = " ".join(f"{a}={mesh[a]}" for a in ("dp", "pp", "tp", "ep"))
@@ -802,10 +863,9 @@ def format_plan(p: dict) -> str:
             f"({p['kv_pages']:,} pages of {p['page_size']}); limits: --max-batch {p['max_batch']} "
             f"--prefill-budget {p['prefill_budget']} --max-context {p['max_context']}"
         )
-        usable = (p["device_memory_bytes"] - p["reserve_bytes_per_device"]) / p["device_memory_bytes"]
         lines.append(
-            f"            (JAX preallocates 75% of a GPU by default: let it use more, e.g. "
-            f"XLA_PYTHON_CLIENT_MEM_FRACTION={math.floor(usable * 100) / 100:g})"
+            "            (on a GPU, serve and launch default to --kv-cache-gb auto: this arithmetic at start-up, "
+            "the workspace estimated as by --no-compile; docs/plan.md)"
         )
     else:
         lines.append("fits        no: " + "; ".join(p["problems"]))

@@ -20,6 +20,12 @@ from jfire.models.family import Family, Parallel
 from jfire.tokenizer import Tokenizer
 
 
+def kv_dtype_of(dtype: str, *, mesh_size: int, platform: str) -> str:
+    """The dtype of the activations and KV cache for weights of `dtype` on `mesh_size` devices
+    of `platform` (`LoadedModel.kv_dtype`; the plan asks it before a model is loaded)."""
+    return "float32" if dtype == "bfloat16" and mesh_size == 1 and platform == "cpu" else dtype
+
+
 @dataclasses.dataclass
 class LoadedModel:
     config: Family
@@ -43,10 +49,8 @@ class LoadedModel:
         weights in registers (jfire.kernels.cpu_matmul), so half the bytes are read and nothing
         is rounded to bfloat16 but the weights themselves (llama.cpp runs BF16 weights the same
         way). The embedding's rows are widened as they are looked up (the models' `decoder`)."""
-        dtype = self.dtype_of_params
-        if dtype == jax.numpy.bfloat16 and self.mesh is None and self.platform == "cpu":
-            return jax.numpy.float32
-        return dtype
+        mesh_size = 1 if self.mesh is None else self.mesh.size
+        return DTYPES[kv_dtype_of(self.dtype, mesh_size=mesh_size, platform=self.platform)]
 
     @property
     def platform(self) -> str:

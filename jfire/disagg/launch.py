@@ -291,8 +291,10 @@ def run_one(
     engine_config,
     api_key: str | None,
     served_name: str,
+    pool_size=None,
 ) -> int:
-    """Runs one process of the deployment in this process."""
+    """Runs one process of the deployment in this process. `pool_size`: how a group sizes its
+    page pool (a jfire.device_memory.PoolSize; None: as `engine_config` says)."""
     from jfire.memory import limit_malloc_arenas, trim_freed_memory_periodically
 
     limit_malloc_arenas()  # before the threads that allocate start (jfire/memory.py)
@@ -315,6 +317,7 @@ def run_one(
             advertise_host=advertise,
             config=engine_config,
             host_kv_bytes=options.host_kv_bytes,
+            pool_size=pool_size,
         )
     sys.stderr.flush()
     # Skip interpreter teardown: the coordinator client's own shutdown would wait on peers, and

@@ -30,6 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jfire import lockstep
+from jfire.device_memory import PoolSize, size_pool
 from jfire.disagg import blocks, cluster, prefix_store
 from jfire.disagg.connectors import DecodeConnector, PrefillConnector
 from jfire.disagg.deployment import Deployment, Process
@@ -241,9 +242,12 @@ def run(
     advertise_host: str,
     config: EngineConfig,
     host_kv_bytes: int = 0,
+    pool_size: PoolSize | None = None,
 ) -> None:
     """Runs one group process until it is told to stop (SIGTERM / Ctrl-C). A prefill group of
-    one process keeps `host_kv_bytes` of evicted prefix blocks in host memory (jfire.host_tier)."""
+    one process keeps `host_kv_bytes` of evicted prefix blocks in host memory (jfire.host_tier).
+    `pool_size`: --kv-cache-gb as given, auto sizing the pool from the plan of the group's mesh
+    on its devices (jfire.device_memory)."""
     from jax.experimental import transfer
 
     from jfire.checkpoint.load import load_model
@@ -261,7 +265,10 @@ def run(
         else:
             store.blocking_key_value_get(f"jfire/clean/{name}", 600_000)
     try:
-        loaded = load_model(model, dtype, mesh_spec=group.mesh, devices=devices)
+        spec = group.mesh
+        if pool_size is not None:  # before the weights: a group that does not fit says so at once
+            config = size_pool(config, pool_size, model=model, dtype=dtype, spec=spec, devices=devices)
+        loaded = load_model(model, dtype, mesh_spec=spec, devices=devices)
     except JfireError as e:  # the frontend reports it on /health instead of waiting for ever
         cluster.publish_group(store, group.name, {"error": str(e)})
         raise
