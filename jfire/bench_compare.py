@@ -167,7 +167,7 @@ def reference_of(engine: str) -> str:
 
 
 def agreement_text(engine: str, agree: int, total: int) -> str:
-    if engine in ("jfire", "jfire bf16") and reference_of(engine) == engine:
+    if reference_of(engine) == engine:  # jfire, and jfire bf16 for the BF16 rows
         return "(reference)"
     if agree == total:
         return f"agree {agree}/{total}"
