@@ -20,6 +20,41 @@ from jfire.engine import Engine, EngineConfig
 from serve.app import ServerState, create_app
 
 
+def _import_schemathesis_now():
+    """schemathesis imports most of itself on first use, and pytest rewrites the asserts of
+    those modules with ast.parse as they load. Python 3.11's ast.parse is not safe beside
+    another thread's ("SystemError: AST constructor recursion depth mismatch", CPython
+    gh-106905), and once the server fixture runs, its threads are up. So the first use
+    happens here, at collection, while this process runs one thread: a schema, a strategy
+    drawn from, and the modules that calling the server and reporting a failure load."""
+    import hypothesis.internal.conjecture.optimiser  # noqa: F401
+    import hypothesis.strategies._internal.regex  # noqa: F401
+    import schemathesis.engine.errors  # noqa: F401
+    import schemathesis.engine.events  # noqa: F401
+    import schemathesis.engine.statistic  # noqa: F401
+    import schemathesis.engine.summary  # noqa: F401
+    import schemathesis.reporting.html.writer  # noqa: F401
+    import schemathesis.reporting.junitxml  # noqa: F401
+    import schemathesis.reporting.recorders  # noqa: F401
+    import schemathesis.transport.requests  # noqa: F401
+
+    spec = {"openapi": "3.1.0", "info": {"title": "warm-up", "version": "1"},
+            "paths": {"/x": {"post": {
+                "requestBody": {"content": {"application/json": {"schema": {
+                    "type": "object", "properties": {"a": {"type": "integer"}}}}}},
+                "responses": {"200": {"description": "ok"}}}}}}
+    for result in schemathesis.openapi.from_dict(spec).get_all_operations():
+        @given(case=result.ok().as_strategy())
+        @settings(max_examples=1, database=None, derandomize=True)
+        def draw(case):
+            pass
+
+        draw()
+
+
+_import_schemathesis_now()
+
+
 @pytest.fixture(scope="module")
 def server_url(default_checkpoint):
     model = load_model("default", "float32")
