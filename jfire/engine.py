@@ -26,7 +26,7 @@ from jfire.compile_cache import enable_compilation_cache
 from jfire.engine_config import EngineConfig
 from jfire.errors import EngineStopped, QueueFull
 from jfire.grammar import Grammars
-from jfire.kv_cache import BlockPool
+from jfire.kv_cache import KVPools
 from jfire.kv_connector import KVConnector, Progress
 from jfire.outputs import LiveRequest, OutputProcessor
 from jfire.request_checks import RequestChecks, context_limit
@@ -47,9 +47,11 @@ class Engine:
         cfg = model.config
         self.max_model_len = context_limit(cfg, config.max_model_len)
         self.eos_ids = frozenset(cfg.eos_token_ids) | (model.tokenizer.eos_ids if model.tokenizer else frozenset())
-        self.runner = ModelRunner(model, config, self.max_model_len, self.eos_ids, self.connector.program_kinds)
-        self.pool = BlockPool(self.runner.num_pages, config.page_size)
-        self.scheduler = Scheduler.for_engine(self.pool, config, self.connector.load_prefix)
+        shared = self.connector.pages_by_id or not config.pool_per_kind
+        self.runner = ModelRunner(model, config, self.max_model_len, self.eos_ids, self.connector.program_kinds, shared)
+        self.pools: KVPools = self.runner.pools
+        self.pool = self.pools.first  # what a connector moving pages by id works with
+        self.scheduler = Scheduler.for_engine(self.pools, config, self.connector.load_prefix)
         grammars = Grammars(model.tokenizer, cfg.vocab_size, self.eos_ids)
         self.outputs = OutputProcessor(
             model.tokenizer,
@@ -68,8 +70,7 @@ class Engine:
             self.max_model_len,
             grammars,
             model.tokenizer is not None,
-            self.scheduler.pages_needed,
-            self.pool.num_pages,
+            lambda n: self.pools.shortfall(n, max(config.prefill_budget, 2)),
         )
         self._commands: queue.Queue = queue.Queue()
         self._ids = itertools.count()

@@ -13,8 +13,14 @@ ATTENTION_IMPLS = ("reference", "pallas", "pallas-interpret")
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     page_size: int = 16
-    num_pages: int | None = None  # default: as many as kv_cache_bytes holds
+    # Pages of each cache group's pool (a windowed group's no more than its rows' windows);
+    # default: as many as kv_cache_bytes holds (jfire.runner.pool_size).
+    num_pages: int | None = None
     kv_cache_bytes: int = 1 << 30
+    # A page pool per kind of layer (full attention, sliding window, chunks), a windowed
+    # group's pages given back as they leave its window; False: one pool keeping every page.
+    # A connector moving pages by id (disaggregation, a host tier) always gets one pool.
+    pool_per_kind: bool = True
     max_batch: int = 64
     prefill_budget: int = 256  # prompt tokens per step: bounds how long a step stalls decodes
     max_prefill_rows: int = 16

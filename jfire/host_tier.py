@@ -147,6 +147,8 @@ class HostTier(KVConnector):
     """The colocated engine's connector with a host-memory tier of `capacity_bytes`, or over
     `store`, a HostPrefixCache that other engines' tiers may use too."""
 
+    pages_by_id = True
+
     def __init__(self, capacity_bytes: int = 0, *, store: HostPrefixCache | None = None):
         self.store = store if store is not None else HostPrefixCache(capacity_bytes)
         self.cache = ModelBlocks(self.store, b"")  # under the model's identity once bound

@@ -7,6 +7,13 @@ keys and values `[layers, kv_heads, pages, page_size, head_dim]`) that every pro
 receives donated and returns updated. The pool only counts pages; what a page holds is the
 family's business.
 
+A family's layers fall into cache groups by what they attend (`Family.cache_groups()`: full
+attention, a sliding window, chunks). `KVPools` gives each group its own BlockPool and page
+count (`pool_pages`): a windowed group needs only its rows' windows, so the bytes it would
+have spent on positions no query sees again go to the full-attention group. With `shared`,
+every group uses one pool (the same page ids in every array) and keeps every page: what a
+connector that moves pages by id (a KV transfer, a host tier) works with.
+
 A freed page that holds a full, hashed block stays findable until it is handed out again:
 the free list is least-recently-freed first, so popular prefixes survive longest.
 """
@@ -21,20 +28,55 @@ from collections.abc import Callable, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from jfire.models.family import Family
+from jfire.models.family import CacheGroup, Family
 
 
-def init_pages(cfg: Family, num_pages: int, page_size: int, dtype, shardings: dict | None = None) -> dict:
-    """Zeroed page arrays, created directly with their shardings (each device allocates its part)."""
+def init_pages(
+    cfg: Family, num_pages: int | dict[str, int], page_size: int, dtype, shardings: dict | None = None
+) -> dict:
+    """Zeroed page arrays, created directly with their shardings (each device allocates its
+    part). `num_pages`: one count for every array, or a count per cache group."""
+    counts = num_pages if isinstance(num_pages, dict) else {g.name: num_pages for g in cfg.cache_groups()}
     return {
-        c.name: jnp.zeros(c.shape(num_pages, page_size), dtype, device=(shardings or {}).get(c.name))
+        c.name: jnp.zeros(c.shape(counts[c.group], page_size), dtype, device=(shardings or {}).get(c.name))
         for c in cfg.cache_specs()
     }
 
 
-def page_bytes(cfg: Family, page_size: int, dtype) -> int:
-    """Bytes one page takes across all layers and cache arrays."""
-    return cfg.kv_bytes_per_token(dtype) * page_size
+def page_bytes(cfg: Family, page_size: int, dtype, group: str | None = None) -> int:
+    """Bytes one page takes across all layers and cache arrays (or those of one cache group)."""
+    return cfg.kv_bytes_per_token(dtype, group) * page_size
+
+
+def pool_pages(
+    groups: tuple[CacheGroup, ...],
+    group_page_bytes: dict[str, int],
+    budget_bytes: float,
+    *,
+    rows: int,
+    max_len: int,
+    page_size: int,
+    step_tokens: int,
+) -> tuple[dict[str, int], bool]:
+    """(pages per group, shared) for a cache of `budget_bytes`: each windowed group gets what
+    `rows` rows hold of it at once (`CacheGroup.pages_per_row`, rows stepping up to
+    `step_tokens` tokens), and the full-attention groups share the rest, the same number of
+    pages each. One shared pool (the same count in every group, `shared` True) where that
+    holds no fewer pages of full attention, or where every group is alike; a model whose
+    every group is windowed gives each all it can hold (pages past the windows keep cached
+    prefixes)."""
+    total = sum(group_page_bytes[g.name] for g in groups)
+    one_pool = {g.name: max(1, int(budget_bytes // total)) for g in groups}
+    windowed = [g for g in groups if g.windowed]
+    full = [g for g in groups if not g.windowed]
+    if not windowed or not full:
+        return one_pool, len(groups) > 1
+    counts = {g.name: rows * g.pages_per_row(max_len, page_size, step_tokens) for g in windowed}
+    rest = budget_bytes - sum(counts[n] * group_page_bytes[n] for n in counts)
+    full_pages = int(rest // sum(group_page_bytes[g.name] for g in full)) if rest > 0 else 0
+    if full_pages <= one_pool[full[0].name]:
+        return one_pool, True
+    return {**counts, **{g.name: full_pages for g in full}}, False
 
 
 def block_hashes(
@@ -136,6 +178,13 @@ class BlockPool:
             self.ref_count[page] += 1
         return pages
 
+    def cached_run(self, hashes: Sequence[bytes]) -> int:
+        """How many of these leading blocks the pool holds (used or cached), taking nothing."""
+        for n, h in enumerate(hashes):
+            if h not in self._page_of_hash:
+                return n
+        return len(hashes)
+
     def page_of(self, block_hash: bytes) -> int | None:
         """The page holding this block, if any (used or cached), without taking a reference:
         valid until the engine thread next allocates."""
@@ -153,3 +202,130 @@ class BlockPool:
         if h is not None:
             del self._page_of_hash[h]
         return h
+
+
+RELEASED = -1  # a page-table entry whose page went back to its pool (out of the group's window)
+
+
+@dataclasses.dataclass
+class GroupPool:
+    """One cache group's pool, or one pool every group shares (its group then the full one)."""
+
+    group: CacheGroup
+    pool: BlockPool
+
+
+class KVPools:
+    """The engine's page pools: one per cache group, or one shared by all (`shared`). A
+    sequence's `tables[i]` lists its pages in pool i, by page of its positions; a windowed
+    group's entries before its window are RELEASED."""
+
+    def __init__(self, groups: tuple[CacheGroup, ...], num_pages: dict[str, int], page_size: int, shared: bool):
+        self.page_size = page_size
+        self.groups = groups
+        self.shared = shared
+        if shared:
+            one = BlockPool(max(num_pages.values()), page_size)
+            self.pools = [GroupPool(CacheGroup("shared"), one)]
+            self.index = dict.fromkeys((g.name for g in groups), 0)
+        else:
+            self.pools = [GroupPool(g, BlockPool(num_pages[g.name], page_size)) for g in groups]
+            self.index = {g.name: i for i, g in enumerate(groups)}
+
+    @property
+    def first(self) -> BlockPool:
+        """The pool a connector moving pages by id works with (the only one, when shared)."""
+        return self.pools[0].pool
+
+    def pages_needed(self, num_positions: int) -> int:
+        return -(-num_positions // self.page_size)
+
+    def grow(self, tables: list[list[int]], num_positions: int) -> bool:
+        """Pages in every pool for positions up to num_positions; False (nothing taken) when a
+        pool has too few free."""
+        need = self.pages_needed(num_positions)
+        taken: list[tuple[int, int]] = []  # (pool, pages taken) so far
+        for i, (gp, table) in enumerate(zip(self.pools, tables)):
+            if need <= len(table):
+                continue
+            pages = gp.pool.allocate(need - len(table))
+            if pages is None:
+                for j, n in taken:
+                    self.pools[j].pool.free(tables[j][-n:])
+                    del tables[j][-n:]
+                return False
+            table += pages
+            taken.append((i, len(pages)))
+        return True
+
+    def free(self, tables: list[list[int]]) -> None:
+        """Gives back every page the tables hold and empties them."""
+        for gp, table in zip(self.pools, tables):
+            gp.pool.free([p for p in table if p != RELEASED])
+            table.clear()
+
+    def release_behind(self, tables: list[list[int]], position: int) -> None:
+        """Gives back the pages of windowed groups that no query at `position` or later sees."""
+        for gp, table in zip(self.pools, tables):
+            if not gp.group.windowed:
+                continue
+            stop = min(len(table), gp.group.first_visible(position) // self.page_size)
+            behind = [p for p in table[:stop] if p != RELEASED]
+            if behind:
+                gp.pool.free(behind)
+                table[:stop] = [RELEASED] * stop
+
+    def cached_prefix(self, hashes: Sequence[bytes]) -> tuple[list[list[int]], int]:
+        """(tables, blocks) for the longest run of these leading blocks every pool can serve:
+        a full-attention pool all of them, a windowed pool those its window still needs after
+        them; each page now referenced once more, the windowed entries before RELEASED."""
+        blocks = len(hashes)
+        for gp in self.pools:
+            if not gp.group.windowed:
+                blocks = min(blocks, gp.pool.cached_run(hashes))
+
+        def served(k: int) -> bool:
+            for gp in self.pools:
+                if gp.group.windowed:
+                    first = gp.group.first_visible(k * self.page_size) // self.page_size
+                    if gp.pool.cached_run(hashes[first:k]) < k - first:
+                        return False
+            return True
+
+        while blocks > 0 and not served(blocks):
+            blocks -= 1
+        tables = []
+        for gp in self.pools:
+            first = gp.group.first_visible(blocks * self.page_size) // self.page_size if gp.group.windowed else 0
+            tables.append([RELEASED] * first + gp.pool.lookup_prefix(hashes[first:blocks]))
+        return tables, blocks
+
+    def register(self, tables: list[list[int]], first_block: int, hashes: Sequence[bytes]) -> None:
+        """Marks blocks first_block.. of the tables as holding these blocks' KV (hashes[i] is
+        block i's)."""
+        for gp, table in zip(self.pools, tables):
+            for i in range(first_block, len(hashes)):
+                if table[i] != RELEASED:
+                    gp.pool.register(table[i], hashes[i])
+
+    def shortfall(self, num_positions: int, step_tokens: int) -> tuple[str, int, int] | None:
+        """(group, pages needed, pages it has) of the first pool one sequence of num_positions
+        positions can never fit in, or None."""
+        for gp in self.pools:
+            needed = gp.group.pages_per_row(num_positions, self.page_size, step_tokens)
+            if needed > gp.pool.num_pages:
+                return gp.group.name, needed, gp.pool.num_pages
+        return None
+
+    def stats(self) -> dict:
+        """Pages over every pool (total, used, free, cached), and per group where there are several."""
+        per = {gp.group.name: gp.pool.stats() for gp in self.pools}
+        out: dict[str, object] = {
+            "pages_total": sum(s.total for s in per.values()),
+            "pages_used": sum(s.used for s in per.values()),
+            "pages_free": sum(s.free for s in per.values()),
+            "pages_cached": sum(s.cached for s in per.values()),
+        }
+        if len(per) > 1 or self.pools[0].group.windowed:
+            out["kv_groups"] = {name: dataclasses.asdict(s) for name, s in per.items()}
+        return out

@@ -84,6 +84,10 @@ class KVConnector:
     # Whether a request ends once its prompt is computed (its first token sampled): the
     # prefill role's, whose requests are finished by another engine.
     ends_after_prompt = False
+    # Whether it reads or writes pages by page id across every cache array (a KV transfer, a
+    # host tier): the engine then keeps one pool for all its cache groups, every page kept
+    # (jfire.kv_cache.KVPools). Every connector but this do-nothing one does.
+    pages_by_id = False
 
     def bind(self, engine) -> None:
         """Called once by the engine (jfire.engine.Engine) being built, before it compiles
@@ -169,6 +173,7 @@ class ConnectorStack(KVConnector):
     def __init__(self, role: KVConnector, *tiers: KVConnector):
         self.parts = (role, *tiers)
         self.role, self.program_kinds, self.ends_after_prompt = role.role, role.program_kinds, role.ends_after_prompt
+        self.pages_by_id = any(part.pages_by_id for part in self.parts)
 
     def bind(self, engine) -> None:
         super().bind(engine)

@@ -160,7 +160,7 @@ def prefill(
     parallel=None,
     cpu_matmul: bool = False,
 ):
-    """Chunks of prompts: tokens/positions [b, t] (position -1 = padding), page_table [b, w];
+    """Chunks of prompts: tokens/positions [b, t] (position -1 = padding), page_table [b, groups x w];
     last_index [b] picks the token whose next-token logits are wanted; targets [b, t] the
     prompt token after each position whose logprob is wanted (-1: none, the usual case).
     Returns (SampleOut of the next ids with the prompt's logprobs, their logits [b, v],
@@ -198,7 +198,7 @@ def decode(
     parallel=None,
     cpu_matmul: bool = False,
 ):
-    """One token per row: tokens/positions [b] (position -1 = an empty row), page_table [b, w].
+    """One token per row: tokens/positions [b] (position -1 = an empty row), page_table [b, groups x w].
     Returns (SampleOut of the next ids, logits [b, v], penalties, pages)."""
     with cpu_matmul_kernels.in_place(cpu_matmul):
         hidden, pages = cfg.decoder(
@@ -338,7 +338,7 @@ class CompiledPrograms:
         compiles, and what tests/test_cuda_export.py lowers for CUDA on a CPU-only machine."""
         i32 = jnp.int32
         s = functools.partial(jax.ShapeDtypeStruct, sharding=self._input_sharding)
-        w = self.buckets.pages_per_row
+        w = self.buckets.pages_per_row * len(self.cfg.cache_groups())  # each cache group's table side by side
         static = dict(cfg=self.cfg, layer_stack=self.layer_stack, parallel=self.parallel, cpu_matmul=self.cpu_matmul)
         if shape[0] == "decode":
             _, n = shape

@@ -66,16 +66,16 @@ class TextLimit:
 
 @dataclasses.dataclass
 class RequestChecks:
-    """What a request is checked against. `pages_needed` and `num_pages` are the KV pool's
-    (None where another process holds the pool: a deployment's frontend leaves that check to
-    its decode group)."""
+    """What a request is checked against. `kv_shortfall(positions)` says which KV pool one
+    sequence of that many positions can never fit in: (group, pages needed, pages it has), or
+    None (itself None where another process holds the pools: a deployment's frontend leaves
+    that check to its decode group)."""
 
     vocab_size: int
     max_model_len: int
     grammars: Grammars
     has_tokenizer: bool
-    pages_needed: Callable[[int], int] | None = None
-    num_pages: int | None = None
+    kv_shortfall: Callable[[int], tuple[str, int, int] | None] | None = None
 
     def check(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
         """Raises RequestError when this request can never run; nothing is queued."""
@@ -117,11 +117,11 @@ class RequestChecks:
                 self.grammars.validate(sampling.grammar)
             except GrammarError as e:
                 raise RequestError(str(e), param="response_format", code="invalid_value") from None
-        if self.pages_needed is not None and self.num_pages is not None:
-            needed = self.pages_needed(n + sampling.max_tokens)
-            if needed > self.num_pages:
-                raise RequestError(
-                    f"this request needs {needed} KV pages but the pool has {self.num_pages}; lower max_tokens "
-                    "or enlarge the KV cache",
-                    param="max_tokens",
-                )
+        short = self.kv_shortfall(n + sampling.max_tokens) if self.kv_shortfall is not None else None
+        if short is not None:
+            group, needed, has = short
+            pool = "the pool" if group in ("full", "shared") else f"the {group} layers' pool"
+            raise RequestError(
+                f"this request needs {needed} KV pages but {pool} has {has}; lower max_tokens or enlarge the KV cache",
+                param="max_tokens",
+            )

@@ -26,7 +26,7 @@ from jfire import faults, sharding
 from jfire.checkpoint.load import LoadedModel
 from jfire.grammar import ban, fill_mask
 from jfire.kernels import cpu_matmul
-from jfire.kv_cache import init_pages, page_bytes
+from jfire.kv_cache import KVPools, init_pages, page_bytes, pool_pages
 from jfire.pipeline import Pipeline
 from jfire.programs import QUICK_COMPILE, Buckets, CompiledPrograms, decode_attention
 from jfire.sampling import PenaltyState, RowSampling, init_penalty_state, mask_words, set_penalty_slot
@@ -44,36 +44,83 @@ def uses_cpu_kernels(model: LoadedModel, wanted: bool) -> bool:
     return model.platform == "cpu" and cpu_matmul.available()
 
 
-def pool_size(model: LoadedModel, config, max_model_len: int) -> int:
-    """How many KV pages the engine's pool has: `num_pages`, else as many as `kv_cache_bytes`
-    holds on the device holding the most of a page."""
+def pool_size(model: LoadedModel, config, max_model_len: int, shared: bool = False) -> tuple[dict[str, int], bool]:
+    """(pages per cache group, shared) of the engine's pools: `num_pages` each (a windowed
+    group's no more than its rows' windows), else as many as `kv_cache_bytes` holds on the
+    device holding the most of a page, split by `jfire.kv_cache.pool_pages`. `shared`: one
+    pool for every group, whatever would hold more (a connector moves pages by id)."""
     cfg, dtype, mesh = model.config, model.kv_dtype, model.mesh
+    groups = cfg.cache_groups()
     cache_shardings = sharding.cache_shardings(cfg, mesh) if mesh is not None else None
-    per_page = page_bytes(cfg, config.page_size, dtype)
-    if cache_shardings is not None:
-        per_page = sharding.page_bytes_per_device(cfg, config.page_size, dtype, cache_shardings)
-    num_pages = config.num_pages or max(1, int(config.kv_cache_bytes // per_page))
-    if config.num_pages is None and config.max_batch == 1:
-        # One row never holds more than one full context: sized by bytes, a one-row engine
-        # (`jfire generate`) would spend the rest on pages that can only keep cached
-        # prefixes (a tiny model's 1 GiB default is over a million pages per device).
-        num_pages = min(num_pages, -(-max_model_len // config.page_size))
+    per_page = {
+        g.name: (
+            sharding.page_bytes_per_device(cfg, config.page_size, dtype, cache_shardings, g.name)
+            if cache_shardings is not None
+            else page_bytes(cfg, config.page_size, dtype, g.name)
+        )
+        for g in groups
+    }
+    rows, step_tokens = config.max_batch, max(config.prefill_budget, 2)
+    whole_row = -(-max_model_len // config.page_size)
+    if config.num_pages is not None:
+        split = not shared and len(groups) > 1 and any(not g.windowed for g in groups)
+        counts = {
+            g.name: min(config.num_pages, rows * g.pages_per_row(max_model_len, config.page_size, step_tokens))
+            if split and g.windowed
+            else config.num_pages
+            for g in groups
+        }
+        shared = shared or (len(groups) > 1 and not split)
+    else:
+        counts, by_kind_shared = pool_pages(
+            groups,
+            per_page,
+            config.kv_cache_bytes,
+            rows=rows,
+            max_len=max_model_len,
+            page_size=config.page_size,
+            step_tokens=step_tokens,
+        )
+        if shared and not by_kind_shared:
+            counts = {g.name: max(1, int(config.kv_cache_bytes // sum(per_page.values()))) for g in groups}
+        shared = shared or by_kind_shared
+        if config.max_batch == 1:
+            # One row never holds more than one full context: sized by bytes, a one-row engine
+            # (`jfire generate`) would spend the rest on pages that can only keep cached
+            # prefixes (a tiny model's 1 GiB default is over a million pages per device).
+            counts = {name: min(n, whole_row) for name, n in counts.items()}
+    if shared:  # one pool: the same page ids in every array
+        counts = dict.fromkeys(counts, max(counts.values()))
     if cache_shardings is not None:
         # Pages split over devices (an MLA latent cache) come in whole multiples of the split.
         multiple = sharding.page_multiple(cache_shardings, cfg)
-        num_pages = -(-num_pages // multiple) * multiple
-    return num_pages
+        counts = {name: -(-n // multiple) * multiple for name, n in counts.items()}
+    return counts, shared
 
 
 class ModelRunner:
     """`program_kinds`: the model programs this engine runs ("prefill", "decode", or both)."""
 
-    def __init__(self, model: LoadedModel, config, max_model_len: int, eos_ids: frozenset[int], program_kinds):
+    def __init__(
+        self,
+        model: LoadedModel,
+        config,
+        max_model_len: int,
+        eos_ids: frozenset[int],
+        program_kinds,
+        shared_pool: bool = False,
+    ):
         self.model, self.cfg, self.eos_ids = model, model.config, eos_ids
         mesh = model.mesh
-        self.num_pages = pool_size(model, config, max_model_len)
+        # Pages per cache group, and whether one pool serves every group (`shared_pool`: the
+        # engine's connector moves pages by id; see jfire.kv_cache.KVPools).
+        self.group_pages, self.shared_pool = pool_size(model, config, max_model_len, shared_pool)
         cache_shardings = sharding.cache_shardings(self.cfg, mesh) if mesh is not None else None
-        self.pages = init_pages(self.cfg, self.num_pages, config.page_size, model.kv_dtype, cache_shardings)
+        self.pages = init_pages(self.cfg, self.group_pages, config.page_size, model.kv_dtype, cache_shardings)
+        self.pools = KVPools(self.cfg.cache_groups(), self.group_pages, config.page_size, self.shared_pool)
+        # The page table of a program: each cache group's table side by side, in the order of
+        # `cache_groups()`, each column block naming its pool (the same one, when shared).
+        self.table_pools = [self.pools.index[g.name] for g in self.cfg.cache_groups()]
         layer_stack = (
             Pipeline(mesh, model.mesh_spec.num_microbatches) if mesh is not None and mesh.shape["pp"] > 1 else None
         )
@@ -327,11 +374,22 @@ class ModelRunner:
         sampling = self.sampling_rows(seqs, rows, [True] * len(seqs))
         return tokens, positions, self.row_table(seqs, rows), sampling
 
+    @property
+    def num_pages(self) -> int:
+        """Pages of the first cache group's pool (all of them, when the groups share one)."""
+        return self.group_pages[self.cfg.cache_groups()[0].name]
+
     def row_table(self, seqs: list[Sequence | None], rows: int) -> np.ndarray:
-        table = np.zeros((rows, self.buckets.pages_per_row), np.int32)
+        """[rows, groups x width]: each row's pages in each cache group (pages a window left
+        behind, and columns past the row, read as page 0: no query sees them)."""
+        w = self.buckets.pages_per_row
+        table = np.zeros((rows, len(self.table_pools) * w), np.int32)
         for r, seq in enumerate(seqs):
             if seq is not None:
-                table[r, : len(seq.pages)] = seq.pages
+                for g, i in enumerate(self.table_pools):
+                    pages = seq.tables[i]
+                    table[r, g * w : g * w + len(pages)] = pages
+        np.maximum(table, 0, out=table)
         return table
 
     def sampling_rows(self, seqs: list[Sequence], rows: int, sampling_now: list[bool]) -> RowSampling:

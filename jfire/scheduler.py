@@ -17,7 +17,7 @@ import dataclasses
 import enum
 from collections.abc import Callable
 
-from jfire.kv_cache import BlockPool, block_hashes
+from jfire.kv_cache import KVPools, block_hashes
 from jfire.sampling import SamplingParams
 
 
@@ -37,7 +37,8 @@ class Sequence:
     seed: int
     tokens: list[int] = dataclasses.field(default_factory=list)  # prompt + generated
     computed: int = 0  # how many of `tokens` have their KV in the cache
-    pages: list[int] = dataclasses.field(default_factory=list)
+    # Its pages in each of the engine's pools (KVPools.pools), by page of its positions.
+    tables: list[list[int]] = dataclasses.field(default_factory=lambda: [[]])
     phase: Phase = Phase.WAITING
     prefix_hit_tokens: int = 0
     preemptions: int = 0
@@ -51,6 +52,16 @@ class Sequence:
     def __post_init__(self):
         if not self.tokens:
             self.tokens = list(self.prompt_ids)
+
+    @property
+    def pages(self) -> list[int]:
+        """Its pages in the first pool: every page it has, where the engine's groups share one
+        pool (what a connector moving pages by id works with)."""
+        return self.tables[0]
+
+    @pages.setter
+    def pages(self, pages: list[int]) -> None:
+        self.tables[0] = pages
 
     @property
     def num_generated(self) -> int:
@@ -87,7 +98,7 @@ class Step:
 class Scheduler:
     def __init__(
         self,
-        pool: BlockPool,
+        pools: KVPools,
         *,
         max_batch: int,
         prefill_budget: int,
@@ -95,7 +106,8 @@ class Scheduler:
         prefix_caching: bool = True,
         load_prefix: Callable[[list[bytes]], list[int]] | None = None,
     ):
-        self.pool = pool
+        self.pools = pools
+        self.page_size = pools.page_size
         # Leading blocks the device cache lacks, loaded from elsewhere (a host tier: its
         # KVConnector.load_prefix): the pages now holding them, registered and referenced.
         self.load_prefix = load_prefix
@@ -110,10 +122,10 @@ class Scheduler:
         self.preemptions = 0
 
     @classmethod
-    def for_engine(cls, pool: BlockPool, config, load_prefix=None) -> Scheduler:
+    def for_engine(cls, pools: KVPools, config, load_prefix=None) -> Scheduler:
         """The scheduler of an engine with these settings (an EngineConfig)."""
         return cls(
-            pool,
+            pools,
             max_batch=config.max_batch,
             prefill_budget=config.prefill_budget,
             max_prefill_rows=config.max_prefill_rows,
@@ -125,9 +137,16 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self._fit_tables(seq)
+
+    def _fit_tables(self, seq: Sequence) -> None:
+        """One page list per pool (a sequence is made knowing nothing of the pools)."""
+        while len(seq.tables) < len(self.pools.pools):
+            seq.tables.append([])
 
     def add_running(self, seq: Sequence) -> None:
         """Admits a sequence whose prompt KV is already in its pages (moved from a prefill group)."""
+        self._fit_tables(seq)
         seq.phase = Phase.RUNNING
         self.running.append(seq)
         self.prompt_tokens += len(seq.prompt_ids)
@@ -138,12 +157,11 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.phase is Phase.WAITING:
             self.waiting.remove(seq)
-        self.pool.free(seq.pages)
-        seq.pages = []
+        self.pools.free(seq.tables)
         seq.phase = Phase.FINISHED
 
     def pages_needed(self, num_positions: int) -> int:
-        return -(-num_positions // self.pool.page_size)
+        return -(-num_positions // self.page_size)
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -158,12 +176,7 @@ class Scheduler:
         for seq in list(self.running):
             if seq.phase is not Phase.RUNNING or not seq.in_decode or len(decode) == self.max_batch:
                 continue
-            need = self.pages_needed(len(seq.tokens)) - len(seq.pages)
-            while need > 0:
-                pages = self.pool.allocate(need)
-                if pages is not None:
-                    seq.pages += pages
-                    break
+            while not self.pools.grow(seq.tables, len(seq.tokens)):
                 victim = self._youngest_other_than(seq)
                 if victim is None:  # the pool cannot hold even this one: admission prevents this
                     raise RuntimeError("KV pool exhausted by a single sequence")
@@ -194,8 +207,8 @@ class Scheduler:
             self._attach_prefix(seq)
             chunk = self._chunk(seq, budget)
             if chunk is None:
-                self.pool.free(seq.pages)  # give back the prefix pages; try again next step
-                seq.pages, seq.computed = [], 0
+                self.pools.free(seq.tables)  # give back the prefix pages; try again next step
+                seq.computed = 0
                 break
             self.waiting.popleft()
             seq.phase = Phase.RUNNING
@@ -210,42 +223,39 @@ class Scheduler:
     def _prefix_ready(self, first: Sequence | None) -> bool:
         if first is None or not self.prefix_caching or first.phase is Phase.FINISHED:
             return True
-        return first.registered_blocks >= (len(first.prompt_ids) - 1) // self.pool.page_size
+        return first.registered_blocks >= (len(first.prompt_ids) - 1) // self.page_size
 
     def _chunk(self, seq: Sequence, budget: int) -> Chunk | None:
         """The next chunk of seq's uncached tokens within budget, with pages for it (or None)."""
         length = min(len(seq.tokens) - seq.computed, budget)
-        need = self.pages_needed(seq.computed + length) - len(seq.pages)
-        if need > 0:
-            pages = self.pool.allocate(need)
-            if pages is None:
-                return None
-            seq.pages += pages
+        if not self.pools.grow(seq.tables, seq.computed + length):
+            return None
         return Chunk(seq, seq.computed, length)
 
     def _attach_prefix(self, seq: Sequence) -> None:
         """Reuses cached pages for seq's leading full blocks, keeping at least one token to
         compute (its logits give the next token)."""
-        if not self.prefix_caching or seq.pages or seq.sampling.prompt_logprobs:  # those compute every token
+        if not self.prefix_caching or any(seq.tables) or seq.sampling.prompt_logprobs:  # those compute every token
             return
-        reusable = (len(seq.tokens) - 1) // self.pool.page_size
-        hashes = block_hashes(seq.tokens[: reusable * self.pool.page_size], self.pool.page_size)
-        seq.pages = self.pool.lookup_prefix(hashes)
-        if self.load_prefix is not None and len(seq.pages) < len(hashes):
-            seq.pages += self.load_prefix(hashes[len(seq.pages) :])
-        seq.computed = len(seq.pages) * self.pool.page_size
-        seq.registered_blocks = len(seq.pages)
+        reusable = (len(seq.tokens) - 1) // self.page_size
+        hashes = block_hashes(seq.tokens[: reusable * self.page_size], self.page_size)
+        seq.tables, blocks = self.pools.cached_prefix(hashes)
+        if self.load_prefix is not None and blocks < len(hashes):
+            # A connector loading blocks by id works with one shared pool (KVPools.shared).
+            seq.pages += self.load_prefix(hashes[blocks:])
+            blocks = len(seq.pages)
+        seq.computed = blocks * self.page_size
+        seq.registered_blocks = blocks
 
     def register_computed_blocks(self, seq: Sequence) -> None:
         """After a chunk ran: make seq's newly completed prompt blocks findable by later prompts."""
         if not self.prefix_caching:
             return
-        full = min(seq.computed, len(seq.prompt_ids)) // self.pool.page_size
+        full = min(seq.computed, len(seq.prompt_ids)) // self.page_size
         if full <= seq.registered_blocks:
             return
-        hashes = block_hashes(seq.tokens[: full * self.pool.page_size], self.pool.page_size)
-        for i in range(seq.registered_blocks, full):
-            self.pool.register(seq.pages[i], hashes[i])
+        hashes = block_hashes(seq.tokens[: full * self.page_size], self.page_size)
+        self.pools.register(seq.tables, seq.registered_blocks, hashes)
         seq.registered_blocks = full
 
     def _youngest_other_than(self, seq: Sequence) -> Sequence | None:
@@ -257,8 +267,8 @@ class Scheduler:
     def _preempt(self, victim: Sequence, preempted: list[Sequence]) -> None:
         """Frees the victim's pages and queues it first in line to recompute what it had."""
         self.running.remove(victim)
-        self.pool.free(victim.pages)
-        victim.pages, victim.computed, victim.registered_blocks = [], 0, 0
+        self.pools.free(victim.tables)
+        victim.computed, victim.registered_blocks = 0, 0
         victim.phase = Phase.WAITING
         victim.preemptions += 1
         self.preemptions += 1
@@ -290,22 +300,15 @@ class Scheduler:
         if not any(following):
             return None
         for seq in filter(None, following):
-            need = self.pages_needed(len(seq.tokens) + 1) - len(seq.pages)
-            pages = self.pool.allocate(need) if need > 0 else []
-            if pages is None:
+            if not self.pools.grow(seq.tables, len(seq.tokens) + 1):
                 return None
-            seq.pages += pages
         return following
 
     def stats(self) -> dict:
-        pool = self.pool.stats()
         return {
             "running": len(self.running),
             "waiting": len(self.waiting),
-            "pages_total": pool.total,
-            "pages_used": pool.used,
-            "pages_free": pool.free,
-            "pages_cached": pool.cached,
+            **self.pools.stats(),
             "prefix_hit_tokens": self.prefix_hit_tokens,
             "preemptions": self.preemptions,
             "prompt_tokens": self.prompt_tokens,
@@ -315,6 +318,8 @@ class Scheduler:
         """Advances the computed counts after the programs ran (before new tokens are appended)."""
         for seq in step.decode:
             seq.computed += 1
+            self.pools.release_behind(seq.tables, seq.computed)
         for chunk in step.prefill:
             chunk.seq.computed += chunk.length
             self.register_computed_blocks(chunk.seq)
+            self.pools.release_behind(chunk.seq.tables, chunk.seq.computed)

@@ -146,10 +146,13 @@ def addressable_bytes(params: dict) -> dict:
     return per_device
 
 
-def page_bytes_per_device(cfg: Family, page_size: int, dtype, cache_shardings: dict) -> int:
-    """Bytes of one page on one device: each cache array's shard of a page."""
+def page_bytes_per_device(cfg: Family, page_size: int, dtype, cache_shardings: dict, group: str | None = None) -> int:
+    """Bytes of one page on one device: each cache array's shard of a page (of the arrays of
+    one cache group, or of all)."""
     total, n = 0, page_multiple(cache_shardings, cfg)
     for c in cfg.cache_specs():
+        if group is not None and c.group != group:
+            continue
         # Pages split over n devices: n pages cost each device one page's worth.
         shard = cache_shardings[c.name].shard_shape(c.shape(n, page_size))
         total += int(np.prod(shard)) * np.dtype(dtype).itemsize

@@ -49,6 +49,7 @@ class _Published:
 class PrefillConnector(KVConnector):
     role = "prefill"
     program_kinds = ("prefill",)
+    pages_by_id = True
     ends_after_prompt = True
 
     def __init__(self, *, server, store, group: str, transfer_timeout_s: float):
@@ -230,6 +231,7 @@ class _Incoming:
 class DecodeConnector(KVConnector):
     role = "decode"
     program_kinds = ("decode",)
+    pages_by_id = True
 
     def __init__(self, *, server, store, transfer_timeout_s: float, group: str = "decode"):
         self.server, self.store, self.group = server, store, group

@@ -47,6 +47,7 @@ class HostKVStore:
 class InProcessPrefill(KVConnector):
     role = "prefill"
     program_kinds = ("prefill",)
+    pages_by_id = True
     ends_after_prompt = True
 
     def __init__(self, store: HostKVStore):
@@ -72,6 +73,7 @@ class InProcessPrefill(KVConnector):
 class InProcessDecode(KVConnector):
     role = "decode"
     program_kinds = ("decode",)
+    pages_by_id = True
 
     def __init__(self, store: HostKVStore):
         self.store = store

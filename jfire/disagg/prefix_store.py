@@ -66,6 +66,8 @@ class SharedPrefixes(KVConnector):
     group's HTTP handlers; the device and the host tier are touched only on the engine thread,
     in `update`."""
 
+    pages_by_id = True
+
     def __init__(self, host: HostTier):
         self.host = host
         self._exports: queue.SimpleQueue = queue.SimpleQueue()

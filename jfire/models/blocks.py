@@ -246,11 +246,14 @@ def lm_head(x: jax.Array, params: dict, tied: bool) -> jax.Array:
 # -- grouped-query attention: its cache, its mesh constraints ------------------------------------
 
 
-def kv_cache_specs(num_layers: int, num_kv_heads: int, head_dim: int) -> tuple[CacheSpec, ...]:
-    """Keys and values per KV head: [layers, kv_heads, pages, page_slots, head_dim] each."""
+def kv_cache_specs(
+    num_layers: int, num_kv_heads: int, head_dim: int, group: str = "full", suffix: str = ""
+) -> tuple[CacheSpec, ...]:
+    """Keys and values per KV head: [layers, kv_heads, pages, page_slots, head_dim] each, named
+    `k{suffix}` and `v{suffix}`, their pages owned by cache group `group`."""
     axes = ("layers", "kv_heads", "pages", "page_slots", "head_dim")
     sizes = (num_layers, num_kv_heads, None, None, head_dim)
-    return (CacheSpec("k", axes, sizes), CacheSpec("v", axes, sizes))
+    return (CacheSpec("k" + suffix, axes, sizes, group), CacheSpec("v" + suffix, axes, sizes, group))
 
 
 def gqa_mesh_problems(num_heads: int, num_kv_heads: int, tp: int) -> list[str]:

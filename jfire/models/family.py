@@ -5,7 +5,9 @@ rules, the page pool, the KV transfer, conversion and checkpoints read only what
 here; none of them reads a family's own fields (head counts, widths, ...):
 
   params      `param_specs()`: shape, logical axes, source names, init (jfire.models.params)
-  cache       `cache_specs()`: each paged cache array with named axes, `pages` included
+  cache       `cache_specs()`: each paged cache array with named axes, `pages` included;
+              `cache_groups()`: which layers attend what (full, sliding window, chunked),
+              each group with its own page pool and its slice of the page table
   layers      `segments()`: runs of identical layers, or of one repeating period of layer
               kinds, each scanned as one `lax.scan` over its stacked params
   meshes      `mesh_problems(shape)`: what a mesh must divide; `adapt_to_tp(tp)`: how the
@@ -38,14 +40,55 @@ PAGE_AXES = (PAGES, LATENT_PAGES)
 
 
 @dataclasses.dataclass(frozen=True)
+class CacheGroup:
+    """Layers whose keys and values share one page pool because they attend the same span of
+    earlier positions: all of them (full attention), the last `sliding_window` positions
+    (Mistral), or the earlier positions of the query's own chunk of `chunk` (Llama 4's local
+    layers). A windowed group's pages before the first position any later query sees go back
+    to its pool, so a long sequence holds only a window's worth of them."""
+
+    name: str
+    sliding_window: int | None = None
+    chunk: int | None = None
+
+    @property
+    def windowed(self) -> bool:
+        return bool(self.sliding_window or self.chunk)
+
+    def first_visible(self, position: int) -> int:
+        """The earliest position a query at `position` sees (the attention masks' rule)."""
+        first = 0
+        if self.sliding_window:
+            first = max(first, position - self.sliding_window + 1)
+        if self.chunk:
+            first = max(first, position // self.chunk * self.chunk)
+        return first
+
+    def pages_per_row(self, max_len: int, page_size: int, step_tokens: int) -> int:
+        """The most pages one row of this group holds at once, for rows of up to `max_len`
+        positions that add up to `step_tokens` per step: the whole row under full attention;
+        under a window, the pages from the first position its step's first query sees to the
+        step's last (a window's span less one, plus the step's tokens), at most the whole row."""
+        whole = -(-max_len // page_size)
+        if not self.windowed:
+            return whole
+        span = min(w for w in (self.sliding_window, self.chunk) if w) - 1 + step_tokens
+        return min(whole, (span - 1) // page_size + 2)  # a span not starting on a page boundary takes one more
+
+
+FULL_ATTENTION = CacheGroup("full")
+
+
+@dataclasses.dataclass(frozen=True)
 class CacheSpec:
     """One paged cache array. `sizes` gives each axis its size, None for `pages` and
     `page_slots` (the engine's choice). The `layers` axis comes first so pipeline stages
-    split it like the layer weights."""
+    split it like the layer weights. `group` names the `CacheGroup` whose pool owns its pages."""
 
     name: str
     axes: tuple[str, ...]
     sizes: tuple[int | None, ...]
+    group: str = FULL_ATTENTION.name
 
     @property
     def pages_axis(self) -> int:
@@ -231,9 +274,17 @@ class Family:
     def segments(self) -> tuple[Segment, ...]:
         raise NotImplementedError
 
-    def kv_bytes_per_token(self, dtype) -> int:
-        """Cache bytes one token of one sequence takes, over all layers and cache arrays."""
-        return sum(c.values_per_token() for c in self.cache_specs()) * np.dtype(dtype).itemsize
+    def cache_groups(self) -> tuple[CacheGroup, ...]:
+        """The groups of layers by what they attend, in page-table order: the program's page
+        table [rows, groups x width] holds group g's table in columns [g x width, (g+1) x width).
+        Every cache array names one of them; the default, one group of full attention."""
+        return (FULL_ATTENTION,)
+
+    def kv_bytes_per_token(self, dtype, group: str | None = None) -> int:
+        """Cache bytes one token of one sequence takes, over all layers and cache arrays (or
+        over those of one cache group)."""
+        specs = [c for c in self.cache_specs() if group is None or c.group == group]
+        return sum(c.values_per_token() for c in specs) * np.dtype(dtype).itemsize
 
     def mesh_problems(self, shape: MeshShape) -> list[str]:
         """Why a mesh of this shape cannot run the model (empty: it can)."""
@@ -427,14 +478,26 @@ class StackedLayer(Mapping):
 # -- whole-model helpers for tests and tools ------------------------------------------------------
 
 
+def group_table(cfg: Family, page_table, group: str):
+    """Group `group`'s columns of a program's page table [rows, groups x width]."""
+    names = [g.name for g in cfg.cache_groups()]
+    if len(names) == 1:
+        return page_table
+    width = page_table.shape[1] // len(names)
+    g = names.index(group)
+    return page_table[:, g * width : (g + 1) * width]
+
+
 def init_cache(cfg: Family, batch: int, max_len: int, dtype, page_size: int = 16) -> dict:
     """A fresh cache for `batch` rows of up to `max_len` positions, each row owning its own
-    consecutive pages: the contiguous layout, expressed as pages and a page table."""
+    consecutive pages in every cache group: the contiguous layout, expressed as pages and a
+    page table."""
     import jax.numpy as jnp
 
     per_row = -(-max_len // page_size)
     cache = {c.name: jnp.zeros(c.shape(batch * per_row, page_size), dtype) for c in cfg.cache_specs()}
-    cache["page_table"] = jnp.arange(batch * per_row, dtype=jnp.int32).reshape(batch, per_row)
+    one = jnp.arange(batch * per_row, dtype=jnp.int32).reshape(batch, per_row)
+    cache["page_table"] = jnp.tile(one, (1, len(cfg.cache_groups())))
     return cache
 
 

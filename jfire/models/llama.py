@@ -43,7 +43,7 @@ from jfire.models.blocks import (
     rope_params,
     write_heads,
 )
-from jfire.models.family import CacheSpec, LayerStack, MeshShape, scan_segment, segments_of
+from jfire.models.family import CacheGroup, CacheSpec, LayerStack, MeshShape, scan_segment, segments_of
 from jfire.models.params import ParamSpec
 
 # HF `architectures[0]` -> the name GGUF files use for the same family (None: not read from GGUF).
@@ -368,7 +368,13 @@ class LlamaConfig(PreNormFamily):
         return specs
 
     def cache_specs(self) -> tuple[CacheSpec, ...]:
-        return kv_cache_specs(self.num_layers, self.num_kv_heads, self.head_dim)
+        return kv_cache_specs(self.num_layers, self.num_kv_heads, self.head_dim, self.cache_groups()[0].name)
+
+    def cache_groups(self) -> tuple[CacheGroup, ...]:
+        # Every layer of a sliding-window model (Mistral v0.1) sees the same window.
+        if self.sliding_window:
+            return (CacheGroup("sliding", sliding_window=self.sliding_window),)
+        return super().cache_groups()
 
     def mesh_problems(self, shape: MeshShape) -> list[str]:
         problems = super().mesh_problems(shape)
