@@ -67,6 +67,8 @@ def measure(layers: list[int], repeats: int) -> dict:
             b, t, width, page = 4, 16, 8, 4
             pages = init_pages(wide, b * width, page, jnp.float32, sharding.cache_shardings(wide, mesh))
             table = np.arange(b * width, dtype=np.int32).reshape(b, width)
+            # One table per cache group, side by side (a checkout from before cache groups has one).
+            table = np.tile(table, (1, len(wide.cache_groups()) if hasattr(wide, "cache_groups") else 1))
             rows, penalties = neutral_rows(b, cfg.vocab_size), init_penalty_state(1, cfg.vocab_size)
             common = dict(cfg=wide, parallel=Parallel(mesh))
             start = time.perf_counter(), time.process_time()

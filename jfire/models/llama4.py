@@ -11,7 +11,14 @@ Differences from the Llama family:
   - Mixture-of-experts layers every `interleave_moe_layer_step` layers: a top-k router whose
     sigmoid score scales each chosen expert's INPUT, plus a shared expert for every token;
     the other layers have a dense MLP of width `intermediate_size_mlp`.
-These per-layer switches (RoPE or not, chunk size) are scanned data, not Python branches.
+The cache has one group per kind of attention (`cache_groups`): the NoPE layers' keys and
+values (`k`, `v`, over every position) and the chunked layers' (`k_chunked`, `v_chunked`,
+whose pages before a query's own chunk go back to their pool), each array holding only its
+group's layers. Which group a layer is in (RoPE or not) is scanned data like its other
+switches: a layer writes its keys and values into both groups' arrays at its index in its own
+group and past the end of the other's (a write there is dropped), and attends through a
+`lax.cond` between the two groups. So Scout stays one uniform stack of 48 layers, its scan
+step one layer's weights (a period of four unrolled would hold four layers' weights at once).
 Where MoE and dense layers alternate (Maverick), one period of them (dense, moe) is the
 scanned unit: its layers are unrolled in the scan step, their params stacked per position.
 
@@ -47,7 +54,15 @@ from jfire.models.blocks import (
     rope_params,
     write_heads,
 )
-from jfire.models.family import CacheSpec, LayerStack, MeshShape, scan_segment, segments_of
+from jfire.models.family import (
+    CacheGroup,
+    CacheSpec,
+    LayerStack,
+    MeshShape,
+    group_table,
+    scan_segment,
+    segments_of,
+)
 from jfire.models.params import ParamSpec
 
 # Both layouts serve the same text model; the multimodal one nests it under `language_model.`.
@@ -241,8 +256,41 @@ class Llama4Config(PreNormFamily):
             ]
         return specs
 
+    def cache_groups(self) -> tuple[CacheGroup, ...]:
+        """The NoPE layers attend every earlier position ("global"), the RoPE layers their own
+        chunk ("chunked"); one group where the model has only one of them, or no chunk size."""
+        if not (self.attention_chunk_size and self.rope_layers):
+            return super().cache_groups()
+        chunked = CacheGroup("chunked", chunk=self.attention_chunk_size)
+        return (CacheGroup("global"), chunked) if len(self.rope_layers) < self.num_layers else (chunked,)
+
+    def layer_group(self, i: int) -> CacheGroup:
+        """The cache group of model layer i."""
+        groups = {g.name: g for g in self.cache_groups()}
+        if len(groups) == 1:
+            return next(iter(groups.values()))
+        return groups["chunked" if i in self.rope_layers else "global"]
+
+    def cache_names(self, group: str) -> tuple[str, str]:
+        """The (keys, values) cache arrays of a group: `k`/`v` for the global (or only) group."""
+        return ("k_chunked", "v_chunked") if len(self.cache_groups()) > 1 and group == "chunked" else ("k", "v")
+
     def cache_specs(self) -> tuple[CacheSpec, ...]:
-        return kv_cache_specs(self.num_layers, self.num_kv_heads, self.head_dim)
+        specs: tuple[CacheSpec, ...] = ()
+        for g in self.cache_groups():
+            layers = sum(self.layer_group(i) == g for i in range(self.num_layers))
+            suffix = self.cache_names(g.name)[0].removeprefix("k")
+            specs += kv_cache_specs(layers, self.num_kv_heads, self.head_dim, group=g.name, suffix=suffix)
+        return specs
+
+    def group_layers_before(self) -> dict[str, np.ndarray]:
+        """Per cache group, [num_layers + 1]: how many of its layers come before model layer L,
+        which is layer L's index in its group's arrays (when L is in the group)."""
+        out = {}
+        for g in self.cache_groups():
+            member = [self.layer_group(i) == g for i in range(self.num_layers)]
+            out[g.name] = np.concatenate([[0], np.cumsum(member)]).astype(np.int32)
+        return out
 
     def mesh_problems(self, shape: MeshShape) -> list[str]:
         problems = super().mesh_problems(shape)
@@ -259,7 +307,9 @@ class Llama4Config(PreNormFamily):
         return repeat_kv_heads(self, tp)
 
     def layer_data(self) -> dict[str, np.ndarray]:
-        """Per-layer switches, indexed by model layer inside the scan."""
+        """Per-layer switches by model layer: RoPE or not (scanned data; with two cache groups
+        it is also the layer's group) and each layer's chunk (0: none; read by
+        jfire.throughput, the forward pass takes it from the layer's group)."""
         rope = np.array([i in self.rope_layers for i in range(self.num_layers)])
         chunk = np.where(rope, self.attention_chunk_size or 0, 0).astype(np.int32)
         return {"rope": rope, "chunk": chunk}
@@ -280,37 +330,83 @@ class Llama4Config(PreNormFamily):
         attention_impl=None,
         parallel=None,
     ):
-        """One segment's stacked layers over x [b, t, e]; see `LlamaConfig.run_segment`."""
+        """One segment's stacked layers over x [b, t, e]; see `LlamaConfig.run_segment`.
+
+        Each layer reads and writes its cache group's arrays through that group's columns of
+        the page table. The given arrays start at model layer `layer_offset - cache_offset`
+        (layer 0 for the whole model, a stage's first layer for a pipeline stage's slice);
+        model layer L sits in its group's arrays at the number of that group's layers from
+        there to L."""
         cos, sin = rope_angles(positions, rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling))
-        page, slot = cache_slots(positions, page_table, pages["k"].shape[2], pages["k"].shape[3])
         attend = attention_impl or paged_attention_reference
-        data = {k: jnp.asarray(v) for k, v in self.layer_data().items()}
+        groups = {g.name: g for g in self.cache_groups()}
+        tables, slots = {}, {}
+        for name in groups:
+            keys = pages[self.cache_names(name)[0]]
+            tables[name] = group_table(self, page_table, name)
+            slots[name] = cache_slots(positions, tables[name], keys.shape[2], keys.shape[3])
+        before = {name: jnp.asarray(v) for name, v in self.group_layers_before().items()}
+        base = layer_offset - cache_offset  # the model layer of the given arrays' layer 0
+        # RoPE or not (and so the layer's group): static where all layers are alike, else scanned.
+        rope_data = jnp.asarray(self.layer_data()["rope"])
+        alike = {True: len(self.rope_layers) == self.num_layers, False: not self.rope_layers}
         # Temperature tuning for NoPE layers, per absolute position [b, t, 1, 1].
         temperature = 1.0 + self.attn_scale * jnp.log1p(
             jnp.floor((positions.astype(jnp.float32) + 1.0) / self.floor_scale)
         )
         temperature = temperature[:, :, None, None]
 
+        def roped(q, k):
+            q, k = apply_rope_interleaved(q, cos, sin), apply_rope_interleaved(k, cos, sin)
+            if self.use_qk_norm:
+                q, k = rms_norm(q, None, self.rms_norm_eps), rms_norm(k, None, self.rms_norm_eps)
+            return q, k
+
+        def noped(q, k):
+            return ((q * temperature).astype(q.dtype) if self.attn_temperature_tuning else q), k
+
         def layer(carry, p, j, kind):
-            x, k_pages, v_pages = carry
-            i, layer_id = cache_offset + j, layer_offset + j
-            use_rope, chunk = data["rope"][layer_id], data["chunk"][layer_id]
+            x, arrays = carry
+            layer_id = layer_offset + j
             with jax.named_scope("attention"):
                 h = rms_norm(x, p["attn_norm"], self.rms_norm_eps)
                 q = jnp.einsum("bte,ehd->bthd", h, p["wq"])
                 k = jnp.einsum("bte,ekd->btkd", h, p["wk"])
                 v = jnp.einsum("bte,ekd->btkd", h, p["wv"])
-                q_rope, k_rope = apply_rope_interleaved(q, cos, sin), apply_rope_interleaved(k, cos, sin)
-                if self.use_qk_norm:
-                    q_rope, k_rope = (
-                        rms_norm(q_rope, None, self.rms_norm_eps),
-                        rms_norm(k_rope, None, self.rms_norm_eps),
+                rope = next((static for static, every in alike.items() if every), None)
+                if rope is None:
+                    rope = rope_data[layer_id]
+                    (q_rope, k_rope), (q_nope, k_nope) = roped(q, k), noped(q, k)
+                    q, k = jnp.where(rope, q_rope, q_nope), jnp.where(rope, k_rope, k_nope)
+                else:
+                    q, k = (roped if rope else noped)(q, k)
+                # The layer's index in each group's arrays; past the end where it is not a member.
+                index = {}
+                for name, group in groups.items():
+                    k_name, v_name = self.cache_names(name)
+                    i = before[name][layer_id] - before[name][base]
+                    if len(groups) > 1:
+                        member = rope if group.chunk is not None else ~rope
+                        i = jnp.where(member, i, arrays[k_name].shape[0])
+                    page, slot = slots[name]
+                    arrays = {
+                        **arrays,
+                        k_name: write_heads(arrays[k_name], i, page, slot, k),
+                        v_name: write_heads(arrays[v_name], i, page, slot, v),
+                    }
+                    index[name] = i
+
+                def attend_in(name):
+                    k_name, v_name = self.cache_names(name)
+                    chunk = groups[name].chunk
+                    return lambda: attend(
+                        q, arrays[k_name], arrays[v_name], index[name], tables[name], positions, chunk=chunk
                     )
-                q_nope = (q * temperature).astype(q.dtype) if self.attn_temperature_tuning else q
-                q, k = jnp.where(use_rope, q_rope, q_nope), jnp.where(use_rope, k_rope, k)
-                k_pages = write_heads(k_pages, i, page, slot, k)
-                v_pages = write_heads(v_pages, i, page, slot, v)
-                out = attend(q, k_pages, v_pages, i, page_table, positions, chunk=chunk)
+
+                if len(groups) > 1:
+                    out = jax.lax.cond(rope, attend_in("chunked"), attend_in("global"))
+                else:
+                    out = attend_in(next(iter(groups)))()
                 x = x + out_projection(out, p["wo"])
             h = rms_norm(x, p["mlp_norm"], self.rms_norm_eps)
             if kind == "moe":
@@ -331,7 +427,8 @@ class Llama4Config(PreNormFamily):
             else:
                 with jax.named_scope("mlp"):
                     x = x + gated_mlp(h, p["w_gate"], p["w_up"], p["w_down"])
-            return x, k_pages, v_pages
+            return x, arrays
 
-        x, k, v = scan_segment(segment, layer, stack, (x, pages["k"], pages["v"]), x.dtype)
-        return x, {"k": k, "v": v}
+        names = [n for g in groups for n in self.cache_names(g)]
+        x, arrays = scan_segment(segment, layer, stack, (x, {n: pages[n] for n in names}), x.dtype)
+        return x, {**pages, **arrays}

@@ -27,14 +27,15 @@ MESHES = ["ep=4,tp=2", "pp=2,ep=2,tp=2", "ep=8"]
 PAGE, PAGES = 4, 64
 ROWS = greedy.ROWS
 EXPERT_PARAMS = ("layers.we_gate", "layers.we_up", "layers.we_down")
-# Llama 4 Maverick-shaped: MoE every second layer, NoPE layers 0 and 3 (global, temperature
-# tuned), chunked attention on the others; one periodic segment (dense, moe) scanned per period.
-# At pp=2 each stage holds one period: stage 1's layers 2 (RoPE) and 3 (NoPE) read their
-# per-layer switches at the model layer, not the stage's.
+# Llama 4 Maverick-shaped: MoE every second layer, NoPE layers 3 and 7 (global, temperature
+# tuned, in the global cache group's arrays `k`/`v`), chunked attention on the others (in
+# `k_chunked`/`v_chunked`); one periodic segment (dense, moe) scanned per period, the group
+# scanned data. At pp=2 each stage holds two periods and its slice of each group's arrays:
+# stage 1's layers 4-6 sit at 0-2 of its 3 chunked layers, layer 7 at 0 of its 1 global layer.
 LLAMA4 = Llama4Config(architecture="Llama4ForCausalLM", vocab_size=512, hidden_size=64, intermediate_size=48,
-                      intermediate_size_mlp=96, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=8,
-                      max_position_embeddings=256, num_experts=8, experts_per_token=1, moe_layers=(1, 3),
-                      rope_layers=(1, 2), attention_chunk_size=4, floor_scale=4.0, attn_scale=0.25)
+                      intermediate_size_mlp=96, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=8,
+                      max_position_embeddings=256, num_experts=8, experts_per_token=1, moe_layers=(1, 3, 5, 7),
+                      rope_layers=(0, 1, 2, 4, 5, 6), attention_chunk_size=4, floor_scale=4.0, attn_scale=0.25)
 
 
 @pytest.fixture(scope="module")
@@ -104,11 +105,15 @@ def llama4_host():
 
 def test_periodic_llama4_at_pp2_ep2_tp2_equals_one_device(llama4_host):
     (segment,) = LLAMA4.segments()
-    assert (segment.period, segment.steps) == (("dense", "moe"), 2)
-    table = np.arange(ROWS * 8, dtype=np.int32).reshape(ROWS, 8)[:, ::-1].copy()
+    assert (segment.period, segment.steps) == (("dense", "moe"), 4)
+    # [rows, 2 groups x 8]: each group's pages in its own pool, in an order of its own.
+    table = np.arange(ROWS * 8, dtype=np.int32).reshape(ROWS, 8)
+    table = np.concatenate([table[:, ::-1], table + ROWS * 8], axis=1)
     run = lambda spec: greedy.run_greedy(LLAMA4, llama4_host, spec, table, num_pages=PAGES, page_size=PAGE)
-    _, params, _, _, _, mesh = greedy.setup(LLAMA4, llama4_host, "pp=2,ep=2,tp=2", PAGES, PAGE)
+    _, params, pages, _, _, mesh = greedy.setup(LLAMA4, llama4_host, "pp=2,ep=2,tp=2", PAGES, PAGE)
     experts = get_path(params, "layers.moe1.we_gate")  # [periods, experts, embed, ffn]
     for shard in experts.addressable_shards:
-        assert shard.data.shape == (1, LLAMA4.num_experts // 2, LLAMA4.hidden_size, LLAMA4.intermediate_size // 2)
+        assert shard.data.shape == (2, LLAMA4.num_experts // 2, LLAMA4.hidden_size, LLAMA4.intermediate_size // 2)
+    for name, stage_layers in (("k", 1), ("k_chunked", 3)):  # a stage's layers of each group
+        assert {shard.data.shape[0] for shard in pages[name].addressable_shards} == {stage_layers}
     greedy.assert_same_run(run("pp=2,ep=2,tp=2"), run(None))
