@@ -4,7 +4,10 @@
 reserve, and the room left for the KV cache (jfire/plan.py). With `--kv-cache-gb auto` serve and
 each group of a launch size their page pool with that same function, `plan.plan`, for the
 model, mesh, dtype and limits they run with, on the devices they run on, before a weight is
-read: the pool gets exactly the plan's pages, and a model that leaves no room for one full
+read: the engine is given the bytes of the plan's pools (`kv_cache_bytes_per_device`), from
+which it sizes exactly the plan's pools (`jfire.runner.pool_size`, the function the plan sizes
+them with: a pool per kind of layer, or one pool for every group where the engine moves pages by
+id, each then as many pages as those bytes hold), and a model that leaves no room for one full
 context is refused at start-up with the figures (`plan.format_refusal`).
 
 - Auto is the default on accelerators; on CPU devices the default stays 1 GiB (host memory,
@@ -134,10 +137,12 @@ def device_memory(devices) -> tuple[float, str]:
 
 
 def size_pool(config, size: PoolSize, *, model: str, dtype: str, spec, devices):
-    """`config` (a jfire.engine.EngineConfig) with its page pool sized as `size` asks on
-    `devices` (the engine's, the mesh's first): by the plan where auto applies (the plan's
-    pages exactly; a JfireError with the plan's figures when one full context does not fit),
-    else as given (1 GiB where --kv-cache-gb was left out)."""
+    """`config` (a jfire.engine.EngineConfig) with its page pools sized as `size` asks on
+    `devices` (the engine's, the mesh's first): by the plan where auto applies (the bytes of
+    the plan's pools, from which the engine sizes the same pools; not `num_pages`, which would
+    give every group of an engine keeping one pool the full-attention group's pages; a
+    JfireError with the plan's figures when one full context does not fit), else as given
+    (1 GiB where --kv-cache-gb was left out)."""
     platform = devices[0].platform
     if not size.auto(platform):
         return config
@@ -164,4 +169,4 @@ def size_pool(config, size: PoolSize, *, model: str, dtype: str, spec, devices):
     if not p["fits"]:
         raise JfireError(f"--kv-cache-gb auto: {plan.format_refusal(p)}")
     print(f"jfire: --kv-cache-gb auto: {plan.format_pool(p)}", file=sys.stderr, flush=True)
-    return dataclasses.replace(config, num_pages=p["kv_pages"], kv_cache_bytes=p["kv_cache_bytes_per_device"])
+    return dataclasses.replace(config, num_pages=None, kv_cache_bytes=p["kv_cache_bytes_per_device"])

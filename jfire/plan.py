@@ -14,9 +14,17 @@ repeated for a wide tp cost memory, and are counted), and adds up, for each devi
   reserve     RESERVE_BYTES, a stated constant: CUDA context, library workspaces, allocator slack
   free        device memory - weights - workspace - reserve: the room for the KV cache
 
-and divides what is free by the cache's bytes per token on that device (a pages axis split over
-a stage's devices, MLA's latent, counted as 1/n of a token's bytes per device; an array kept on
-every pipeline stage counted on each).
+and sizes the KV page pools in what is free on the device with the least room exactly as the
+engine does (`kv_pools`: `jfire.runner.pool_size` itself, over each cache group's bytes of a page
+on a device: a pages axis split over a stage's devices, MLA's latent, counted as 1/n of a page;
+an array kept on every pipeline stage counted on each). A model whose layers attend different
+spans has a pool per kind of layer (`Family.cache_groups()`): each windowed group (a sliding
+window, Llama 4's chunks) gets every row's window, `--max-batch` rows of the most pages a row
+holds of it at once, and the full-attention group the rest. `kv_capacity_tokens` is then the
+tokens of context the pools hold with every row's window so reserved: the full-attention
+group's pages x the page size (for a model whose groups are all windowed, their pages x the page
+size); one sequence holds at most `max_tokens_per_sequence` of them (docs/plan.md, "The KV
+pools").
 
 Workspace on XLA:CPU. For bfloat16 models XLA:CPU upcasts every dot to float32 and hoists a
 float32 copy of each whole stacked weight out of the layer loop (for Llama 4 Scout on tp=2,
@@ -40,9 +48,10 @@ tokens/s at a few batch sizes, prefill tokens/s and TTFT at a few prompt lengths
 per million output tokens, from the bytes each device reads and the FLOPs it does per step
 (`step_passes` counts the weights, as held above).
 
-`jfire serve` and `jfire launch` size their page pool with `plan` itself (`--kv-cache-gb auto`,
-jfire/device_memory.py: the workspace estimated, the device's memory its allocator's limit) and
-refuse to start with `format_refusal`'s figures where one full context does not fit.
+`jfire serve` and `jfire launch` size their page pools with `plan` itself (`--kv-cache-gb auto`,
+jfire/device_memory.py: the workspace estimated, the device's memory its allocator's limit; the
+engine is given the bytes of the plan's pools, from which it sizes the same pools) and refuse to
+start with `format_refusal`'s figures where one full context does not fit.
 
 The figures these plans come to are printed by `jfire plan`; the README shows the plans of the
 shipped meshes, kept equal to the code by its tests, and they are copied nowhere else.
@@ -51,6 +60,7 @@ shipped meshes, kept equal to the code by its tests, and they are copied nowhere
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from concurrent.futures import ThreadPoolExecutor
@@ -247,15 +257,17 @@ def _pages_split(cfg: Family, cache_shardings: dict) -> int:
     return sharding.page_multiple(cache_shardings, cfg)
 
 
-def kv_bytes_per_token(cfg: Family, cache_shardings: dict, dtype) -> dict:
-    """Cache bytes one token of one sequence takes on each device. A pages axis split over
-    n devices (MLA's `latent_pages`) cannot split one page, so this measures n pages of one
-    slot and divides back by n, as `sharding.page_bytes_per_device` does (rounded up); an
-    array not split over pp (a dense first layer's latent) counts on every stage."""
+def kv_bytes_per_token(cfg: Family, cache_shardings: dict, dtype, group: str | None = None) -> dict:
+    """Cache bytes one token of one sequence takes on each device, in every cache group (or in
+    one). A pages axis split over n devices (MLA's `latent_pages`) cannot split one page, so
+    this measures n pages of one slot and divides back by n, as `sharding.page_bytes_per_device`
+    does (rounded up); an array not split over pp (a dense first layer's latent) counts on
+    every stage."""
     n = _pages_split(cfg, cache_shardings)
     total: dict = {}
     for c in cfg.cache_specs():
-        _add(total, shard_bytes(cache_shardings[c.name], c.shape(n, 1), np.dtype(dtype).itemsize))
+        if group is None or c.group == group:
+            _add(total, shard_bytes(cache_shardings[c.name], c.shape(n, 1), np.dtype(dtype).itemsize))
     return {device: -(-b // n) for device, b in total.items()}
 
 
@@ -281,15 +293,15 @@ def kv_values_per_layer(cfg: Family, cache_shardings: dict) -> int:
     sees them: its share of the other axes (K/V heads split over tp), the pages axis whole,
     since the reference attention gathers every row's full page table on every device, also
     where the pages are split (MLA, which then masks the pages it does not hold). Summed over
-    the cache arrays (K and V; for MLA the dense and MoE latents, of which a layer reads one:
-    an upper bound)."""
+    a cache group's arrays (K and V; for MLA the dense and MoE latents, of which a layer reads
+    one: an upper bound), the most of any group (a layer reads its own group's)."""
     n = _pages_split(cfg, cache_shardings)
-    total = 0
+    total: dict = {}
     for c in cfg.cache_specs():
         shard = cache_shardings[c.name].shard_shape(c.shape(n, 1))
         skip = {c.pages_axis} | ({0} if c.axes[0] in ("layers", "layers_unpiped") else set())
-        total += math.prod(d for i, d in enumerate(shard) if i not in skip)
-    return total
+        total[c.group] = total.get(c.group, 0) + math.prod(d for i, d in enumerate(shard) if i not in skip)
+    return max(total.values(), default=0)
 
 
 def step_passes(cfg: Family, param_shardings: dict, dtype, pp: int) -> tuple[throughput.Pass, throughput.Pass]:
@@ -368,12 +380,18 @@ def measure_workspace(
         if dtype == jnp.float8_e4m3fn:
             dtype = FP8_AS_BYTES
         set_path(params, p.name, jax.ShapeDtypeStruct(p.shape, dtype, sharding=get_path(param_shardings, p.name)))
-    # Enough pages for the largest bucket's page tables (the temporaries do not grow with the
-    # pool), in whole multiples of a split pages axis.
+    # Each cache group's pages: enough for the largest bucket's page tables (the temporaries do
+    # not grow with the pool), a windowed group's as many as its rows' windows take, in whole
+    # multiples of a split pages axis.
     multiple = _pages_split(cfg, cache_shardings)
-    num_pages = -(-max(p.rows * p.width for p in programs) // multiple) * multiple
+    num_pages = {}
+    for g in cfg.cache_groups():
+        most = max(p.rows * g.pages_per_row(p.width * page_size, page_size, p.tokens) for p in programs)
+        num_pages[g.name] = -(-most // multiple) * multiple
     pages = {
-        c.name: jax.ShapeDtypeStruct(c.shape(num_pages, page_size), WORKSPACE_DTYPE, sharding=cache_shardings[c.name])
+        c.name: jax.ShapeDtypeStruct(
+            c.shape(num_pages[c.group], page_size), WORKSPACE_DTYPE, sharding=cache_shardings[c.name]
+        )
         for c in cfg.cache_specs()
     }
     layer_stack = Pipeline(mesh, spec.num_microbatches) if mesh is not None and spec.pp > 1 else None
@@ -438,6 +456,63 @@ def estimate_workspace(
     embed = max((n for p in cfg.param_specs() for a, n in zip(p.axes, p.shape) if a == "embed"), default=0)
     activations = program.rows * program.tokens * embed * ACTIVATION_VALUES_PER_TOKEN * w
     return layer + gathered + logits + activations
+
+
+# -- the KV pools -----------------------------------------------------------------------------------
+
+
+def group_page_bytes(cfg: Family, mesh, cache_shardings: dict, page_size: int, dtype) -> dict[str, int]:
+    """Bytes of one page of each cache group on the device holding the most of it: the engine's
+    own figures (`jfire.runner.pool_size` sizes its pools with them)."""
+    from jfire.kv_cache import page_bytes
+
+    return {
+        g.name: sharding.page_bytes_per_device(cfg, page_size, dtype, cache_shardings, g.name)
+        if mesh is not None
+        else page_bytes(cfg, page_size, dtype, g.name)
+        for g in cfg.cache_groups()
+    }
+
+
+def kv_pools(
+    cfg: Family,
+    mesh,
+    cache_shardings: dict,
+    dtype,
+    budget: int,
+    *,
+    page_size: int,
+    max_batch: int,
+    prefill_budget: int,
+    max_model_len: int,
+    shared: bool = False,
+) -> tuple[dict[str, int], bool]:
+    """(pages per cache group, shared) of the pools an engine sizes from `budget` bytes a
+    device: `jfire.runner.pool_size` itself, given the model's config, KV dtype and mesh (each
+    windowed group its rows' windows, the full-attention groups the rest: kv_cache.pool_pages;
+    one pool for all where that holds no fewer pages of full attention, or where `shared`),
+    for the most bytes of whole pages within the budget (the engine rounds a split pages axis
+    up to whole multiples of the split). No pages where the budget holds none."""
+    from jfire.engine_config import EngineConfig
+    from jfire.runner import pool_size
+
+    per_page = group_page_bytes(cfg, mesh, cache_shardings, page_size, dtype)
+    step = _pages_split(cfg, cache_shardings) * sum(per_page.values())
+    nbytes = budget
+    while nbytes >= sum(per_page.values()):
+        config = EngineConfig(
+            page_size=page_size, kv_cache_bytes=nbytes, max_batch=max_batch, prefill_budget=prefill_budget
+        )
+        counts, one_pool = pool_size(cfg, dtype, mesh, config, max_model_len, shared)
+        used = pool_bytes(counts, per_page)
+        if used <= budget:
+            return counts, one_pool
+        nbytes = min(nbytes, used) - step
+    return dict.fromkeys(per_page, 0), False
+
+
+def pool_bytes(counts: dict[str, int], per_page: dict[str, int]) -> int:
+    return sum(n * per_page[name] for name, n in counts.items())
 
 
 # -- the plan ---------------------------------------------------------------------------------------
@@ -539,32 +614,72 @@ def plan(
                 "reserve_bytes": RESERVE_BYTES,
                 "kv_bytes_free": free,
                 "kv_bytes_per_token": kv[device],
-                "kv_tokens": max(0, free) // kv[device],
             }
         )
     free_total = sum(d["kv_bytes_free"] for d in per_device)
     kv_total = sum(d["kv_bytes_per_token"] for d in per_device)
-    # One pool of pages: every device holds its share of each page (all of it, or 1/n of the
-    # pages where they are split n ways), so kv[device] is what one pool token costs there and
-    # the device with the least room bounds the pool; the shardings are even, so this is
-    # free total // kv total.
-    capacity = min(d["kv_tokens"] for d in per_device)
-    multiple = _pages_split(wide, cache_shardings)
-    pages = capacity // page_size // multiple * multiple  # the engine takes whole multiples of the split
-    per_page = (
-        sharding.page_bytes_per_device(wide, page_size, DTYPES[kv_dtype], cache_shardings)
-        if mesh is not None
-        else page_size * kv_device
+    # The pools: every device holds its share of each page (all of it, or 1/n of the pages where
+    # they are split n ways), so the device with the least room bounds them; sized as the engine
+    # sizes them from that many bytes a device (`kv_pools`).
+    budget = max(0, min(d["kv_bytes_free"] for d in per_device))
+    groups = wide.cache_groups()
+    kv_type = DTYPES[kv_dtype]
+    per_page = group_page_bytes(wide, mesh, cache_shardings, page_size, kv_type)
+    pools = functools.partial(
+        kv_pools,
+        wide,
+        mesh,
+        cache_shardings,
+        kv_type,
+        page_size=page_size,
+        max_batch=max_batch,
+        prefill_budget=prefill_budget,
+        max_model_len=max_model_len,
     )
-    kv_cache_bytes = pages * per_page  # per device: what --kv-cache-gb should be
-    kv_model = cfg.kv_bytes_per_token(DTYPES[kv_dtype])  # the cache declaration's, each layer once
+    group_pages, shared = pools(budget)
+    kv_cache_bytes = pool_bytes(group_pages, per_page)  # per device: what the engine is given
+    one_pool = pools(kv_cache_bytes, shared=True)[0]
+    full = [g for g in groups if not g.windowed]
+    pages = max(group_pages[g.name] for g in full or groups)  # what EngineConfig.num_pages means: a full group's
+    capacity = pages * page_size
+    step_tokens = max(prefill_budget, 2)  # as the engine steps its rows (jfire.runner.pool_size)
+    row_pages = {g.name: g.pages_per_row(max_model_len, page_size, step_tokens) for g in groups}
+    per_sequence = max_model_len
+    for g in groups:
+        if not g.windowed or group_pages[g.name] < row_pages[g.name]:  # a window that fits slides on
+            per_sequence = min(per_sequence, group_pages[g.name] * page_size)
+    kv_groups = {
+        g.name: {
+            "attends": "chunk" if g.chunk else "sliding window" if g.sliding_window else "all",
+            "window": g.chunk or g.sliding_window,
+            "pages": group_pages[g.name],
+            "pages_per_row": row_pages[g.name],
+            "page_bytes_per_device": per_page[g.name],
+            "bytes_per_device": group_pages[g.name] * per_page[g.name],
+            "kv_bytes_per_token": sum(kv_bytes_per_token(wide, cache_shardings, kv_type, g.name).values()),
+        }
+        for g in groups
+    }
+    # One full context beside every row's window (a windowed group's rows, a full group's one
+    # row), or in one pool (each group a whole row): the least bytes a device needs to fit one;
+    # where every group is windowed, one row's windows.
+    whole = -(-max_model_len // page_size)
+    by_kind = sum((max_batch * row_pages[g.name] if g.windowed else whole) * per_page[g.name] for g in groups)
+    context_bytes = min(by_kind, whole * sum(per_page.values()))
+    if not full:
+        context_bytes = sum(row_pages[g.name] * per_page[g.name] for g in groups)
+    kv_model = cfg.kv_bytes_per_token(kv_type)  # the cache declaration's, each layer once
     problems = []
     if min(d["kv_bytes_free"] for d in per_device) <= 0:
         problems.append("the weights, workspace and reserve leave no memory for the KV cache")
-    elif pages * page_size < max_model_len:  # whole pages: a row takes its last page whole
+    elif per_sequence < max_model_len:  # whole pages: a row takes its last page whole
+        several = len(groups) > 1
         problems.append(
-            f"the KV cache holds {pages * page_size} tokens ({pages} pages of {page_size}), less than one "
-            f"sequence of the {max_model_len}-token context (lower --max-context, or use a bigger mesh)"
+            f"the KV cache holds {per_sequence} tokens ({pages} pages of {page_size}"
+            + (" in each full-attention group's pool, beside every row's window" if several else "")
+            + f"), less than one sequence of the {max_model_len}-token context (lower --max-context"
+            + (", --max-batch or --prefill-budget" if several else "")
+            + ", or use a bigger mesh)"
         )
     counts = parameter_counts(cfg, DTYPES[dtype])
     peaks = throughput.Device.of(spec)
@@ -652,14 +767,29 @@ def plan(
         "kv_bytes_per_token": kv_total,
         "kv_bytes_per_token_model": kv_model,
         "kv_note": (
-            "kv_bytes_per_token: what one pool token costs summed over the devices (KV heads repeated for "
-            "tp and layers kept on every pipeline stage counted each time they are stored), which the "
-            "capacity divides; kv_bytes_per_token_model: the cache declaration's, each layer once"
+            "kv_bytes_per_token: what one token in every layer costs summed over the devices (KV heads "
+            "repeated for tp and layers kept on every pipeline stage counted each time they are stored; "
+            "kv_groups gives each cache group's share); kv_bytes_per_token_model: the cache declaration's, "
+            "each layer once"
         ),
         "kv_bytes_free_total": free_total,
+        "kv_budget_bytes_per_device": budget,
         "kv_capacity_tokens": capacity,
+        "max_tokens_per_sequence": per_sequence,
+        "kv_capacity_note": (
+            "kv_capacity_tokens: the tokens of context the pools hold once every row's window is reserved "
+            "(each windowed group --max-batch rows of the most pages a row holds of it at once): a full-attention "
+            "group's pages x page_size, or, where every group is windowed, their pages x page_size; "
+            "max_tokens_per_sequence: the most one sequence may hold (at most --max-context); kv_groups: "
+            "each cache group's pool (pages, the bytes of a page and of the pool on the device with the "
+            "least room, the most pages one row holds at once)"
+        ),
         "page_size": page_size,
         "kv_pages": pages,
+        "kv_groups": kv_groups,
+        "kv_pools_shared": shared,
+        "kv_pages_one_pool": max(one_pool.values()),
+        "kv_context_bytes_per_device": context_bytes,
         "kv_cache_gb_per_device": math.floor(kv_cache_bytes / GIB * 100) / 100,
         "kv_cache_bytes_per_device": kv_cache_bytes,
         "kv_dtype": kv_dtype,
@@ -783,13 +913,36 @@ def _memory_sum(p: dict, d: dict) -> str:
     )
 
 
+def _groups(p: dict) -> dict:
+    """The plan's pools by cache group worth a line each: all of them where there are several or
+    one is windowed; none for one pool of full attention (the plan says it all)."""
+    groups = p.get("kv_groups") or {}
+    return groups if len(groups) > 1 or any(g["window"] for g in groups.values()) else {}
+
+
+def _pages(p: dict, noun: str = "pages") -> str:
+    """The pools' pages in words: "N pages of 16", each group's where there are several."""
+    text = f"{p['kv_pages']:,} {noun} of {p['page_size']}"
+    groups = _groups(p)
+    if len(groups) < 2:
+        return text
+    if p["kv_pools_shared"]:
+        return f"{text} in one pool for the {' and '.join(groups)} layers"
+    return ", ".join(f"{g['pages']:,} {name}" for name, g in groups.items()) + f" {noun} of {p['page_size']}"
+
+
 def format_pool(p: dict) -> str:
-    """The pool a plan that fits gives an engine, in one line (serve and launch with
+    """The pools a plan that fits gives an engine, in one line (serve and launch with
     `--kv-cache-gb auto` print it at start-up)."""
     d = _tightest(p)
+    one_pool = (
+        f"; an engine keeping one pool (moving pages by id): {p['kv_pages_one_pool']:,} pages for every group"
+        if len(_groups(p)) > 1 and not p["kv_pools_shared"]
+        else ""
+    )
     return (
-        f"{p['kv_pages']:,} KV pages of {p['page_size']} tokens, {_gib(p['kv_cache_bytes_per_device'])} per "
-        f"device ({p['kv_pages'] * p['page_size'] / p['max_context']:.1f} contexts of {p['max_context']:,}): "
+        f"{_pages(p, 'KV pages')} tokens, {_gib(p['kv_cache_bytes_per_device'])} per device "
+        f"({p['kv_capacity_tokens'] / p['max_context']:.1f} contexts of {p['max_context']:,}{one_pool}): "
         + _memory_sum(p, d)
     )
 
@@ -801,15 +954,49 @@ def format_refusal(p: dict) -> str:
     where = (
         f"device {d['index']} of the {p['devices']} of mesh {p['mesh']['name']!r}" if p["devices"] > 1 else "one device"
     )
-    context = -(-p["max_context"] // p["page_size"]) * p["page_size"]  # a row's pages are whole
+    groups = _groups(p)
+    windows = (
+        ", beside every row's window of the "
+        + " and ".join(name for name, g in groups.items() if g["window"])
+        + " layers,"
+        if len(groups) > 1
+        else ""
+    )
+    a_token = (
+        " and ".join(
+            f"{_kib(g['page_bytes_per_device'] // p['page_size'])} a token in the {name} layers"
+            for name, g in groups.items()
+        )
+        if groups
+        else f"{_kib(d['kv_bytes_per_token'])} a token"
+    )
     return (
         f"{p['model']} ({p['dtype']}) does not fit {where} with room for one full context: "
         + _memory_sum(p, d)
-        + f", and one {p['max_context']:,}-token context needs {_gib(context * d['kv_bytes_per_token'])} "
-        f"({_kib(d['kv_bytes_per_token'])} a token). Lower --max-context, --max-batch or --prefill-budget, "
+        + f", and one {p['max_context']:,}-token context{windows} needs {_gib(p['kv_context_bytes_per_device'])} "
+        f"({a_token}). Lower --max-context, --max-batch or --prefill-budget, "
         + ("load the weights in bfloat16 (--dtype), " if p["dtype"] != "bfloat16" else "")
         + "spread the model over more devices (--mesh), or state the devices' memory with --device-memory-gib "
         "if they have more (jfire plan --no-compile prints the same figures)"
+    )
+
+
+def _group_line(p: dict, name: str, g: dict) -> str:
+    """One cache group's pool: its pages, their bytes, and what its layers attend."""
+    if g["attends"] == "all":
+        attends = "every earlier position"
+    else:
+        what = "chunks" if g["attends"] == "chunk" else "a sliding window"
+        step = f"with a {p['prefill_budget']}-token step"
+        attends = (
+            f"{what} of {g['window']:,} tokens, {p['max_batch']} rows x {g['pages_per_row']:,} pages "
+            f"(the most a row holds at once, {step})"
+            if g["pages"] == p["max_batch"] * g["pages_per_row"]
+            else f"{what} of {g['window']:,} tokens, a row at most {g['pages_per_row']:,} pages at once ({step})"
+        )
+    return (
+        f"            {name}: {g['pages']:,} pages, {_gib(g['bytes_per_device'])} per device, "
+        f"{_kib(g['kv_bytes_per_token'])} per token over all devices; its layers attend {attends}"
     )
 
 
@@ -849,18 +1036,22 @@ def format_plan(p: dict) -> str:
         )
         lines.append(f"              {shape}: {measured}estimate {_gib(d['estimate_bytes'])}")
     lines.append(f"reserve     {_gib(p['reserve_bytes_per_device'])} per device, {p['reserve_note']}")
+    groups = _groups(p)
     lines += [
         "",
         f"KV cache    {_gib(p['kv_bytes_free_total'])} free in all; {_kib(p['kv_bytes_per_token'])} per token over all "
         f"devices{_kv_model(p)} -> {p['kv_capacity_tokens']:,} tokens "
         f"({p['kv_capacity_tokens'] / p['max_context']:.1f} sequences of {p['max_context']:,})"
+        + (", a pool per kind of layer, every row's window reserved:" if len(groups) > 1 else ":" if groups else "")
         if p["kv_capacity_tokens"]
         else f"KV cache    no room ({_gib(p['kv_bytes_free_total'])} free in all)",
     ]
+    if p["kv_capacity_tokens"]:
+        lines += [_group_line(p, name, g) for name, g in groups.items()]
     if p["fits"]:
         lines.append(
             f"fits        yes: serve with --kv-cache-gb {p['kv_cache_gb_per_device']:g} "
-            f"({p['kv_pages']:,} pages of {p['page_size']}); limits: --max-batch {p['max_batch']} "
+            f"({_pages(p)}); limits: --max-batch {p['max_batch']} "
             f"--prefill-budget {p['prefill_budget']} --max-context {p['max_context']}"
         )
         lines.append(

@@ -27,6 +27,7 @@ from jfire.checkpoint.load import LoadedModel
 from jfire.grammar import ban, fill_mask
 from jfire.kernels import cpu_matmul
 from jfire.kv_cache import KVPools, init_pages, page_bytes, pool_pages
+from jfire.models.family import Family
 from jfire.pipeline import Pipeline
 from jfire.programs import QUICK_COMPILE, Buckets, CompiledPrograms, decode_attention
 from jfire.sampling import PenaltyState, RowSampling, init_penalty_state, mask_words, set_penalty_slot
@@ -44,12 +45,15 @@ def uses_cpu_kernels(model: LoadedModel, wanted: bool) -> bool:
     return model.platform == "cpu" and cpu_matmul.available()
 
 
-def pool_size(model: LoadedModel, config, max_model_len: int, shared: bool = False) -> tuple[dict[str, int], bool]:
-    """(pages per cache group, shared) of the engine's pools: `num_pages` each (a windowed
-    group's no more than its rows' windows), else as many as `kv_cache_bytes` holds on the
-    device holding the most of a page, split by `jfire.kv_cache.pool_pages`. `shared`: one
-    pool for every group, whatever would hold more (a connector moves pages by id)."""
-    cfg, dtype, mesh = model.config, model.kv_dtype, model.mesh
+def pool_size(
+    cfg: Family, dtype, mesh, config, max_model_len: int, shared: bool = False
+) -> tuple[dict[str, int], bool]:
+    """(pages per cache group, shared) of the pools of an engine with settings `config` over a
+    model of config `cfg` with its KV cache in `dtype` on `mesh` (None: one device): `num_pages`
+    each (a windowed group's no more than its rows' windows), else as many as `kv_cache_bytes`
+    holds on the device holding the most of a page, split by `jfire.kv_cache.pool_pages`.
+    `shared`: one pool for every group, whatever would hold more (a connector moves pages by
+    id). `jfire plan` sizes its pools with this too, before any weight is read."""
     groups = cfg.cache_groups()
     cache_shardings = sharding.cache_shardings(cfg, mesh) if mesh is not None else None
     per_page = {
@@ -114,7 +118,9 @@ class ModelRunner:
         mesh = model.mesh
         # Pages per cache group, and whether one pool serves every group (`shared_pool`: the
         # engine's connector moves pages by id; see jfire.kv_cache.KVPools).
-        self.group_pages, self.shared_pool = pool_size(model, config, max_model_len, shared_pool)
+        self.group_pages, self.shared_pool = pool_size(
+            model.config, model.kv_dtype, mesh, config, max_model_len, shared_pool
+        )
         cache_shardings = sharding.cache_shardings(self.cfg, mesh) if mesh is not None else None
         self.pages = init_pages(self.cfg, self.group_pages, config.page_size, model.kv_dtype, cache_shardings)
         self.pools = KVPools(self.cfg.cache_groups(), self.group_pages, config.page_size, self.shared_pool)

@@ -8,6 +8,7 @@ The plans the tests compare with are computed here, by `plan.plan` with the same
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -21,8 +22,11 @@ from jfire import cli, device_memory, plan
 from jfire import mesh as meshes
 from jfire.disagg import launch
 from jfire.disagg.deployment import Deployment
+from jfire.engine_config import EngineConfig
 from jfire.errors import JfireError
+from jfire.runner import pool_size
 from tests.serve.server_process import start_server
+from tests.tiny_models import COMMON, LLAMA4_TEXT
 
 LIMITS = ["--max-batch", "4", "--prefill-budget", "64", "--max-context", "512"]
 FITS_GIB = 1.7  # the default model in float32: ~0.5 GiB of weights, a 1 GiB reserve, ~0.18 GiB of pages
@@ -92,7 +96,8 @@ def test_launch_gives_each_group_the_plans_pages(default_checkpoint, monkeypatch
         config = device_memory.size_pool(cli.engine_config(group_args, single=False), size,
                                          model=group_args.model, dtype=group_args.dtype, spec=group.mesh,
                                          devices=jax.local_devices())
-        assert config.num_pages == plan_of(default_checkpoint, FITS_GIB, spec=group.mesh)["kv_pages"]
+        expected = plan_of(default_checkpoint, FITS_GIB, spec=group.mesh)
+        assert config.num_pages is None and config.kv_cache_bytes == expected["kv_cache_bytes_per_device"]
 
 
 def test_auto_on_cpu_devices_needs_their_memory_stated(default_checkpoint):
@@ -108,9 +113,47 @@ def test_auto_on_cpu_devices_needs_their_memory_stated(default_checkpoint):
     assert left_out == config and config.kv_cache_bytes == 1 << 30 and config.num_pages is None
     stated = device_memory.size_pool(config, device_memory.PoolSize(None, FITS_GIB), model=str(default_checkpoint),
                                      dtype="float32", spec=single, devices=devices)
-    assert stated.num_pages == plan_of(default_checkpoint, FITS_GIB)["kv_pages"]
+    assert stated.num_pages is None
+    assert stated.kv_cache_bytes == plan_of(default_checkpoint, FITS_GIB)["kv_cache_bytes_per_device"]
     with pytest.raises(JfireError, match="--device-memory-gib goes with --kv-cache-gb auto"):
         device_memory.PoolSize(2.0, FITS_GIB)
+
+
+def tiny_llama4(tmp_path, **text) -> str:
+    """A tiny Llama 4's config.json alone: NoPE every fourth layer (global attention), chunks of 8
+    on the others: two cache groups."""
+    hf = {"architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text", **COMMON, **LLAMA4_TEXT,
+          "num_hidden_layers": 8, "no_rope_layers": [1, 1, 1, 0] * 2, "max_position_embeddings": 4096, **text}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("max_batch", [4, 64])
+def test_auto_gives_the_engine_the_plans_pools_of_each_kind(tmp_path, max_batch):
+    """Auto hands the engine the bytes of the plan's pools, from which `runner.pool_size` sizes
+    exactly the plan's pools: each chunked row's window and the rest to the global layers (4
+    rows), or one pool where the rows' windows would leave the global layers less (64 rows of
+    256-token steps in about 40 MiB of room); an engine keeping one pool (moving pages by id)
+    gets `kv_pages_one_pool` pages in every group from the same bytes."""
+    model = tiny_llama4(tmp_path)
+    gib = 1.05 if max_batch == 64 else 1.2
+    limits = plan.Limits(max_batch=max_batch, prefill_budget=256, max_context=4096)
+    p = plan.plan(model, meshes.resolve(None), dtype="float32", limits=limits, compile=False, device_memory_gib=gib)
+    assert p["fits"] and [g["attends"] for g in p["kv_groups"].values()] == ["all", "chunk"]
+    assert p["kv_pools_shared"] == (max_batch == 64)
+    config = EngineConfig(max_batch=max_batch, prefill_budget=256, max_model_len=4096)
+    config = device_memory.size_pool(config, device_memory.PoolSize(None, gib), model=model, dtype="float32",
+                                     spec=meshes.resolve(None), devices=jax.devices())
+    cfg = plan.read_model_config(model)
+    counts, shared = pool_size(cfg, jax.numpy.float32, None, config, 4096)
+    assert counts == {name: g["pages"] for name, g in p["kv_groups"].items()} and shared == p["kv_pools_shared"]
+    one_pool, _ = pool_size(cfg, jax.numpy.float32, None, config, 4096, shared=True)
+    assert one_pool == {"global": p["kv_pages_one_pool"], "chunked": p["kv_pages_one_pool"]}
+    per_page = {name: g["page_bytes_per_device"] for name, g in p["kv_groups"].items()}
+    assert sum(n * per_page[name] for name, n in one_pool.items()) <= config.kv_cache_bytes
+    if not shared:  # the chunked layers' pool: each row's window, 8 - 1 + 256 positions over at most 18 pages
+        assert counts["chunked"] == max_batch * 18 and counts["global"] > p["kv_pages_one_pool"]
+        assert p["kv_capacity_tokens"] == 16 * counts["global"]
 
 
 @pytest.mark.parametrize("text,ok", [("auto", "auto"), ("0.5", 0.5), ("0", None), ("lots", None)])

@@ -91,11 +91,69 @@ def test_scout_has_more_kv_room_than_infire_on_two_h200s(scout):
     assert scout["reserve_bytes_per_device"] == GIB
     # Infire: "over 56 GiB free for KV cache"; all costs counted, jfire leaves at least 60.
     assert scout["kv_bytes_free_total"] >= 60 * GIB
-    assert scout["fits"] and scout["kv_capacity_tokens"] == scout["kv_bytes_free_total"] // scout["kv_bytes_per_token"]
+    check_consistent(scout)
+    # A pool per kind of layer holds at least what one pool for every layer would.
+    assert scout["fits"] and scout["kv_capacity_tokens"] >= scout["kv_pages_one_pool"] * scout["page_size"]
     text = plan.format_plan(scout)
     for fragment in ("107,769,861,120 (107.8 B)", "2 x H200", "XLA:CPU", "measured", "a stated constant",
-                     "--kv-cache-gb"):
+                     "--kv-cache-gb", "global: ", "chunked: "):
         assert fragment in text
+
+
+def scout_pools_hand_count(budget: int, *, rows: int, step: int) -> dict[str, int]:
+    """Llama 4 Scout's pages per cache group on tp=2 for `budget` bytes of KV a device, from the
+    released config's numbers: the NoPE layers (no_rope_layers 0) attend every earlier position,
+    the others their own chunk of attention_chunk_size. Each row of the chunked layers' pool
+    holds at once the positions from the start of its step's first query's chunk (at most
+    chunk - 1 before that query) to the step's last: chunk - 1 + step positions, which span at
+    most ceil((chunk - 2 + step) / page) + 1 pages wherever they start; every one of the `rows`
+    rows has that reserved, and the global layers' pool gets the rest."""
+    text = json.loads((SCOUT / "config.json").read_text())["text_config"]
+    K, D, chunk = text["num_key_value_heads"], text["head_dim"], text["attention_chunk_size"]
+    rope = text["no_rope_layers"]  # transformers' flag: 1 = RoPE (chunked attention), 0 = NoPE (global)
+    assert len(rope) == text["num_hidden_layers"] == 48 and rope.count(0) == 12 and chunk == 8192
+    tp, page = 2, 16  # the mesh's tp, the engine's page size
+    token_layer = K // tp * D * 2 * 2  # a token in one layer on a device: its 4 KV heads' K and V in bf16
+    global_page, chunked_page = rope.count(0) * token_layer * page, rope.count(1) * token_layer * page
+    chunked_pages = rows * (-(-(chunk - 2 + step) // page) + 1)
+    return {"global": (budget - chunked_pages * chunked_page) // global_page, "chunked": chunked_pages,
+            "global_page": global_page, "chunked_page": chunked_page}
+
+
+MILLION = ("--max-context", "1048576", "--max-batch", "8")
+ONE_POOL_TOKENS = 376_864  # Scout's plan on h200x2 with one pool for all 48 layers, before pools per kind
+
+
+@pytest.fixture(scope="module")
+def scout_million():
+    return plan_json("--model", str(SCOUT), "--mesh", "h200x2-llama4-scout", *MILLION)
+
+
+def test_scout_holds_a_million_token_context_in_a_pool_per_kind_of_layer(scout_million):
+    """Scout on two H200s with room for a 1,048,576-token conversation (issue 43): its 36 chunked
+    layers keep only their rows' current chunks, so the 12 global layers' pool holds over three
+    times the 376,864 tokens that one pool for all 48 layers held (the README's plan at the
+    default limits, before pools per kind)."""
+    p = scout_million
+    check_consistent(p)
+    budget = p["kv_budget_bytes_per_device"]
+    assert budget == min(d["kv_bytes_free"] for d in p["per_device"])
+    hand = scout_pools_hand_count(budget, rows=8, step=256)  # --max-batch 8; the default --prefill-budget
+    assert (hand["chunked"], hand["chunked_page"], hand["global_page"]) == (8 * 529, 1_179_648, 393_216)
+    assert {name: g["pages"] for name, g in p["kv_groups"].items()} == {"global": hand["global"],
+                                                                         "chunked": hand["chunked"]}
+    assert [g["page_bytes_per_device"] for g in p["kv_groups"].values()] == [hand["global_page"], hand["chunked_page"]]
+    assert p["kv_capacity_tokens"] == 16 * hand["global"] >= 3 * ONE_POOL_TOKENS
+    assert p["fits"] and p["max_tokens_per_sequence"] == 1_048_576 and not p["kv_pools_shared"]
+    assert p["kv_pages"] == hand["global"]  # what EngineConfig.num_pages means: a full-attention group's pages
+    # An engine keeping one pool for every group (one moving pages by id) gets from the same bytes
+    # what one pool for all layers always held.
+    assert p["kv_pages_one_pool"] == p["kv_cache_bytes_per_device"] // (hand["global_page"] + hand["chunked_page"])
+    text = plan.format_plan(p)
+    for fragment in (f"-> {16 * hand['global']:,} tokens (1.2 sequences of 1,048,576), a pool per kind of layer",
+                     f"global: {hand['global']:,} pages", "chunked: 4,232 pages", "8 rows x 529 pages",
+                     f"({hand['global']:,} global, 4,232 chunked pages of 16)"):
+        assert fragment in text, fragment
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +258,10 @@ def test_kimi_kv_room_on_eight_h100s(kimi):
     assert layer_experts <= workspace <= layer_experts + GIB
     free = round(79.6 * GIB) - weights - workspace - GIB
     assert kimi["kv_bytes_free_total"] == 8 * free
-    assert kimi["kv_capacity_tokens"] == 8 * free // ((60 + 2) * 576 * 2)
+    # Pages of 16 tokens, each device holding a quarter of a page (its stage's 31 layers x 576
+    # values in bf16, the pages split 4 ways), in whole multiples of the split.
+    page = 16 * (30 + 1) * 576 * 2 // 4
+    assert kimi["kv_pages"] == free // page // 4 * 4 and kimi["kv_capacity_tokens"] == 16 * kimi["kv_pages"]
     # Infire publishes "over 30 GiB" of KV cache on 8 H100s; jfire leaves over 50 GiB even with
     # its upper-bound workspace (float32 scales, one layer's experts copied per step).
     assert kimi["kv_bytes_free_total"] >= 50 * GIB
@@ -260,7 +321,19 @@ def check_consistent(p: dict) -> None:
     assert p["weight_bytes_per_device"] == max(d["weight_bytes"] for d in p["per_device"])
     assert p["kv_bytes_free_total"] == sum(d["kv_bytes_free"] for d in p["per_device"])
     assert p["kv_bytes_per_token"] == sum(d["kv_bytes_per_token"] for d in p["per_device"])
-    assert p["kv_capacity_tokens"] == p["kv_bytes_free_total"] // p["kv_bytes_per_token"]
+    # The pools: whole pages within the room of the device with the least.
+    budget = max(0, min(d["kv_bytes_free"] for d in p["per_device"]))
+    assert p["kv_budget_bytes_per_device"] == budget
+    groups = p["kv_groups"].values()
+    assert p["kv_cache_bytes_per_device"] == sum(g["bytes_per_device"] for g in groups) <= budget
+    assert all(g["bytes_per_device"] == g["pages"] * g["page_bytes_per_device"] for g in groups)
+    assert sum(g["kv_bytes_per_token"] for g in groups) == p["kv_bytes_per_token"]
+    assert p["kv_capacity_tokens"] == p["kv_pages"] * p["page_size"]
+    assert p["max_tokens_per_sequence"] == min(p["max_context"], p["kv_capacity_tokens"]) or all(
+        g["window"] for g in groups)
+    if len(groups) == 1:  # one pool: as many whole pages as the room holds (the multiples of a split pages axis)
+        (g,) = groups
+        assert g["pages"] == p["kv_pages"] and budget - p["kv_cache_bytes_per_device"] < 8 * g["page_bytes_per_device"]
     source = "workspace_bytes" if p["workspace_source"] == "measured" else "estimate_bytes"
     assert p["workspace_bytes_per_device"] == max(w[source] for w in p["workspace_programs"])
 
@@ -354,8 +427,9 @@ def test_the_int4_path_the_plan_measures_computes_the_grouped_matmul():
 README = REPO / "README.md"
 
 
-def readme_plans() -> dict[tuple[str, str], list[str]]:
-    """The README's `jfire plan` examples: (--model, --mesh) -> the lines shown after it."""
+def readme_plans() -> dict[tuple[str, ...], list[str]]:
+    """The README's `jfire plan` examples: (--model, --mesh, the other arguments...) -> the
+    lines shown after it."""
     from tests.test_readme import commands
 
     plans = {}
@@ -363,21 +437,34 @@ def readme_plans() -> dict[tuple[str, str], list[str]]:
         argv = shlex.split(command)
         if argv[:2] == [".venv/bin/jfire", "plan"]:
             assert shown, command
-            plans[argv[argv.index("--model") + 1], argv[argv.index("--mesh") + 1]] = shown
+            model, mesh = argv.index("--model"), argv.index("--mesh")
+            rest = tuple(a for i, a in enumerate(argv[2:], 2) if i not in (model, model + 1, mesh, mesh + 1))
+            plans[(argv[model + 1], argv[mesh + 1], *rest)] = shown
     return plans
 
 
-def test_the_readme_shows_the_plans_the_code_makes(scout, kimi, deepseek_v3):
+def test_the_readme_shows_the_plans_the_code_makes(scout, scout_million, kimi, deepseek_v3):
     from tests.test_readme import matches
 
     made = {(str(SCOUT.relative_to(REPO)), "h200x2-llama4-scout"): scout,
+            (str(SCOUT.relative_to(REPO)), "h200x2-llama4-scout", *MILLION): scout_million,
             (str(KIMI.relative_to(REPO)), "h100x8-kimi-k2"): kimi,
             (str(DEEPSEEK_V3.relative_to(REPO)), "h100x16-deepseek-v3-fp8"): deepseek_v3}
     plans = readme_plans()  # and a comparison (DeepSeek-V3 on tp=16) that tests/test_readme.py runs alone
     assert made.keys() <= plans.keys()
-    for (model, mesh), p in made.items():
-        printed = plan.format_plan({**p, "model": model})
-        assert matches(plans[model, mesh], printed), f"the README's plan of {model} on {mesh} is not\n{printed}"
+    for key, p in made.items():
+        printed = plan.format_plan({**p, "model": key[0]})
+        assert matches(plans[key], printed), f"the README's plan {' '.join(key)} is not\n{printed}"
+
+
+def test_the_readme_figures_beside_the_scout_plans_are_the_code_s(scout_million):
+    """What the README's prose says of Scout's pools per kind, from the same plan."""
+    text = " ".join(README.read_text().split())
+    one_pool = re.search(r"One pool for all 48 layers held ([\d,]+) tokens \(the plan at the default limits, before "
+                         r"the pools per kind\); the pools per kind hold ([\d.]+) times that", text)
+    assert one_pool and one_pool[1] == f"{ONE_POOL_TOKENS:,}"
+    assert one_pool[2] == f"{scout_million['kv_capacity_tokens'] / ONE_POOL_TOKENS:.1f}"
+    assert f"one conversation may use all {scout_million['max_tokens_per_sequence']:,} tokens" in text
 
 
 def test_the_readme_figures_beside_the_plans_are_the_code_s(deepseek_v3):
