@@ -3,8 +3,13 @@ from the bytes each device reads and the FLOPs it does in a step (the method: do
 
 A pass of some layers over some tokens takes, on one device,
 
-    max(bytes read / memory bandwidth, FLOPs / (peak bf16 FLOP/s x efficiency))
+    max(weight bytes read / memory bandwidth, the products' FLOPs / (peak bf16 FLOP/s x efficiency))
+      + max(cache bytes read / memory bandwidth, attention FLOPs / (peak x attention efficiency))
       + bytes sent over the link / link bandwidth
+
+The layers' products and attention are two phases, each under its own bound: a prefill chunk's
+products are bound by the weights' bytes on a GPU while its attention over a long cache is
+bound by FLOPs, and one max over both would hide one under the other.
 
 with the device's spec-sheet peaks from the mesh file's [device] table. Every device of a
 pipeline stage reads its own shard at the same time, so one device's pass is the stage's.
@@ -50,7 +55,17 @@ from jfire.models.params import get_path
 # decode figures are bounds (no kernel reads memory faster than the sheet says); prefill's FLOPs
 # at 0.5, a round allowance for bf16 GEMMs and flash attention at an engine's chunk sizes
 # (FlashAttention-3 reports about 75% of an H100's peak at its best shapes).
-EFFICIENCY = MappingProxyType({"memory": 1.0, "link": 1.0, "decode_flops": 1.0, "prefill_flops": 0.5})
+EFFICIENCY = MappingProxyType(
+    {
+        "memory": 1.0,
+        "link": 1.0,
+        "decode_flops": 1.0,
+        "prefill_flops": 0.5,
+        "decode_attention_flops": 1.0,
+        "prefill_attention_flops": 0.5,
+        "attention_memory": 1.0,
+    }
+)
 # A round figure for renting one Hopper GPU by the hour, not a quote: --usd-per-device-hour
 # replaces it with what a deployment pays.
 USD_PER_DEVICE_HOUR = 2.0
@@ -87,6 +102,22 @@ class Device:
         return cls(spec.device_memory_tb_per_s * 1e12, spec.device_bf16_tflops * 1e12, link and link * 1e9)
 
 
+@dataclasses.dataclass(frozen=True)
+class Efficiency:
+    """The fractions of the device's peaks a step gets: its layers' products of the FLOP/s
+    (`flops`), attention of the FLOP/s (`attention_flops`) and of the memory bandwidth as it
+    reads the cache (`attention_memory`; the weights are read at EFFICIENCY["memory"])."""
+
+    flops: float
+    attention_flops: float
+    attention_memory: float = 1.0
+
+    @classmethod
+    def of(cls, kind: str) -> Efficiency:
+        """The stated constants of "decode" or "prefill" steps."""
+        return cls(EFFICIENCY[f"{kind}_flops"], EFFICIENCY[f"{kind}_attention_flops"], EFFICIENCY["attention_memory"])
+
+
 def experts_touched(experts: int, per_token: int, tokens: float) -> float:
     """Expected distinct experts `tokens` tokens touch, each choosing `per_token` of `experts`:
     one token misses a given expert with probability 1 - k/E, all of them with its t-th power."""
@@ -116,7 +147,7 @@ class Model:
         within_chunk = np.where(chunk > 0, p % np.maximum(chunk, 1) + 1, p + 1)
         return np.where(window > 0, np.minimum(within_chunk, window), within_chunk)
 
-    def pass_s(self, part: Pass, device: Device, rows: int, tokens: int, start: int, flops_efficiency: float) -> float:
+    def pass_s(self, part: Pass, device: Device, rows: int, tokens: int, start: int, efficiency: Efficiency) -> float:
         """One device's time for `part` over `rows` rows of `tokens` tokens at positions start...
         (every row alike)."""
         if not part.layers and not part.weight_bytes:
@@ -124,12 +155,14 @@ class Model:
         seen = self.attended(np.arange(start, start + tokens))[list(part.layers)]  # [layers, tokens]
         n = rows * tokens
         touched = experts_touched(self.experts, self.per_token, n) / self.experts if self.experts else 0.0
+        bandwidth, peak = device.memory_bytes_per_s, device.flops_per_s
+        read = part.weight_bytes + part.expert_bytes * touched
+        flops = n * part.token_flops + rows * part.row_flops
+        t = max(read / (bandwidth * EFFICIENCY["memory"]), flops / (peak * efficiency.flops))
         kv = rows * self.kv_layer_bytes * seen[:, -1].sum() / part.share  # each row's cache read once a pass
-        read = part.weight_bytes + part.expert_bytes * touched + kv
-        flops = n * part.token_flops + rows * part.row_flops + rows * self.attention_flops * seen.sum() / part.share
-        t = max(
-            read / (device.memory_bytes_per_s * EFFICIENCY["memory"]), flops / (device.flops_per_s * flops_efficiency)
-        )
+        attention = rows * self.attention_flops * seen.sum() / part.share
+        if kv or attention:
+            t += max(kv / (bandwidth * efficiency.attention_memory), attention / (peak * efficiency.attention_flops))
         if device.link_bytes_per_s:
             sent = n * self.link_bytes * len(part.layers) / part.share
             t += sent / (device.link_bytes_per_s * EFFICIENCY["link"])
@@ -144,10 +177,10 @@ class Model:
             m -= 1
         return m, m + self.stages - 1
 
-    def step_s(self, device: Device, rows: int, tokens: int, start: int, flops_efficiency: float) -> float:
+    def step_s(self, device: Device, rows: int, tokens: int, start: int, efficiency: Efficiency) -> float:
         m, ticks = self.ticks(rows)
-        once = self.pass_s(self.once, device, rows, tokens, start, flops_efficiency)
-        return once + ticks * self.pass_s(self.tick, device, rows // m, tokens, start, flops_efficiency)
+        once = self.pass_s(self.once, device, rows, tokens, start, efficiency)
+        return once + ticks * self.pass_s(self.tick, device, rows // m, tokens, start, efficiency)
 
 
 def model_on_mesh(
@@ -217,12 +250,12 @@ def figures(
     deep, one prompt's prefill in chunks of `prefill_chunk` tokens, and their cost."""
     usd = USD_PER_DEVICE_HOUR if usd_per_device_hour is None else usd_per_device_hour
     batches = sorted({b for b in DECODE_BATCHES if b <= max_batch} | {max_batch})
-    decode = {b: b / model.step_s(device, b, 1, context - 1, EFFICIENCY["decode_flops"]) for b in batches}
+    decode = {b: b / model.step_s(device, b, 1, context - 1, Efficiency.of("decode")) for b in batches}
     ttft = {}
     for n in (n for n in PROMPT_LENGTHS if n <= max_prompt):
         # The prompt alone, chunk after chunk, each a step of one row (so through the stages in turn).
         chunks = [(s, min(prefill_chunk, n - s)) for s in range(0, n, prefill_chunk)]
-        ttft[n] = sum(model.step_s(device, 1, t, s, EFFICIENCY["prefill_flops"]) for s, t in chunks)
+        ttft[n] = sum(model.step_s(device, 1, t, s, Efficiency.of("prefill")) for s, t in chunks)
     per_stage = devices // model.stages
     return {
         "hbm_bytes_per_s": device.memory_bytes_per_s * per_stage,

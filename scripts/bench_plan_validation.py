@@ -21,14 +21,12 @@ the figures it predicts, each round, beside the engine (medians over the rounds)
   host        the engine's own per-step timing (`stats()`: schedule + prepare + outputs over
               the steps of the wave it comes from), added to the model's step, which leaves it out
 
-The plan model charges attention with the layers' products: its FLOPs at the GEMM rate and its
-cache reads with the weights', under one max(bytes, FLOPs) per pass. On this CPU attention is a
-phase of its own, at its own rate, so a second prediction keeps the same counts (the model's
-KV bytes and attention FLOPs) but times them apart, at rates micro-benchmarked at the figures'
-shapes over scattered pages: jfire's decode attention kernel (bytes/s of cache read, at 1 row
-576 positions deep and 16 rows 192 deep) and the reference attention prefill chunks use (FLOP/s,
-over the 512-token prompt's two 256-token chunks); then step = max(weight bytes, product
-FLOPs) + attention + host.
+The plan model times a step's products and its attention as two phases, each under its own
+max(bytes, FLOPs). Attention's efficiencies here come from micro-benchmarks at the figures'
+shapes over scattered pages: jfire's decode attention kernel (bytes/s of cache read over the
+bandwidth, at 1 row 576 positions deep and 16 rows 192 deep) and the reference attention
+prefill chunks use (FLOP/s over the products', over the 512-token prompt's two 256-token
+chunks); then step = the model's step + host.
 
 jfire's figures, with the engine `jfire bench --compare` runs (EngineConfig(max_batch=16,
 max_model_len=1024)): batch-1 decode tokens/s over 128 tokens after a 512-token prompt and that
@@ -263,56 +261,62 @@ def throughput_model(cfg) -> throughput.Model:
 
 
 def predict(model: throughput.Model, machine: dict, host: dict, b16_position: float) -> dict:
-    """Each figure on the plan model (one max(bytes, FLOPs) a pass) and with the attention
-    apart, its terms in seconds a step (host added to both)."""
+    """Each figure on the plan's model (throughput.Model: the layers' products and attention
+    each under its own max(bytes, FLOPs)) with this machine as the device and its efficiencies
+    from the micro-benchmarks, host added; and its terms in seconds a step."""
     bw, flops = machine["bandwidth_bytes_per_s"], machine["prefill_flops_per_s"]
-    efficiency = {"prefill": 1.0, "decode": machine["decode_flops_per_s"] / flops}
-    # The same model with the attention taken out, and the attention alone (one pass, pp=1).
-    weights = dataclasses.replace(model, kv_layer_bytes=0.0, attention_flops=0.0)
+    device = throughput.Device(bw, flops, None)
+    # The attention alone (no weights): its counts of KV bytes and FLOPs at unit rates.
     attention = dataclasses.replace(
         model, once=dataclasses.replace(model.once, weight_bytes=0, token_flops=0.0, row_flops=0.0)
     )
+    unit = throughput.Efficiency(1.0, 1.0, 1.0)
 
     def count(rows: int, tokens: int, start: int, what: str) -> float:
         """The model's KV bytes ("bytes") or attention FLOPs ("flops") of a step."""
-        unit = throughput.Device(1.0, INF, None) if what == "bytes" else throughput.Device(INF, 1.0, None)
-        return attention.step_s(unit, rows, tokens, start, 1.0)
+        rates = throughput.Device(1.0, INF, None) if what == "bytes" else throughput.Device(INF, 1.0, None)
+        return attention.step_s(rates, rows, tokens, start, unit)
 
-    # The attention's rates on this CPU: the micro-benchmarks' times over the model's counts.
-    attention_device = {
-        str(r): throughput.Device(count(r, 1, at, "bytes") / machine["decode_attention_s"][str(r)], INF, None)
-        for r, at in ATTENTION_AT.items()
+    # The efficiencies, each a micro-benchmark's rate over the device's: the products at 16 rows
+    # through jfire's kernel (decode) over XLA's dot at 256 rows (the device's FLOP/s); the
+    # decode attention kernel's cache reads over the bandwidth, at each figure's rows; the
+    # reference attention of prefill chunks over the device's FLOP/s.
+    decode_flops = machine["decode_flops_per_s"] / flops
+    kv_rate = {
+        str(r): count(r, 1, at, "bytes") / machine["decode_attention_s"][str(r)] for r, at in ATTENTION_AT.items()
     }
-    prefill_flops = sum(count(1, CHUNK, s, "flops") for s in range(0, PROMPT, CHUNK))
-    attention_device["prefill"] = throughput.Device(bw, prefill_flops / machine["prefill_attention_s"], None)
+    prefill_attention = sum(count(1, CHUNK, s, "flops") for s in range(0, PROMPT, CHUNK))
+    prefill_attention_rate = prefill_attention / machine["prefill_attention_s"]
+    efficiency = {
+        **{f"decode_{r}": throughput.Efficiency(decode_flops, 1.0, rate / bw) for r, rate in kv_rate.items()},
+        "prefill": throughput.Efficiency(1.0, prefill_attention_rate / flops, 1.0),
+    }
+    weights = dataclasses.replace(model, kv_layer_bytes=0.0, attention_flops=0.0)
 
-    def step(rows: int, tokens: int, starts, kind: str, attention_on: str) -> dict:
-        def mean(m: throughput.Model, device: throughput.Device, e: float) -> float:
-            return float(np.mean([m.step_s(device, rows, tokens, s, e) for s in starts]))
-
+    def step(rows: int, tokens: int, starts, kind: str) -> dict:
         e = efficiency[kind]
+
+        def mean(m: throughput.Model, d: throughput.Device) -> float:
+            return float(np.mean([m.step_s(d, rows, tokens, s, e) for s in starts]))
+
         return {
-            "plan": mean(model, throughput.Device(bw, flops, None), e),
-            "weight_bytes": mean(weights, throughput.Device(bw, INF, None), e),
-            "weight_flops": mean(weights, throughput.Device(INF, flops, None), e),
-            "attention": mean(attention, attention_device[attention_on], 1.0),
+            "plan": mean(model, device),
+            "weight_bytes": mean(weights, throughput.Device(bw, INF, None)),
+            "weight_flops": mean(weights, throughput.Device(INF, flops, None)),
+            "attention": mean(attention, device),
         }
 
     def figure(terms: dict, host_s: float, value) -> dict:
-        apart = max(terms["weight_bytes"], terms["weight_flops"]) + terms["attention"] + host_s
-        return {**terms, "host": host_s, "plan_model": value(terms["plan"] + host_s), "attention_apart": value(apart)}
+        return {**terms, "host": host_s, "plan_model": value(terms["plan"] + host_s)}
 
-    b1 = step(1, 1, range(PROMPT, PROMPT + DECODE), "decode", "1")  # tpot: the mean over these positions
-    b16 = step(ROWS, 1, [int(round(b16_position))], "decode", str(ROWS))
+    b1 = step(1, 1, range(PROMPT, PROMPT + DECODE), "decode_1")  # tpot: the mean over these positions
+    b16 = step(ROWS, 1, [int(round(b16_position))], f"decode_{ROWS}")
     # The prompt alone, chunk after chunk, as throughput.figures adds up TTFT.
-    chunks = [step(1, min(CHUNK, PROMPT - s), [s], "prefill", "prefill") for s in range(0, PROMPT, CHUNK)]
+    chunks = [step(1, min(CHUNK, PROMPT - s), [s], "prefill") for s in range(0, PROMPT, CHUNK)]
     ttft = {k: sum(c[k] for c in chunks) for k in chunks[0]}
     return {
-        "efficiency": efficiency,
-        "attention_rates": {
-            "decode_kv_bytes_per_s": {r: d.memory_bytes_per_s for r, d in attention_device.items() if r != "prefill"},
-            "prefill_flops_per_s": attention_device["prefill"].flops_per_s,
-        },
+        "efficiency": {k: dataclasses.asdict(e) for k, e in efficiency.items()},
+        "attention_rates": {"decode_kv_bytes_per_s": kv_rate, "prefill_flops_per_s": prefill_attention_rate},
         "figures": {
             "decode_b1_tps": figure(b1, host["b1"], lambda s: 1 / s),
             "decode_b16_tps": figure(b16, host["b16"], lambda s: ROWS / s),
@@ -395,15 +399,19 @@ def format_table(results: dict) -> str:
         f"machine: {m['bandwidth_bytes_per_s'] / g:.1f} GB/s; layer products {m['prefill_flops_per_s'] / g:.0f} "
         f"GFLOP/s at {CHUNK} rows (XLA's dot; {m['prefill_flops_per_s_cached'] / g:.0f} from cache), "
         f"{m['decode_flops_per_s'] / g:.0f} at {ROWS} rows (jfire's kernel; {m['decode_flops_per_s_cached'] / g:.0f} "
-        f"from cache): efficiency prefill {e['prefill']:.2f}, decode {e['decode']:.2f}",
+        f"from cache)",
         "attention: decode kernel reads the cache at "
         + ", ".join(f"{v / g:.1f} GB/s ({r} row{'s' * (r != '1')})" for r, v in a["decode_kv_bytes_per_s"].items())
         + f"; prefill reference {a['prefill_flops_per_s'] / g:.0f} GFLOP/s of the model's count",
+        "efficiency (products' FLOPs, attention FLOPs, attention memory): "
+        + "; ".join(
+            f"{k} {v['flops']:.2f}, {v['attention_flops']:.2f}, {v['attention_memory']:.2f}" for k, v in e.items()
+        ),
         f"host: {results['host_s_per_step']['b1'] * 1e3:.2f} ms a step alone, "
         f"{results['host_s_per_step']['b16'] * 1e3:.2f} ms at {ROWS} rows; weights read a step "
         f"{results['weight_bytes_per_step'] / 1e6:.0f} MB, KV {results['kv_bytes_per_token'] / 1e3:.1f} kB a token",
         "",
-        f"{'figure':<23}{'plan model':>11}{'attn apart':>11}{'measured':>10}{'ratio':>7}  {'within 25%':<11}"
+        f"{'figure':<23}{'predicted':>10}{'measured':>10}{'ratio':>7}  {'within 25%':<11}"
         "ms a step: weights bytes / FLOPs, attention, host",
     ]
     for key, label in (
@@ -412,16 +420,16 @@ def format_table(results: dict) -> str:
         ("ttft_512_s", "TTFT 512 tokens, s"),
     ):
         p, measured = results["predicted"][key], results["measured"][key]
-        ok = "yes" if abs(p["attention_apart"] / measured - 1) <= TOLERANCE else "NO"
+        ok = "yes" if abs(p["plan_model"] / measured - 1) <= TOLERANCE else "NO"
         terms = f"{p['weight_bytes'] * 1e3:.1f} / {p['weight_flops'] * 1e3:.1f}, {p['attention'] * 1e3:.1f}, "
         lines.append(
-            f"{label:<23}{p['plan_model']:>11.3g}{p['attention_apart']:>11.3g}{measured:>10.3g}"
-            f"{measured / p['attention_apart']:>7.2f}  {ok:<11}{terms}{p['host'] * 1e3:.1f}"
+            f"{label:<23}{p['plan_model']:>10.3g}{measured:>10.3g}{measured / p['plan_model']:>7.2f}  {ok:<11}"
+            f"{terms}{p['host'] * 1e3:.1f}"
         )
     lines.append(
-        "plan model: one max(bytes, FLOPs) a pass, attention inside it; attn apart: the same counts, attention "
-        "timed on its own at its measured rate; ratio: measured / attn apart; within 25%: |attn apart / measured "
-        f"- 1| <= 0.25; medians of {len(results['rounds'])} rounds"
+        "predicted: the plan's model (products and attention each under its own max(bytes, FLOPs)) on this "
+        "machine's measured rates; ratio: measured / predicted; within 25%: |predicted / measured - 1| <= 0.25; "
+        f"medians of {len(results['rounds'])} rounds"
     )
     return "\n".join(lines)
 

@@ -125,7 +125,8 @@ def test_the_throughput_object(scout, kimi):
         assert (a["device"], a["memory_bytes_per_s"], a["bf16_flops_per_s"], a["link_bytes_per_s"]) == (
             device, bytes_per_s, BF16_FLOPS_PER_S, NVLINK_BYTES_PER_S)
         assert a["usd_per_device_hour"] == USD_PER_DEVICE_HOUR and a["usd_per_device_hour_source"] == "default"
-        assert a["efficiency"] == {"memory": 1.0, "link": 1.0, "decode_flops": 1.0, "prefill_flops": 0.5}
+        assert a["efficiency"] == {"memory": 1.0, "link": 1.0, "decode_flops": 1.0, "prefill_flops": 0.5,
+                                   "decode_attention_flops": 1.0, "prefill_attention_flops": 0.5, "attention_memory": 1.0}
         assert a["kv_context_tokens"] == CONTEXT and a["prefill_chunk_tokens"] == 256
         assert list(t["decode_tokens_per_s"]) == list(t["usd_per_million_output_tokens"]) == ["1", "8", "64"]
         decode = list(t["decode_tokens_per_s"].values())
