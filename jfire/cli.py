@@ -152,7 +152,7 @@ def _add_engine_args(p: argparse.ArgumentParser, *, auto: bool = False) -> None:
         "--attention",
         default="reference",
         choices=ATTENTION_IMPLS,
-        help="decode attention: plain jnp, or the Pallas kernel (GPU; -interpret runs it on CPU)",
+        help="attention: plain jnp, or the Pallas kernels for decode and GQA prefill (GPU; -interpret runs them on CPU)",
     )
     p.add_argument(
         "--no-run-ahead",
@@ -316,6 +316,13 @@ def build_parser() -> argparse.ArgumentParser:
         "shares them (default 0: none; docs/architecture.md)",
     )
     v.add_argument(
+        "--host-kv-min-uses",
+        type=int,
+        default=1,
+        help="keep an evicted block in host memory only once it has served this many prompts on the device "
+        "(the one that computed it and those that found it); default 1: every evicted block",
+    )
+    v.add_argument(
         "--no-access-log",
         dest="access_log",
         action="store_false",
@@ -343,6 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="as for serve, for each prefill group (of one process): host memory for its evicted prefix blocks",
     )
+    n.add_argument("--host-kv-min-uses", type=int, default=1, help="as for serve")
     n.add_argument(
         "--no-prefix-routing",
         dest="prefix_routing",
@@ -710,6 +718,7 @@ def cmd_serve(args) -> int:
         raise JfireError(f"--host-kv-gb must be >= 0, got {args.host_kv_gb}")
     if args.host_kv_gb and args.coordinator is not None:
         raise JfireError("--host-kv-gb serves one process; leave it out for a group spanning processes")
+    _check_min_uses(args)
     size = device_memory.PoolSize.of(args)
     spec = _mesh_spec(args)
 
@@ -742,20 +751,25 @@ def cmd_serve(args) -> int:
         api_key=api_key,
         access_log=args.access_log,
         lead=lambda engine: _lead_or_follow(args, engine),
-        connector=_host_tier(args.host_kv_gb),
+        connector=_host_tier(args.host_kv_gb, args.host_kv_min_uses),
         max_body_bytes=int(args.max_body_mb * (1 << 20)),
         shutdown_grace_s=args.shutdown_grace,
         model_name=args.served_model_name or server.served_name(args.model),
     )
 
 
-def _host_tier(gb: float):
+def _host_tier(gb: float, min_uses: int):
     """The host-memory tier's connector, or None (the colocated engine's own)."""
     if not gb:
         return None
     from jfire.host_tier import HostTier
 
-    return HostTier(int(gb * (1 << 30)))
+    return HostTier(int(gb * (1 << 30)), min_uses=min_uses)
+
+
+def _check_min_uses(args) -> None:
+    if args.host_kv_min_uses < 1:
+        raise JfireError(f"--host-kv-min-uses must be >= 1 (1 keeps every evicted block), got {args.host_kv_min_uses}")
 
 
 def cmd_launch(args) -> int:
@@ -775,6 +789,7 @@ def cmd_launch(args) -> int:
     config = dataclasses.replace(engine_config(args, single=False), max_waiting=args.max_queue)
     if args.host_kv_gb < 0:
         raise JfireError(f"--host-kv-gb must be >= 0, got {args.host_kv_gb}")
+    _check_min_uses(args)
     spanning = [g.name for g in deployment.groups if g.role == "prefill" and g.processes > 1]
     if args.host_kv_gb and spanning:
         raise JfireError(
@@ -784,6 +799,7 @@ def cmd_launch(args) -> int:
     size = device_memory.PoolSize.of(args)  # each group sizes its own pool (jfire.disagg.worker)
     passed = [
         ("--host-kv-gb", args.host_kv_gb or None),
+        ("--host-kv-min-uses", args.host_kv_min_uses if args.host_kv_min_uses != 1 else None),
         ("--kv-cache-gb", args.kv_cache_gb),
         ("--device-memory-gib", args.device_memory_gib),
         ("--prefill-budget", args.prefill_budget),
@@ -818,6 +834,7 @@ def cmd_launch(args) -> int:
         max_restarts=args.max_restarts,
         access_log=args.access_log,
         host_kv_bytes=int(args.host_kv_gb * (1 << 30)),
+        host_kv_min_uses=args.host_kv_min_uses,
         route_by_prefix=args.prefix_routing,
     )
     if args.process_id is None:

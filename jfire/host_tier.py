@@ -9,6 +9,10 @@ runs after it). The gathered pages reach host memory at the next loop turn, off 
 critical path, keyed by the same chained block hashes (jfire.kv_cache.block_hashes) in an LRU
 cache of bounded size.
 
+Reuse gating (`min_uses`): only a block that served at least that many prompts on the device
+(the one that computed it and those that found it there) is kept, so prompts nobody repeats do
+not push out of host memory the prefixes that are repeated; 1 keeps every evicted block.
+
 When the scheduler admits a prompt whose leading blocks the device lacks, it asks the
 connector (`load_prefix`): the blocks found in host memory are written into fresh pages by
 the insert program, registered in the pool like any computed block, and the prompt's prefill
@@ -145,11 +149,15 @@ def model_identity(engine) -> bytes:
 
 class HostTier(KVConnector):
     """The colocated engine's connector with a host-memory tier of `capacity_bytes`, or over
-    `store`, a HostPrefixCache that other engines' tiers may use too."""
+    `store`, a HostPrefixCache that other engines' tiers may use too; an evicted block is kept
+    once it has served `min_uses` prompts."""
 
     pages_by_id = True
 
-    def __init__(self, capacity_bytes: int = 0, *, store: HostPrefixCache | None = None):
+    def __init__(self, capacity_bytes: int = 0, *, store: HostPrefixCache | None = None, min_uses: int = 1):
+        if min_uses < 1:
+            raise ValueError(f"min_uses must be at least 1, got {min_uses}")
+        self.min_uses = min_uses
         self.store = store if store is not None else HostPrefixCache(capacity_bytes)
         self.cache = ModelBlocks(self.store, b"")  # under the model's identity once bound
         self._saving: list[tuple[list[bytes], list, object]] = []  # gathered on the device, not yet on the host
@@ -169,14 +177,17 @@ class HostTier(KVConnector):
     def side_programs(self) -> list:
         return [self.gather, self.insert]
 
-    def _evicted(self, evicted: list[tuple[int, bytes]]) -> None:
-        """Cached blocks about to be reused: their pages are gathered now, read later."""
+    def _evicted(self, evicted: list[tuple[int, bytes, int]]) -> None:
+        """Cached blocks about to be reused: the pages of those used often enough are gathered
+        now, read later."""
+        kept = [(page, h) for page, h, uses in evicted if uses >= self.min_uses]
+        self.counts["gated"] += len(evicted) - len(kept)
         widest = self.gather.widths[-1]
-        for i in range(0, len(evicted), widest):
-            part = evicted[i : i + widest]
+        for i in range(0, len(kept), widest):
+            part = kept[i : i + widest]
             wire, sums = self.gather.gather_dispatched(self.engine.runner.pages, [page for page, _ in part])
             self._saving.append(([h for _, h in part], wire, sums))
-        self.counts["saved"] += len(evicted)
+        self.counts["saved"] += len(kept)
 
     def _settle(self) -> None:
         """Moves the gathered blocks into host memory."""
@@ -240,5 +251,6 @@ class HostTier(KVConnector):
             "host_blocks_saved": self.counts["saved"],
             "host_blocks_loaded": self.counts["loaded"],
             "host_blocks_corrupt": self.counts["corrupt"],
+            "host_blocks_gated": self.counts["gated"],
             "host_load_s": self.load_s,
         }

@@ -122,9 +122,12 @@ class BlockPool:
         self._free: collections.OrderedDict[int, None] = collections.OrderedDict((i, None) for i in range(num_pages))
         self._page_of_hash: dict[bytes, int] = {}
         self._hash_of_page: dict[int, bytes] = {}
-        # Called with the (page, block hash) pairs whose cached blocks allocate() is about to
+        # How many prompts a page's block has served: the one that computed it, then each that
+        # found it (a host tier's reuse gating reads it).
+        self.uses = np.zeros(num_pages, np.int32)
+        # Called with the (page, block hash, uses) of the cached blocks allocate() is about to
         # hand out, before anything overwrites them: a host tier copies them out here.
-        self.on_evict: Callable[[list[tuple[int, bytes]]], None] | None = None
+        self.on_evict: Callable[[list[tuple[int, bytes, int]]], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -143,7 +146,8 @@ class BlockPool:
             page, _ = self._free.popitem(last=False)
             h = self._forget(page)
             if h is not None:
-                evicted.append((page, h))
+                evicted.append((page, h, int(self.uses[page])))
+            self.uses[page] = 0
             self.ref_count[page] = 1
             pages.append(page)
         if evicted and self.on_evict is not None:
@@ -176,6 +180,7 @@ class BlockPool:
             if self.ref_count[page] == 0:
                 del self._free[page]
             self.ref_count[page] += 1
+            self.uses[page] += 1
         return pages
 
     def cached_run(self, hashes: Sequence[bytes]) -> int:
@@ -196,6 +201,7 @@ class BlockPool:
             return
         self._page_of_hash[block_hash] = page
         self._hash_of_page[page] = block_hash
+        self.uses[page] = 1
 
     def _forget(self, page: int) -> bytes | None:
         h = self._hash_of_page.pop(page, None)

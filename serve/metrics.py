@@ -44,6 +44,10 @@ class EngineCollector:
             "jfire_host_kv_blocks_corrupt",
             "Host prefix blocks whose bits differed from those saved: dropped and computed again",
         ),
+        "host_blocks_gated": (
+            "jfire_host_kv_blocks_gated",
+            "Evicted prefix blocks not kept in host memory: they served fewer prompts than --host-kv-min-uses",
+        ),
         "host_load_s": ("jfire_host_kv_load_seconds", "Time spent loading prefix blocks back from host memory"),
         # The prefix store shared by prefill groups (jfire.disagg.prefix_store) and routing by prefix.
         "shared_blocks_received": (

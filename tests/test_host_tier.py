@@ -102,6 +102,29 @@ def test_an_entry_of_another_model_or_layout_is_never_served(tiny_model, tiny_hf
         assert outputs[-1].prefix_hit_tokens == 40 and engine.stats()["host_blocks_loaded"] == 10
 
 
+def test_reuse_gating_keeps_only_blocks_that_served_enough_prompts(tiny_model):
+    """With min_uses 2, a prompt run once and evicted leaves nothing in host memory (it is
+    computed again); run twice (the second found it on the device) and evicted, it comes back
+    from host memory with the same tokens."""
+    target, *others = prompts(tiny_model)
+    tier = HostTier(capacity_bytes=64 << 20, min_uses=2)
+    with Engine(tiny_model, EngineConfig(num_pages=26, **LIMITS), tier) as engine:
+        expected = engine.generate([(target, GREEDY)])[0].token_ids
+        for other in others:  # evict the target's 10 blocks, each having served one prompt
+            engine.generate([(other, GREEDY)])
+        assert tier.counts["gated"] >= 10 and tier.counts["saved"] == 0 and len(tier.cache) == 0
+        first = list(engine.submit(target, GREEDY))
+        second = list(engine.submit(target, GREEDY))  # found on the device: its blocks served two
+        assert first[-1].prefix_hit_tokens == 0 and second[-1].prefix_hit_tokens == 40
+        for other in others:
+            engine.generate([(other, GREEDY)])
+        assert tier.counts["saved"] >= 10
+        outputs = list(engine.submit(target, GREEDY))
+        assert [t for o in outputs for t in o.token_ids] == expected
+        assert outputs[-1].prefix_hit_tokens == 40 and engine.stats()["host_blocks_loaded"] == 10
+        assert engine.stats()["host_blocks_gated"] == tier.counts["gated"]
+
+
 def test_block_hashes_take_extra_keys():
     tokens = list(range(12))
     plain = block_hashes(tokens, 4)
@@ -118,6 +141,9 @@ def test_a_negative_host_tier_is_refused_in_one_line(tiny_hf_dir):
 
     proc = run_jfire("serve", "--model", tiny_hf_dir("llama2"), "--port", "0", "--host-kv-gb", "-1")
     assert_user_error(proc, "--host-kv-gb", "-1")
+    proc = run_jfire("serve", "--model", tiny_hf_dir("llama2"), "--port", "0", "--host-kv-gb", "1",
+                     "--host-kv-min-uses", "0")
+    assert_user_error(proc, "--host-kv-min-uses", "0")
 
 
 def test_a_prefill_engine_with_a_host_tier_hands_on_what_it_loaded_back(tiny_model):
@@ -161,8 +187,9 @@ def test_a_launch_hands_its_prefill_groups_the_host_tier(monkeypatch):
         return 0
 
     monkeypatch.setattr(launch, "launch_local", launch_local)
-    assert cli.main(["launch", "local-1p1d", "--host-kv-gb", "0.5", "--compile-cache", "off"]) == 0
-    assert seen["options"].host_kv_bytes == 1 << 29
+    assert cli.main(["launch", "local-1p1d", "--host-kv-gb", "0.5", "--host-kv-min-uses", "2",
+                     "--compile-cache", "off"]) == 0
+    assert seen["options"].host_kv_bytes == 1 << 29 and seen["options"].host_kv_min_uses == 2
     group = cli.build_parser().parse_args(launch.process_argv("local-1p1d", 1, "127.0.0.1:9", seen["options"]))
-    assert group.host_kv_gb == 0.5
+    assert group.host_kv_gb == 0.5 and group.host_kv_min_uses == 2
     assert_user_error(run_jfire("launch", "local-groups-2x2", "--host-kv-gb", "1"), "--host-kv-gb", "span")

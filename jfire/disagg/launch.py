@@ -44,6 +44,7 @@ class Options:
     max_restarts: int = 3  # times each group process is restarted if it dies after start-up
     access_log: bool = True  # the frontend's line per request (serve/access_log.py)
     host_kv_bytes: int = 0  # each prefill group's host-memory tier (jfire.host_tier); 0: none
+    host_kv_min_uses: int = 1  # its reuse gating: prompts a block served before it is kept
     route_by_prefix: bool = True  # the frontend's choice of prefill group (jfire.disagg.prefix_index)
 
     def argv(self) -> list[str]:
@@ -317,6 +318,7 @@ def run_one(
             advertise_host=advertise,
             config=engine_config,
             host_kv_bytes=options.host_kv_bytes,
+            host_kv_min_uses=options.host_kv_min_uses,
             pool_size=pool_size,
         )
     sys.stderr.flush()

@@ -242,10 +242,12 @@ def run(
     advertise_host: str,
     config: EngineConfig,
     host_kv_bytes: int = 0,
+    host_kv_min_uses: int = 1,
     pool_size: PoolSize | None = None,
 ) -> None:
     """Runs one group process until it is told to stop (SIGTERM / Ctrl-C). A prefill group of
-    one process keeps `host_kv_bytes` of evicted prefix blocks in host memory (jfire.host_tier).
+    one process keeps `host_kv_bytes` of evicted prefix blocks in host memory (jfire.host_tier),
+    those that served `host_kv_min_uses` prompts.
     `pool_size`: --kv-cache-gb as given, auto sizing the pool from the plan of the group's mesh
     on its devices (jfire.device_memory)."""
     from jax.experimental import transfer
@@ -286,7 +288,7 @@ def run(
     role: KVConnector = connector
     host_tier_bytes, shared = 0, None
     if host_kv_bytes and isinstance(connector, PrefillConnector) and len(members) == 1:
-        host_tier = HostTier(host_kv_bytes)
+        host_tier = HostTier(host_kv_bytes, min_uses=host_kv_min_uses)
         shared = SharedPrefixes(host_tier)  # the deployment's prefix store, through this tier
         role, host_tier_bytes = ConnectorStack(connector, host_tier, shared), host_kv_bytes
     engine = Engine(loaded, config, role)
