@@ -23,7 +23,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jfire.kernels.varying import vary_alike
+from jfire.kernels.varying import out_struct, vary_alike
 
 GROUP = 32  # inputs per scale
 NIBBLES = 8  # codes per int32 word
@@ -102,10 +102,12 @@ def dequantize(packed, scale, dtype=jnp.bfloat16):
 
 # -- the grouped matmul ----------------------------------------------------------------------------
 
-# Which `ragged_dot_int4` impl the models' expert matmul (`jfire.models.moe._ragged_dot`) uses;
-# None: by backend (`default_impl`). Set it only for a block of tracing with `with
-# use_impl("tiled"): ...`, as `jfire plan` does to measure on XLA:CPU the tile-sized buffers of
-# the GPU kernel's algorithm rather than the "xla" path's whole unpacked layer. A jax user context:
+# Which impl the models' expert matmuls (`jfire.models.moe._ragged_dot`) use: `ragged_dot_int4`'s
+# impl for int4 experts, and for bf16 and FP8 ones "pallas" / "pallas-interpret" select
+# jfire.kernels.grouped_matmul, "xla" XLA's ragged_dot; None: by backend (`default_impl`). Set it
+# only for a block of tracing with `with use_impl("tiled"): ...`, as `jfire plan` does to measure
+# on XLA:CPU the tile-sized buffers of the GPU kernel's algorithm rather than the "xla" path's
+# whole unpacked layer, or with `use_impl("xla")` to keep XLA's ragged_dot on a GPU. A jax user context:
 # part of jit's cache key (a program traced under one impl is never reused under another) and,
 # like JAX's own config contexts, local to the thread that enters it.
 _IMPL = jax.make_user_context(default_value=None)
@@ -113,7 +115,7 @@ IMPLS = ("xla", "pallas", "pallas-interpret", "tiled")
 
 
 def use_impl(impl: str | None):
-    """A context manager: the models' int4 expert matmuls traced inside it use `impl`."""
+    """A context manager: the models' expert matmuls traced inside it use `impl` (see _IMPL)."""
     if impl is not None and impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}: expected one of {IMPLS}")
     return _IMPL(impl)
@@ -195,7 +197,7 @@ def _ragged_dot_pallas(xs, packed, scale, sizes, *, interpret, block_rows, block
             every_row,  # zeros
         ],
         out_specs=every_row,
-        out_shape=_out_struct((a + block_rows, out), jnp.float32, zeros),
+        out_shape=out_struct((a + block_rows, out), jnp.float32, zeros),
         input_output_aliases={5: 0},
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
@@ -248,17 +250,6 @@ def _ragged_dot_tiled(xs, packed, scale, sizes, *, block_rows, block_out):
         return jax.lax.fori_loop(0, (end - start + block_rows - 1) // block_rows, row_block, acc)
 
     return jax.lax.fori_loop(0, experts * tiles, tile, acc)[:a]
-
-
-def _out_struct(shape, dtype, like):
-    """pallas_call's out_shape; inside a shard_map that checks varying axes (check_vma) it
-    must state them: those of `like`, the buffer the output aliases."""
-    aval = jax.typeof(like)
-    if getattr(aval, "manual_axis_type", None) is not None:
-        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=aval.manual_axis_type)
-    if getattr(aval, "vma", None) is not None:  # the name in older JAX releases
-        return jax.ShapeDtypeStruct(shape, dtype, vma=aval.vma)
-    return jax.ShapeDtypeStruct(shape, dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("impl", "block_rows", "block_out", "block_in", "num_warps"))

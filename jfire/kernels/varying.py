@@ -34,3 +34,14 @@ def vary_alike(*operands):
     over: inside a shard_map that checks varying axes (the expert-parallel dispatch) a
     kernel takes operands that agree, and its output is per shard like them."""
     return vary_as(list(operands), *operands)
+
+
+def out_struct(shape, dtype, like):
+    """A pallas_call's out_shape; inside a shard_map that checks varying axes (check_vma) it
+    must state them: those of `like`, the buffer the output aliases."""
+    aval = jax.typeof(like)
+    if getattr(aval, "manual_axis_type", None) is not None:
+        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=aval.manual_axis_type)
+    if getattr(aval, "vma", None) is not None:  # the name in older JAX releases
+        return jax.ShapeDtypeStruct(shape, dtype, vma=aval.vma)
+    return jax.ShapeDtypeStruct(shape, dtype)

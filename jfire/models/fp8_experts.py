@@ -7,9 +7,10 @@ Format (the released checkpoints' `quant_method: fp8`): per expert linear, HF la
   - value w[o, i] = weight[o, i] * scale_inv[o // 128, i // 128] (jfire.checkpoint.fp8).
 
 A byte a weight instead of bf16's two is what lets DeepSeek-V3 (671B parameters) fit 16 H100s.
-The matmul dequantizes the layer's local experts into the compute dtype and runs XLA's
-ragged_dot: the FP8 bytes are what the device holds between steps; the bf16 layer lives for
-one layer's step (a tiled kernel that never holds it, as int4 has, is not written yet).
+On a GPU the matmul is a Pallas kernel (jfire.kernels.grouped_matmul) that reads the FP8 bytes
+of the experts with rows and scales each tile as it multiplies. Elsewhere it dequantizes the
+layer's local experts into the compute dtype and runs XLA's ragged_dot: the FP8 bytes are what
+the device holds between steps; the bf16 layer lives for one layer's step.
 Activations are not quantized: the result is transformers' dequantized model's, not DeepSeek's
 FP8 GEMM's (which also rounds the activations to FP8 per 128 values).
 """
@@ -40,11 +41,21 @@ def ragged_dot_fp8(xs, weight, scale_inv, sizes, *, impl: str = "xla"):
     """`jax.lax.ragged_dot(xs, dequantize(weight, scale_inv), sizes)` in float32: xs [a, in] rows
     sorted by expert, weight [X, out, in], scale_inv [X, out/128, in/128], sizes [X] -> [a, out].
 
-    impl "xla": XLA's ragged_dot (a grouped GEMM on a GPU). "tiled": the same dequantized layer
-    multiplied by expert and block of rows in plain lax loops, which is what `jfire plan` compiles
-    on XLA:CPU to measure the GPU path's buffers (the CPU lowers ragged_dot as a dense emulation
-    that broadcasts the rows to every expert, buffers a GPU never holds). Any other impl of
-    `int4_experts.use_impl` ("pallas", "pallas-interpret") is int4's alone: "xla" here."""
+    impl "pallas" / "pallas-interpret" (a GPU's default, `int4_experts.default_impl`): the Pallas
+    grouped matmul of jfire.kernels.grouped_matmul, which reads the FP8 bytes of the experts that
+    have rows and scales each tile as it reads it, never holding the dequantized layer. "xla":
+    the layer dequantized, then XLA's ragged_dot (on CUDA a zero-padded dense dot over every
+    expert, DESIGN.md). "tiled": the same dequantized layer multiplied by expert and block of rows
+    in plain lax loops, which is what `jfire plan` compiles on XLA:CPU to measure the GPU path's
+    buffers (the CPU lowers ragged_dot as a dense emulation that broadcasts the rows to every
+    expert, buffers a GPU never holds)."""
+    if impl in ("pallas", "pallas-interpret"):
+        from jfire.kernels import grouped_matmul
+
+        if grouped_matmul.fits(weight):
+            return grouped_matmul.grouped_matmul_fp8(
+                xs, weight, scale_inv, sizes.astype(jnp.int32), interpret=impl == "pallas-interpret"
+            )
     w = dequantize(weight, scale_inv, xs.dtype)  # [X, in, out]
     if impl == "tiled":
         return _ragged_dot_looped(xs, w, sizes)

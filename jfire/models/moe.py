@@ -124,19 +124,31 @@ def _swiglu_grouped(xs, sizes, w_gate, w_up, w_down):
 def _ragged_dot(xs, w, sizes):
     """xs [a, in] by group through w [E, in, out], or through quantized expert weights that stay
     quantized on the device, in their source's [E, out, in] layout: packed int4 {"packed",
-    "scale"} (jfire.kernels.int4_experts: on a GPU the Pallas kernel dequantizes tiles as it
-    multiplies; elsewhere XLA dequantizes the layer's experts first, `use_impl` overrides) or
-    block-scaled FP8 {"fp8", "scale_inv"} (jfire.models.fp8_experts: the layer's experts
-    dequantized, then XLA's grouped matmul; `use_impl("tiled")` loops instead, for `jfire plan`)."""
-    if isinstance(w, dict) and "packed" in w:
-        from jfire.kernels.int4_experts import default_impl, ragged_dot_int4
+    "scale"} (jfire.kernels.int4_experts) or block-scaled FP8 {"fp8", "scale_inv"}
+    (jfire.models.fp8_experts).
 
-        return ragged_dot_int4(xs, w["packed"], w["scale"], sizes, impl=default_impl())
+    The impl is `int4_experts.default_impl()`: on a GPU "pallas", where every kind runs a Pallas
+    grouped matmul that reads only the experts with rows (int4: jfire.kernels.int4_experts, which
+    unpacks tiles as it multiplies; bf16/f32 and FP8: jfire.kernels.grouped_matmul, FP8 tiles
+    scaled as they are read); elsewhere "xla": XLA's ragged_dot, quantized layers dequantized
+    first. `int4_experts.use_impl` overrides it ("xla" keeps XLA's ragged_dot on a GPU; "tiled",
+    for `jfire plan`, loops over the quantized experts and leaves bf16 ones to XLA)."""
+    from jfire.kernels.int4_experts import default_impl
+
+    impl = default_impl()
+    if isinstance(w, dict) and "packed" in w:
+        from jfire.kernels.int4_experts import ragged_dot_int4
+
+        return ragged_dot_int4(xs, w["packed"], w["scale"], sizes, impl=impl)
     if isinstance(w, dict):
-        from jfire.kernels.int4_experts import default_impl
         from jfire.models.fp8_experts import ragged_dot_fp8
 
-        return ragged_dot_fp8(xs, w["fp8"], w["scale_inv"], sizes, impl=default_impl())
+        return ragged_dot_fp8(xs, w["fp8"], w["scale_inv"], sizes, impl=impl)
+    if impl in ("pallas", "pallas-interpret"):
+        from jfire.kernels import grouped_matmul
+
+        if grouped_matmul.fits(w):
+            return grouped_matmul.grouped_matmul(xs, w, sizes, interpret=impl == "pallas-interpret")
     return jax.lax.ragged_dot(xs, w, sizes, preferred_element_type=jnp.float32)
 
 
@@ -168,7 +180,7 @@ def _dropless_f32(x, weights, experts, w_gate, w_up, w_down, scale_input, first_
 
 def experts_dropless(x, weights, experts, w_gate, w_up, w_down, *, scale_input: bool, first_expert=0):
     """SwiGLU experts on the tokens routed to them, nothing dropped: the t*k assignments
-    sorted by expert and multiplied with `jax.lax.ragged_dot` over group sizes.
+    sorted by expert and multiplied by a grouped matmul over group sizes (`_ragged_dot`).
 
     x [t, e]; weights, experts [t, k]; w_gate, w_up [E, e, f]; w_down [E, f, e] -> [t, e].
     A shard holding only experts [first_expert, first_expert + E) passes its slice of the
