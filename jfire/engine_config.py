@@ -6,7 +6,7 @@ import dataclasses
 
 from jfire.errors import JfireError
 
-# The decode attention backends (jfire.programs.decode_attention chooses among them).
+# The attention backends (jfire.programs.decode_attention chooses among them, for decode and prefill).
 ATTENTION_IMPLS = ("reference", "pallas", "pallas-interpret")
 
 

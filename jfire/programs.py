@@ -6,7 +6,7 @@ donated so XLA updates it in place, and both sample on the device so only the ne
 back to the host.
 
 `attention` is "reference" (plain jnp, the CPU default) or "pallas" / "pallas-interpret"
-(the Pallas decode kernel; prefill chunks always use the reference).
+(the Pallas kernels: decode steps and prefill chunks).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from jfire import compile_cache
 from jfire.engine_config import ATTENTION_IMPLS
 from jfire.errors import JfireError
 from jfire.kernels import cpu_matmul as cpu_matmul_kernels
-from jfire.kernels.paged_attention import paged_attention
+from jfire.kernels.paged_attention import paged_attention, paged_prefill_attention
 from jfire.models.family import Family
 from jfire.sampling import PenaltyState, RowSampling, mask_words, prompt_logprobs, sample
 
@@ -32,9 +32,9 @@ QUICK_COMPILE = {"xla_backend_optimization_level": 0}
 
 
 def decode_attention(attention: str, mesh=None):
-    """The one place the decode attention backend is chosen: the model's attention hook,
-    None (the reference) or the Pallas kernels. Refuses a name it does not know, and the
-    kernels on a tensor-parallel mesh (they run on one device per group)."""
+    """The one place the attention backend of the programs (decode and prefill) is chosen:
+    the model's attention hook, None (the reference) or the Pallas kernels. Refuses a name it
+    does not know, and the kernels on a tensor-parallel mesh (they run on one device per group)."""
     if attention not in ATTENTION_IMPLS:
         raise JfireError(f"unknown attention {attention!r}; use one of {', '.join(ATTENTION_IMPLS)}")
     if attention != "reference" and mesh is not None and mesh.shape["tp"] > 1:
@@ -42,18 +42,23 @@ def decode_attention(attention: str, mesh=None):
             "the Pallas attention kernel runs on one device per tensor-parallel group only; "
             "use --attention reference with tp > 1"
         )
-    return None if attention == "reference" else PallasDecode(interpret=attention == "pallas-interpret")
+    return None if attention == "reference" else PallasAttention(interpret=attention == "pallas-interpret")
 
 
 @dataclasses.dataclass(frozen=True)
-class PallasDecode:
-    """The Pallas decode kernels, one query per row: called as grouped-query attention over
-    K/V pages (`attention_impl(q, k_pages, v_pages, ...)`); `mla` is the latent-cache
-    kernel that multi-head latent attention families look for."""
+class PallasAttention:
+    """The Pallas attention kernels, called as grouped-query attention over K/V pages
+    (`attention_impl(q, k_pages, v_pages, ...)`), and as `mla`, the latent-cache kernels that
+    multi-head latent attention families look for: each the decode kernel for one query a row,
+    the prefill flash kernel for chunks."""
 
     interpret: bool = False
 
     def __call__(self, q, k_pages, v_pages, layer, page_table, positions, sliding_window=None, chunk=None):
+        if q.shape[1] > 1:
+            return paged_prefill_attention(
+                q, k_pages, v_pages, layer, page_table, positions, sliding_window, chunk, interpret=self.interpret
+            )
         out = paged_attention(
             q[:, 0],
             k_pages,
@@ -68,9 +73,21 @@ class PallasDecode:
         return out[:, None]
 
     def mla(self, q_latent, q_rope, cache, layer, page_table, positions, *, scale, first_page=0):
-        """The partial (acc, m, l) of jfire.kernels.mla_attention for t = 1."""
-        from jfire.kernels.mla_attention import mla_paged_decode
+        """The partial (acc, m, l) of jfire.kernels.mla_attention."""
+        from jfire.kernels.mla_attention import mla_paged_decode, mla_paged_prefill
 
+        if q_latent.shape[1] > 1:
+            return mla_paged_prefill(
+                q_latent,
+                q_rope,
+                cache,
+                layer,
+                page_table,
+                positions,
+                scale=scale,
+                first_page=first_page,
+                interpret=self.interpret,
+            )
         acc, m, l = mla_paged_decode(
             q_latent[:, 0],
             q_rope[:, 0],
@@ -142,7 +159,9 @@ def _smallest_at_least(options, n: int, what: str) -> int:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "layer_stack", "parallel", "cpu_matmul"), donate_argnames=("pages", "penalties")
+    jax.jit,
+    static_argnames=("cfg", "attention", "layer_stack", "parallel", "cpu_matmul"),
+    donate_argnames=("pages", "penalties"),
 )
 def prefill(
     params,
@@ -156,6 +175,7 @@ def prefill(
     targets,
     *,
     cfg: Family,
+    attention: str = "reference",
     layer_stack=None,
     parallel=None,
     cpu_matmul: bool = False,
@@ -168,7 +188,14 @@ def prefill(
     (jfire.kernels.cpu_matmul; one CPU device computing in float32 only)."""
     with cpu_matmul_kernels.in_place(cpu_matmul):
         hidden, pages = cfg.decoder(
-            params, tokens, positions, pages, page_table, layer_stack=layer_stack, parallel=parallel
+            params,
+            tokens,
+            positions,
+            pages,
+            page_table,
+            attention_impl=decode_attention(attention),
+            layer_stack=layer_stack,
+            parallel=parallel,
         )
         row = jnp.arange(tokens.shape[0])
         logits = cfg.logits(params, hidden[row, last_index])
@@ -339,13 +366,19 @@ class CompiledPrograms:
         i32 = jnp.int32
         s = functools.partial(jax.ShapeDtypeStruct, sharding=self._input_sharding)
         w = self.buckets.pages_per_row * len(self.cfg.cache_groups())  # each cache group's table side by side
-        static = dict(cfg=self.cfg, layer_stack=self.layer_stack, parallel=self.parallel, cpu_matmul=self.cpu_matmul)
+        static = dict(
+            cfg=self.cfg,
+            attention=self.attention,
+            layer_stack=self.layer_stack,
+            parallel=self.parallel,
+            cpu_matmul=self.cpu_matmul,
+        )
         if shape[0] == "decode":
             _, n = shape
             return (
                 decode,
                 (self._params, self._pages, s((n,), i32), s((n,), i32), s((n, w), i32), self._rows(n), self._penalties),
-                {**static, "attention": self.attention},
+                static,
             )
         _, r, t = shape
         return (

@@ -15,9 +15,13 @@ infinities, subnormals and signed zeros planted in every tensor. Then:
   3. decode GB/s (bf16 out) of both decoders, and of a copy kernel, per tensor and in total;
   4. a sweep of the kernel's tile size and warps on the largest tensor;
   5. one Scout-shaped MoE layer (hidden 5120, 16 experts of width 8192, top-1, bf16): the
-     dropless grouped matmul (`jax.lax.ragged_dot`, which may lower to a padded dense matmul)
-     against computing every expert, at 1, 16 and 256 tokens, results compared;
+     dropless layer with the Pallas grouped matmul (jfire.kernels.grouped_matmul), with XLA's
+     `jax.lax.ragged_dot` (a padded dense matmul on CUDA) and every expert computed, at 1, 16,
+     256 and 2,048 tokens, results compared; the kernel's tiles swept on the gate matmul;
   6. Kimi K2.5's MLA decode and int4 expert kernels against their references;
+  6b. the Pallas prefill attention kernel against the reference at 4k and 16k tokens
+     (Llama-3-8B's attention shapes, one chunk from position 0), and the MLA prefill kernel
+     at Kimi K2.5's shapes (a 2k-token chunk);
   7. the engine: an 8B-shaped Llama in bf16 served by `Engine` with the Pallas attention
      (`scripts/gpu_engine_check.py`: start-up, batch-1 decode against the read-bandwidth
      roofline, batch-64 decode, TTFT of 512 and 4,096-token prompts and prefill MFU, each
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -108,26 +113,115 @@ def sweep(name, bits, c, configs, interpret: bool, repeats: int) -> list[dict]:
 
 
 def moe_check(smoke: bool, repeats: int) -> list[dict]:
-    """Grouped (dropless, ragged_dot) against dense all-experts time for one MoE layer; the two
-    must agree (bf16 inputs, float32 accumulation, so to bf16 rounding)."""
+    """One Scout-shaped MoE layer at 1, 16, 256 (and on a GPU 2,048) tokens, three ways: the dropless
+    layer with the Pallas grouped matmul (jfire.kernels.grouped_matmul, a GPU's default), the same
+    layer with XLA's ragged_dot (`use_impl("xla")`; on CUDA a zero-padded dense dot over every
+    expert), and every expert computed densely. All must agree (bf16 inputs, float32 accumulation,
+    so to bf16 rounding). `kernel_weight_gbps`: the bytes of the experts that have tokens over the
+    kernel's time (the decode roofline's numerator)."""
+    from jfire.kernels.int4_experts import use_impl
+
     hidden, ffn, experts, top_k = (64, 128, 4, 1) if smoke else (5120, 8192, 16, 1)
+    kernel_impl = "pallas-interpret" if smoke else "pallas"
     key = jax.random.key(7)
     w = [(0.02 * jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32)).astype(jnp.bfloat16)
          for i, shape in enumerate([(experts, hidden, ffn), (experts, hidden, ffn), (experts, ffn, hidden)])]
     grouped = jit(smoke)(lambda *a: moe.experts_dropless(*a, scale_input=True))
     dense = jit(smoke)(lambda *a: moe.experts_dense_reference(*a, scale_input=True))
+
+    def under(impl, *args):  # the impl is a jax user context: part of jit's cache key
+        def call():
+            with use_impl(impl):
+                return grouped(*args).block_until_ready()
+        return call
+
     rows = []
-    for tokens in (1, 16, 256):
+    for tokens in (1, 16, 256) if smoke else (1, 16, 256, 2048):
         x = jax.random.normal(jax.random.fold_in(key, 100 + tokens), (tokens, hidden), jnp.float32).astype(jnp.bfloat16)
         logits = jax.random.normal(jax.random.fold_in(key, 200 + tokens), (tokens, experts), jnp.float32)
         weights, chosen = moe.route(logits, moe.Router("sigmoid_input", top_k))
-        a = np.asarray(grouped(x, weights, chosen, *w), np.float32)
-        b = np.asarray(dense(x, weights, chosen, *w), np.float32)
-        close = bool(np.allclose(a, b, rtol=2e-2, atol=2e-2 * float(np.abs(b).max())))
-        t_grouped = median_seconds(lambda: grouped(x, weights, chosen, *w).block_until_ready(), repeats)
-        t_dense = median_seconds(lambda: dense(x, weights, chosen, *w).block_until_ready(), repeats)
-        rows.append({"tokens": tokens, "grouped_ms": 1e3 * t_grouped, "dense_ms": 1e3 * t_dense,
-                     "grouped_over_dense": t_grouped / t_dense, "agree": close})
+        args = (x, weights, chosen, *w)
+        kernel, xla = under(kernel_impl, *args), under("xla", *args)
+        a, b = np.asarray(kernel(), np.float32), np.asarray(xla(), np.float32)
+        c = np.asarray(dense(*args), np.float32)
+        scale = float(np.abs(c).max())
+        close = all(bool(np.allclose(v, c, rtol=2e-2, atol=2e-2 * scale)) for v in (a, b))
+        t_kernel, t_xla = median_seconds(kernel, repeats), median_seconds(xla, repeats)
+        t_dense = median_seconds(lambda: dense(*args).block_until_ready(), repeats)  # noqa: B023 (called here)
+        touched = np.unique(np.asarray(chosen)).size * 3 * hidden * ffn * 2  # bf16 bytes of the experts used
+        rows.append({"tokens": tokens, "kernel": "paged_prefill_attention", "kernel_ms": 1e3 * t_kernel, "xla_ragged_dot_ms": 1e3 * t_xla,
+                     "dense_ms": 1e3 * t_dense, "kernel_over_xla": t_kernel / t_xla,
+                     "kernel_over_dense": t_kernel / t_dense, "kernel_weight_gbps": touched / t_kernel / 1e9,
+                     "agree": close})
+    return rows
+
+
+def moe_scan_check(smoke: bool, repeats: int) -> dict:
+    """Two Scout-shaped MoE layers stacked [2, ...] and run by `lax.scan`, as the models run their
+    layers, at one token with the Pallas grouped matmul: whether XLA copies a layer's whole experts
+    out of the stack before the kernel (a custom call takes a buffer, not a slice of one), seen as
+    a compiled temporary of at least one layer's experts, and the time per layer. A copy would
+    cost more than the bytes the kernel reads at decode (all 16 experts against one)."""
+    from jfire.kernels.int4_experts import use_impl
+
+    hidden, ffn, experts = (64, 128, 4) if smoke else (5120, 8192, 16)
+    key = jax.random.key(23)
+    shapes = [(2, experts, hidden, ffn), (2, experts, hidden, ffn), (2, experts, ffn, hidden)]
+    w = [(0.02 * jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32)).astype(jnp.bfloat16)
+         for i, shape in enumerate(shapes)]
+    x = jax.random.normal(jax.random.fold_in(key, 9), (1, hidden), jnp.float32).astype(jnp.bfloat16)
+    weights, chosen = moe.route(jax.random.normal(key, (1, experts), jnp.float32), moe.Router("sigmoid_input", 1))
+
+    def layers(x, weights, chosen, *stack):
+        def one(h, p):
+            return moe.experts_dropless(h, weights, chosen, *p, scale_input=True), None
+        return jax.lax.scan(one, x, stack)[0]
+
+    run = jit(smoke)(layers)
+    with use_impl("pallas-interpret" if smoke else "pallas"):
+        temp = int(run.lower(x, weights, chosen, *w).compile().memory_analysis().temp_size_in_bytes)
+
+        def call():
+            return run(x, weights, chosen, *w).block_until_ready()
+
+        seconds = median_seconds(call, repeats)
+    layer_bytes = 3 * experts * hidden * ffn * 2
+    return {"layers": 2, "ms_per_layer": 1e3 * seconds / 2, "temp_bytes": temp, "layer_expert_bytes": layer_bytes,
+            "layer_copied": temp >= layer_bytes}
+
+
+def moe_tiles_check(smoke: bool, repeats: int) -> list[dict]:
+    """The grouped matmul's tiles (`grouped_matmul.Tiles`) swept on Scout's gate matmul ([16
+    experts, 5120, 8192], bf16) at decode (8 rows over 8 experts) and prefill (2,048 rows)
+    sizes: `choose_tiles`' pick first, then alternatives, for tuning it on the device."""
+    from jfire.kernels import grouped_matmul as gm
+
+    hidden, ffn, experts = (64, 128, 4) if smoke else (5120, 8192, 16)
+    key = jax.random.key(17)
+    w = (0.02 * jax.random.normal(key, (experts, hidden, ffn), jnp.float32)).astype(jnp.bfloat16)
+    rows = []
+    for a in (8, 256) if smoke else (8, 2048):
+        used = min(a, experts // 2)
+        sizes = jnp.asarray(np.bincount(np.arange(a) % used, minlength=experts).astype(np.int32))
+        xs = jax.random.normal(jax.random.fold_in(key, a), (a, hidden), jnp.float32).astype(jnp.bfloat16)
+        want = np.asarray(gm.grouped_matmul_reference(xs, w, sizes))
+        chosen = gm.choose_tiles(a, experts, hidden, ffn)
+        if smoke:
+            variants = [dataclasses.replace(chosen, k_splits=2)]
+        elif chosen.rows < 64:
+            variants = [gm.Tiles(16, n, k, splits, 4, stages) for n, k, splits, stages in
+                        [(32, 128, 1, 4), (64, 128, 1, 4), (128, 64, 1, 3), (32, 128, 2, 4), (64, 64, 4, 4), (16, 128, 1, 4)]]
+        else:
+            variants = [gm.Tiles(r, n, k, 1, warps, 3) for r, n, k, warps in
+                        [(64, 128, 64, 4), (128, 128, 64, 8), (128, 128, 32, 4), (64, 64, 64, 4)]]
+        for tiles in [chosen] + [t for t in variants if t != chosen]:
+            run = jit(smoke)(lambda xs, w, sizes, t=tiles: gm.grouped_matmul(xs, w, sizes, interpret=smoke, tiles=t))
+            got = np.asarray(run(xs, w, sizes))
+            seconds = median_seconds(lambda: run(xs, w, sizes).block_until_ready(), repeats)  # noqa: B023
+            rows.append({"rows": a, "experts_used": used, "tiles": dataclasses.asdict(tiles), "chosen": tiles == chosen,
+                         "ms": 1e3 * seconds, "weight_gbps": used * hidden * ffn * 2 / seconds / 1e9,
+                         "tflops": 2 * a * hidden * ffn / seconds / 1e12,
+                         "agree": bool(np.allclose(got, want, rtol=2e-2, atol=2e-2 * float(np.abs(want).max())))})
     return rows
 
 
@@ -172,6 +266,65 @@ def kimi_kernels_check(smoke: bool, repeats: int) -> list[dict]:
     return rows
 
 
+def prefill_attention_check(smoke: bool, repeats: int) -> list[dict]:
+    """The Pallas prefill flash kernel against the reference attention (blocks of pages, scores
+    materialised) on one prompt's chunk from position 0, at Llama-3-8B's attention shapes (32
+    heads over 8 KV heads of 128, bf16, pages of 16 out of order), 4k and 16k tokens."""
+    from jfire.kernels.paged_attention import paged_attention_reference, paged_prefill_attention
+
+    heads, kv_heads, dim, page = (4, 2, 32, 4) if smoke else (32, 8, 128, 16)
+    rows = []
+    for tokens in (64, 128) if smoke else (4096, 16384):
+        key = jax.random.fold_in(jax.random.key(13), tokens)
+        pages = tokens // page + 8
+        shape = (1, kv_heads, pages, page, dim)
+        k_pages = jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16)
+        v_pages = jax.random.normal(jax.random.fold_in(key, 1), shape, jnp.float32).astype(jnp.bfloat16)
+        q = jax.random.normal(jax.random.fold_in(key, 2), (1, tokens, heads, dim), jnp.float32).astype(jnp.bfloat16)
+        table = jnp.asarray(np.random.default_rng(tokens).permutation(pages)[None, : tokens // page].astype(np.int32))
+        positions = jnp.arange(tokens, dtype=jnp.int32)[None]
+        args = (q, k_pages, v_pages, jnp.int32(0), table, positions)
+        kernel = jit(smoke)(functools.partial(paged_prefill_attention, interpret=smoke))
+        reference = jit(smoke)(paged_attention_reference)
+        got, want = np.asarray(kernel(*args), np.float32), np.asarray(reference(*args), np.float32)
+        t_kernel = median_seconds(lambda: kernel(*args).block_until_ready(), repeats)  # noqa: B023 (called here)
+        t_reference = median_seconds(lambda: reference(*args).block_until_ready(), repeats)  # noqa: B023
+        flops = 2 * 2 * heads * dim * tokens * (tokens + 1) / 2  # causal QK^T and PV
+        rows.append({"tokens": tokens, "kernel": "paged_prefill_attention", "kernel_ms": 1e3 * t_kernel, "reference_ms": 1e3 * t_reference,
+                     "kernel_tflops": flops / t_kernel / 1e12, "reference_tflops": flops / t_reference / 1e12,
+                     "max_abs_error": float(np.abs(got - want).max()),
+                     "agree": bool(np.allclose(got, want, rtol=2e-2, atol=2e-2))})
+    rows.append(mla_prefill_check(smoke, repeats))
+    return rows
+
+
+def mla_prefill_check(smoke: bool, repeats: int) -> dict:
+    """The latent-cache (MLA, absorbed form) prefill kernel against its reference at Kimi K2.5's
+    shapes (64 heads, 512 + 64, bf16): a 2k-token chunk from position 0."""
+    from jfire.kernels import mla_attention
+
+    tokens, heads, c, r, page = (32, 4, 32, 16, 4) if smoke else (2048, 64, 512, 64, 16)
+    key = jax.random.key(17)
+    pages = tokens // page + 8
+    cache = jax.random.normal(key, (1, pages, page, c + r), jnp.float32).astype(jnp.bfloat16)
+    q_latent = jax.random.normal(jax.random.fold_in(key, 1), (1, tokens, heads, c), jnp.float32).astype(jnp.bfloat16)
+    q_rope = jax.random.normal(jax.random.fold_in(key, 2), (1, tokens, heads, r), jnp.float32).astype(jnp.bfloat16)
+    table = jnp.asarray(np.random.default_rng(5).permutation(pages)[None, : tokens // page].astype(np.int32))
+    args = (q_latent, q_rope, cache, jnp.int32(0), table, jnp.arange(tokens, dtype=jnp.int32)[None])
+    scale = (128 + 64) ** -0.5
+    kernel = jit(smoke)(functools.partial(mla_attention.mla_paged_prefill, scale=scale, interpret=smoke))
+    reference = jit(smoke)(functools.partial(mla_attention.mla_partial_reference, scale=scale))
+    got = np.asarray(mla_attention.combine_partials(*kernel(*args)))
+    want = np.asarray(mla_attention.combine_partials(*reference(*args)))
+    t_kernel = median_seconds(lambda: kernel(*args)[0].block_until_ready(), repeats)
+    t_reference = median_seconds(lambda: reference(*args)[0].block_until_ready(), repeats)
+    flops = 2 * heads * (c + r + c) * tokens * (tokens + 1) / 2  # causal scores over c + r, values over c
+    return {"tokens": tokens, "kernel": "mla_paged_prefill", "kernel_ms": 1e3 * t_kernel,
+            "reference_ms": 1e3 * t_reference, "kernel_tflops": flops / t_kernel / 1e12,
+            "reference_tflops": flops / t_reference / 1e12, "max_abs_error": float(np.abs(got - want).max()),
+            "agree": bool(np.allclose(got, want, rtol=2e-2, atol=2e-2))}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="CPU-sized shapes, the kernel in interpret mode")
@@ -197,13 +350,18 @@ def main(argv=None) -> int:
     name, bits, _ = max(tensors, key=lambda t: t[1].size)
     result["sweep"] = sweep(name, bits, encoded[name], configs, interpret=args.smoke, repeats=repeats)
     result["moe"] = moe_check(args.smoke, repeats)
+    result["moe_tiles"] = moe_tiles_check(args.smoke, repeats)
+    result["moe_scan"] = moe_scan_check(args.smoke, repeats)
     result["kimi_kernels"] = kimi_kernels_check(args.smoke, repeats)
+    result["prefill_attention"] = prefill_attention_check(args.smoke, repeats)
     result["engine"] = engine_check(args.smoke, repeats)
     result["seconds"] = time.perf_counter() - start
 
     t = result["total"]
     exact = t["exact"] and all(r["exact"] for r in result["units"] + result["sweep"])
     exact = exact and all(r["agree"] for r in result["moe"] + result["kimi_kernels"] + [result["engine"]["kernel"]])
+    exact = exact and all(r["agree"] for r in result["moe_tiles"])
+    exact = exact and all(r["agree"] for r in result["prefill_attention"])
     best = max(result["sweep"], key=lambda r: r["gbps"])
     print(f"compression ratio {t['ratio']:.4f}; encode {t['encode_gbps']:.3f} GB/s (host)")
     for d in decoders:
@@ -212,11 +370,25 @@ def main(argv=None) -> int:
     print(f"best tile on {best['name']}: block_lanes={best['block_lanes']} num_warps={best['num_warps']} "
           f"{best['gbps']:.4g} GB/s")
     for r in result["moe"]:
-        print(f"MoE layer, {r['tokens']:>3} tokens: grouped {r['grouped_ms']:8.3f} ms, dense all-experts "
-              f"{r['dense_ms']:8.3f} ms ({r['grouped_over_dense']:.2f}x), agree: {'yes' if r['agree'] else 'NO'}")
+        print(f"MoE layer, {r['tokens']:>4} tokens: Pallas grouped {r['kernel_ms']:8.3f} ms "
+              f"({r['kernel_weight_gbps']:.0f} GB/s of used experts), XLA ragged_dot {r['xla_ragged_dot_ms']:8.3f} ms, "
+              f"dense all-experts {r['dense_ms']:8.3f} ms, agree: {'yes' if r['agree'] else 'NO'}")
+    r = result["moe_scan"]
+    print(f"MoE layers in a scan, 1 token: {r['ms_per_layer']:8.3f} ms a layer; a layer's experts "
+          f"({r['layer_expert_bytes'] / 1e9:.2f} GB) copied out of the stack: {'YES' if r['layer_copied'] else 'no'} "
+          f"(temporaries {r['temp_bytes'] / 1e9:.2f} GB)")
+    for r in result["moe_tiles"]:
+        t = r["tiles"]
+        print(f"grouped matmul {r['rows']:>4} rows, tiles {t['rows']}x{t['out']}x{t['inner']} split {t['k_splits']} "
+              f"warps {t['num_warps']} stages {t['num_stages']}{' (chosen)' if r['chosen'] else ''}: {r['ms']:8.3f} ms, "
+              f"{r['weight_gbps']:.0f} GB/s, {r['tflops']:.1f} TF/s, agree: {'yes' if r['agree'] else 'NO'}")
     for r in result["kimi_kernels"]:
         print(f"{r['kernel']:<18} {r['kernel_ms']:8.3f} ms against its reference {r['reference_ms']:8.3f} ms, "
               f"agree: {'yes' if r['agree'] else 'NO'}")
+    for r in result["prefill_attention"]:
+        print(f"{r['kernel']:<23} {r['tokens']:>5} tokens: kernel {r['kernel_ms']:8.3f} ms "
+              f"({r['kernel_tflops']:.1f} TF/s), reference {r['reference_ms']:8.3f} ms "
+              f"({r['reference_tflops']:.1f} TF/s), agree: {'yes' if r['agree'] else 'NO'}")
     for line in summary(result["engine"]):
         print(line)
     print(f"bit-exact (whole tensors, single layers, every tile) and MoE paths agree: {'yes' if exact else 'NO'}; "

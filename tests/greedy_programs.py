@@ -17,7 +17,8 @@ from jfire.programs import QUICK_COMPILE
 from jfire.sampling import PenaltyState, RowSampling, init_penalty_state, mask_words, neutral_rows
 
 
-_prefill = jax.jit(programs.prefill.__wrapped__, static_argnames=("cfg", "layer_stack", "parallel", "cpu_matmul"),
+_prefill = jax.jit(programs.prefill.__wrapped__,
+                   static_argnames=("cfg", "attention", "layer_stack", "parallel", "cpu_matmul"),
                    donate_argnames=("pages", "penalties"), compiler_options=QUICK_COMPILE)
 _decode = jax.jit(programs.decode.__wrapped__,
                   static_argnames=("cfg", "attention", "layer_stack", "parallel", "cpu_matmul"),

@@ -112,7 +112,7 @@ def run_cached(params, cfg, prompts, bucket, pages_per_row, steps, rng, *, page_
     last = jnp.asarray([len(p) - 1 for p in prompts], jnp.int32)
     pages, table = scrambled_pool(cfg, b, pages_per_row, page_size, rng)
     ids, logits, pages = greedy_programs.prefill(
-        params, pages, jnp.asarray(tokens), jnp.asarray(positions), table, last, cfg=cfg)
+        params, pages, jnp.asarray(tokens), jnp.asarray(positions), table, last, cfg=cfg, attention=attention)
     seqs = [list(p) for p in prompts]
     record = [[] for _ in prompts]
     for step in range(steps + 1):
@@ -155,9 +155,9 @@ def test_decode_matches_uncached(name):
     check_against_uncached(params, cfg, record[0], every_prefix=name == "sliding_window")
 
 
-def test_pallas_decode_kernel_matches_uncached():
-    """The same check with the Pallas decode kernel (interpret mode on the CPU): a ragged batch
-    whose second row is shorter than the window, the first row longer."""
+def test_pallas_kernels_match_uncached():
+    """The same check with the Pallas prefill and decode kernels (interpret mode on the CPU): a
+    ragged batch whose second row is shorter than the window, the first row longer."""
     cfg, params = CONFIGS["sliding_window"], make_params("sliding_window")
     rng = np.random.RandomState(5)
     prompts = [rng.randint(0, cfg.vocab_size, size=n).tolist() for n in (6, 3)]

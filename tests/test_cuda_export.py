@@ -6,9 +6,11 @@ built as an engine on one GPU builds them: by `CompiledPrograms.program` (the ve
 abstract arguments and static arguments the engine compiles), over params and pages given as
 shapes only (bf16, and float32, the CLI's default), with no CPU kernels
 (`runner.uses_cpu_kernels` is False off a CPU device) and `jax.default_backend()` answering
-"gpu" while they are traced, as it does there (the int4 experts and the decoders of layers kept
+"gpu" while they are traced, as it does there (the experts' grouped matmuls and the decoders of layers kept
 compressed choose their Pallas kernels by it). Decode is built with `--attention pallas` and
-with the default, `reference`; the prefill program is one bucket of 2 rows x 16 tokens. Tiny
+with the default, `reference`; the prefill program is one bucket of 2 rows x 16 tokens, built
+with the default and, for a dense family, Mistral's window, Llama 4 and the MLA families,
+`--attention pallas`. Tiny
 Llama is also built from a compressed checkpoint kept compressed (`--keep-compressed`, Huffman
 and palette codecs). Each program is exported with `jax.export` for platforms=["cuda"]:
 lowering needs no GPU, and nothing here is compiled.
@@ -51,9 +53,13 @@ EXPORT_CHECKS = [jax.export.DisabledSafetyCheck.custom_call(TRITON)]
 PAGED = "triton:jfire_paged_decode_attention"  # jfire.kernels.paged_attention
 MLA = "triton:jfire_mla_paged_decode"  # jfire.kernels.mla_attention
 INT4 = "triton:jfire_ragged_dot_int4"  # jfire.kernels.int4_experts
-RAGGED = "xla:ragged_dot"  # bf16 and FP8 experts: XLA's grouped matmul (no kernel of ours yet)
+RAGGED = "xla:ragged_dot"  # XLA's grouped matmul (`use_impl("xla")`): no program takes it on a GPU
+GROUPED = "triton:jfire_grouped_matmul"  # bf16 / f32 experts (jfire.kernels.grouped_matmul)
+GROUPED_FP8 = "triton:jfire_grouped_matmul_fp8"  # FP8 experts, scaled as read (jfire.kernels.grouped_matmul)
 BF16_DECODE = "triton:jfire_bf16_decode"  # layers kept Huffman-coded (jfire.kernels.bf16_decode)
 PALETTE = "triton:jfire_palette_decode"  # layers kept palette-coded (jfire.kernels.palette_matmul)
+PREFILL = "triton:jfire_paged_prefill_attention"  # prefill chunks with --attention pallas (GQA families)
+MLA_PREFILL = "triton:jfire_mla_paged_prefill"  # prefill chunks with --attention pallas (MLA families)
 
 # The released checkpoints' quantization configs (as tests/models/test_deepseek_fp8.py and
 # test_kimi_k25.py write them): the routed experts stay FP8 / packed int4 on the device.
@@ -79,7 +85,7 @@ def hf_config(case: str) -> dict:
 
 
 # case -> the GPU path of (decode with --attention pallas, decode with the reference attention,
-# prefill). Prefill chunks always take the jnp reference attention (jfire.programs). A case
+# prefill with the reference attention). A case
 # "family+codec" is a compressed checkpoint loaded with --keep-compressed: its coded layers are
 # decoded in the layer loop.
 CASES = {
@@ -87,9 +93,9 @@ CASES = {
     "mistral": ({PAGED}, set(), set()),  # a sliding window
     "smollm2": ({PAGED}, set(), set()),  # tied embeddings, one KV head
     "qwen3": ({PAGED}, set(), set()),  # q/k norms, head_dim unlike hidden / heads
-    "mixtral": ({PAGED, RAGGED}, {RAGGED}, {RAGGED}),
-    "llama4": ({PAGED, RAGGED}, {RAGGED}, {RAGGED}),  # NoPE and chunked layers, shared expert
-    "deepseek_v3_fp8": ({MLA, RAGGED}, {RAGGED}, {RAGGED}),  # FP8 experts dequantized into ragged_dot
+    "mixtral": ({PAGED, GROUPED}, {GROUPED}, {GROUPED}),
+    "llama4": ({PAGED, GROUPED}, {GROUPED}, {GROUPED}),  # NoPE and chunked layers, shared expert
+    "deepseek_v3_fp8": ({MLA, GROUPED_FP8}, {GROUPED_FP8}, {GROUPED_FP8}),  # FP8 experts read as FP8
     "kimi_k25_int4": ({MLA, INT4}, {INT4}, {INT4}),
     "llama3+huffman": ({PAGED, BF16_DECODE}, {BF16_DECODE}, {BF16_DECODE}),
     "llama3+palette": ({PAGED, PALETTE}, {PALETTE}, {PALETTE}),
@@ -208,3 +214,63 @@ def test_program_exports_for_cuda_on_its_gpu_path(case, program, dtype, on_gpu_h
         quantized = experts["fp8"] if case == "deepseek_v3_fp8" else experts["packed"]
         assert quantized.dtype == (jnp.float8_e4m3fn if case == "deepseek_v3_fp8" else jnp.int32)
         assert any(a.shape == quantized.shape and a.dtype == quantized.dtype for a in exported.in_avals)
+
+
+# Prefill built with --attention pallas: the Pallas prefill kernel on top of the reference
+# prefill's path (a dense family, a sliding window, Llama 4's chunked and NoPE cache groups, and
+# the latent-cache kernel of the MLA families).
+PREFILL_PALLAS = {"llama3": {PREFILL}, "mistral": {PREFILL}, "llama4": {PREFILL}, "deepseek_v3_fp8": {MLA_PREFILL},
+                  "kimi_k25_int4": {MLA_PREFILL}}  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("case", PREFILL_PALLAS)
+def test_prefill_with_pallas_attention_exports_for_cuda(case, dtype, on_gpu_host):
+    cfg = config_from_hf(hf_config(case))
+    programs = engine_programs(cfg, "pallas", abstract_params(cfg.param_specs(), dtype), dtype)
+    fn, args, static = programs.program(("prefill", PREFILL_ROWS, PREFILL_TOKENS))
+    exported = jax.export.export(fn, platforms=["cuda"], disabled_checks=EXPORT_CHECKS)(*args, **static)
+    text = exported.mlir_module()
+    assert gpu_path(text) == CASES[case][2] | PREFILL_PALLAS[case]
+    assert {target for target, _ in custom_calls(text)} <= {TRITON, *MOSAIC_GPU}
+    assert (PREFILL_ROWS, cfg.vocab_size) in [a.shape for a in exported.out_avals]
+
+
+# The expert-parallel dispatch (`moe.experts_parallel`: experts over ep, their width over tp, one
+# psum) with each kind of expert weight, over an abstract tp=2 x ep=2 mesh: the grouped-matmul
+# kernels inside its shard_map (operands varying alike, the output's varying axes stated). JAX
+# 0.10.2's Pallas interpreter fails there, so this export is that path's check on a CPU.
+EP_KERNELS = {"bf16": GROUPED, "fp8": GROUPED_FP8, "int4": INT4}
+
+
+@pytest.mark.parametrize("kind", EP_KERNELS)
+def test_expert_parallel_kernels_export_for_cuda(kind, on_gpu_host):
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jfire.models import moe
+
+    mesh = jax.sharding.AbstractMesh((2, 2), ("tp", "ep"))
+    experts, hidden, ffn, tokens, top_k = 4, 256, 256, 3, 2
+    s = jax.ShapeDtypeStruct
+
+    def weight(out, n_in, width):  # one expert linear in its kind's layout, sharded as the model's
+        if kind == "bf16":
+            w = s((experts, n_in, out), jnp.bfloat16)
+        elif kind == "fp8":
+            w = {"fp8": s((experts, out, n_in), jnp.float8_e4m3fn),
+                 "scale_inv": s((experts, out // 128, n_in // 128), jnp.float32)}  # fmt: skip
+        else:
+            w = {"packed": s((experts, out, n_in // 8), jnp.int32), "scale": s((experts, out, n_in // 32), jnp.bfloat16)}
+        spec = moe._expert_spec(w, width, "ep", "tp")
+        return jax.tree.map(lambda a, p: s(a.shape, a.dtype, sharding=NamedSharding(mesh, p)), w, spec)
+
+    tokens_in = [s(shape, dtype, sharding=NamedSharding(mesh, P()))
+                 for shape, dtype in [((tokens, hidden), jnp.bfloat16), ((tokens, top_k), jnp.float32),
+                                      ((tokens, top_k), jnp.int32)]]  # fmt: skip
+    weights = [weight(ffn, hidden, "in_out"), weight(ffn, hidden, "in_out"), weight(hidden, ffn, "out_in")]
+    layer = jax.jit(lambda *a: moe.experts_parallel(*a, mesh=mesh, scale_input=False))
+    exported = jax.export.export(layer, platforms=["cuda"], disabled_checks=EXPORT_CHECKS)(*tokens_in, *weights)
+    text = exported.mlir_module()
+    assert exported.nr_devices == 4
+    assert gpu_path(text) == {EP_KERNELS[kind]}

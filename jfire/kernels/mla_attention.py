@@ -301,3 +301,176 @@ def mla_paged_decode(
         cache,
     )
     return acc[:, :h], m[:, :h], l[:, :h]
+
+
+# -- the Pallas prefill kernel -----------------------------------------------------------------
+
+
+def _mla_prefill_kernel(
+    layer_ref,
+    first_ref,
+    table_ref,
+    pos_ref,
+    ql_ref,
+    qr_ref,
+    cache_ref,
+    acc_ref,
+    m_ref,
+    l_ref,
+    *,
+    page_size: int,
+    pages_per_block: int,
+    scale: float,
+    precision,
+):
+    """One (row, block of query rows): flash attention over the row's pages held here, from
+    page 0 to the page of the block's last position.
+
+    ql_ref [m, c] / qr_ref [m, r] hold query rows (token, head) in that order and pos_ref [m]
+    each one's position (-1 = padding); cache_ref [layers, pages, page_size, c + r] is this
+    device's whole pool, read a block of pages at a time through the row's page table; a
+    page not held here is not read (masked loads, and a block with none is skipped).
+    """
+    layer, first = layer_ref[0], first_ref[0]
+    num_local = cache_ref.shape[1]
+    pos = pos_ref[...]
+    ql, qr = ql_ref[...], qr_ref[...]
+    m_rows, c = ql.shape
+    r = qr.shape[1]
+    block = pages_per_block * page_size
+    dims = (((1,), (1,)), ((), ()))  # [m, x] . [block, x] -> [m, block]
+    last = jnp.max(pos)  # -1: a block of padding, which reads nothing
+    num_blocks = (last + block) // block
+
+    def attend(i, ids, ok, carry):
+        m, l, acc = carry
+
+        def gather(start, size):  # [block, size]: as in _mla_decode_kernel
+            shape = (pages_per_block, page_size, size)
+            index = (
+                layer,
+                jnp.broadcast_to(ids[:, None, None], shape),
+                jax.lax.broadcasted_iota(jnp.int32, shape, 1),
+                start + jax.lax.broadcasted_iota(jnp.int32, shape, 2),
+            )
+            mask = jnp.broadcast_to(ok[:, None, None], shape)
+            return plgpu.load(cache_ref.at[index], mask=mask, other=0.0).reshape(block, size).astype(ql.dtype)
+
+        latent, rope_key = gather(0, c), gather(c, r)
+        s = (
+            jax.lax.dot_general(ql, latent, dims, precision=precision, preferred_element_type=jnp.float32)
+            + jax.lax.dot_general(qr, rope_key, dims, precision=precision, preferred_element_type=jnp.float32)
+        ) * scale
+        slot = i * block + jax.lax.broadcasted_iota(jnp.int32, (m_rows, block), 1)
+        held = jnp.broadcast_to(ok.astype(jnp.int32)[:, None], (pages_per_block, page_size)).reshape(1, block)
+        visible = (slot <= pos[:, None]) & (held > 0)
+        m_new = jnp.maximum(m, jnp.where(visible, s, MASK_VALUE).max(axis=-1))
+        p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
+        correction = jnp.exp(m - m_new)
+        l = l * correction + p.sum(axis=-1)
+        pv = jax.lax.dot(p.astype(ql.dtype), latent, precision=precision, preferred_element_type=jnp.float32)
+        return m_new, l, acc * correction[:, None] + pv
+
+    def body(i, carry):
+        local = table_ref[pl.ds(i * pages_per_block, pages_per_block)] - first
+        page = i * pages_per_block + jax.lax.broadcasted_iota(jnp.int32, (pages_per_block,), 0)
+        ok = (local >= 0) & (local < num_local) & (page * page_size <= last)
+        ids = jnp.clip(local, 0, num_local - 1)
+        return jax.lax.cond(ok.astype(jnp.int32).max() > 0, functools.partial(attend, i, ids, ok), lambda x: x, carry)
+
+    init = (
+        jnp.full((m_rows,), MASK_VALUE, jnp.float32),
+        jnp.zeros((m_rows,), jnp.float32),
+        jnp.zeros((m_rows, c), jnp.float32),
+    )
+    m, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+    acc_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_rows", "pages_per_block", "interpret", "num_warps"))
+def mla_paged_prefill(
+    q_latent,
+    q_rope,
+    cache,
+    layer,
+    page_table,
+    positions,
+    *,
+    scale: float,
+    first_page=0,
+    block_rows: int = 32,
+    pages_per_block: int = 2,
+    interpret: bool = False,
+    num_warps: int = 8,
+):
+    """Prefill MLA (absorbed form) with a Pallas (Triton-style GPU) flash kernel: exactly
+    `mla_partial_reference`'s arguments and partial result, for chunks of any length.
+
+    q_latent [b, t, h, c], q_rope [b, t, h, r] at positions [b, t] (-1 = padding; rows
+    ragged, each after its cached prefix); cache [layers, pages, page_size, c + r] holds
+    this device's global pages [first_page, first_page + pages); page_table [b, w] global
+    page ids. Returns (acc [b, t, h, c], m [b, t, h], l [b, t, h]), float32.
+
+    The latent has no head axis, so a row's h heads and t tokens are t x h query rows
+    (token major) sharing every page; the grid is (row, block of `block_rows` query rows).
+    The float32 accumulator [block_rows, c] bounds the block (c = 512: 32 rows are 64
+    registers a thread at 8 warps). The defaults are unmeasured guesses; tune them on the GPU.
+    """
+    b, t, h, c = q_latent.shape
+    r = q_rope.shape[-1]
+    layers, num_local, page_size, width = cache.shape
+    if width != c + r:
+        raise ValueError(f"cache entries hold {width} values, the queries {c} + {r}")
+    rows = t * h
+    block_rows = min(block_rows, max(16, 1 << (rows - 1).bit_length()))
+    blocks = -(-rows // block_rows)
+    pad = blocks * block_rows - rows
+    ql = jnp.pad(q_latent.reshape(b, rows, c), ((0, 0), (0, pad), (0, 0)))
+    qr = jnp.pad(q_rope.reshape(b, rows, r), ((0, 0), (0, pad), (0, 0)))
+    dtype = jnp.result_type(ql.dtype, qr.dtype, cache.dtype)
+    ql, qr = ql.astype(dtype), qr.astype(dtype)
+    pos = jnp.pad(jnp.repeat(positions.astype(jnp.int32), h, axis=1), ((0, 0), (0, pad)), constant_values=-1)
+    # A block may run past the row's last page: padding columns there, never visible, never read.
+    table = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, pages_per_block)))
+    kernel = functools.partial(
+        _mla_prefill_kernel,
+        page_size=page_size,
+        pages_per_block=pages_per_block,
+        scale=float(scale),
+        precision=jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None,
+    )
+    scalar = pl.BlockSpec((1,), lambda i, j: (0,))
+    block = pl.BlockSpec((None, block_rows), lambda i, j: (i, j))
+    acc, m, l = pl.pallas_call(
+        kernel,
+        grid=(b, blocks),
+        in_specs=[
+            scalar,  # layer
+            scalar,  # first_page
+            pl.BlockSpec((None, table.shape[1]), lambda i, j: (i, 0)),  # this row's page table
+            block,  # the block's positions
+            pl.BlockSpec((None, block_rows, c), lambda i, j: (i, j, 0)),
+            pl.BlockSpec((None, block_rows, r), lambda i, j: (i, j, 0)),
+            pl.BlockSpec(cache.shape, lambda i, j: (0, 0, 0, 0)),  # the whole pool
+        ],
+        out_specs=[pl.BlockSpec((None, block_rows, c), lambda i, j: (i, j, 0)), block, block],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, rows + pad, c), jnp.float32),
+            jax.ShapeDtypeStruct((b, rows + pad), jnp.float32),
+            jax.ShapeDtypeStruct((b, rows + pad), jnp.float32),
+        ],
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
+        name="jfire_mla_paged_prefill",
+    )(
+        jnp.reshape(layer, (1,)).astype(jnp.int32),
+        jnp.reshape(first_page, (1,)).astype(jnp.int32),
+        table,
+        pos,
+        ql,
+        qr,
+        cache,
+    )
+    return acc[:, :rows].reshape(b, t, h, c), m[:, :rows].reshape(b, t, h), l[:, :rows].reshape(b, t, h)

@@ -294,3 +294,172 @@ def paged_attention(
         v_pages,
     )
     return out[:, :, :g].reshape(b, h, d)
+
+
+# -- the Pallas prefill kernel -----------------------------------------------------------------
+
+
+def _prefill_kernel(
+    layer_ref,
+    chunk_ref,
+    table_ref,
+    pos_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    *,
+    page_size: int,
+    pages_per_block: int,
+    scale: float,
+    sliding_window: int | None,
+    precision,
+):
+    """One (row, block of query rows, kv head): flash attention over the pages the block sees.
+
+    q_ref [m, d] holds query rows (token, head of this kv head's group) in that order and
+    pos_ref [m] each one's position (-1 = padding); k_ref/v_ref [layers, pages, page_size, d]
+    are this kv head's whole pool, read a block of pages at a time through the row's page
+    table, from the first page any of the block's queries sees to the page of its last one.
+    """
+    layer = layer_ref[0]
+    chunk = chunk_ref[0]
+    pos = pos_ref[...]
+    q = q_ref[...]
+    m_rows, d = q.shape
+    block = pages_per_block * page_size
+    size = jnp.maximum(chunk, 1)
+    first = jnp.zeros_like(pos)
+    if sliding_window is not None:
+        first = jnp.maximum(first, pos - (sliding_window - 1))
+    first = jnp.where(chunk > 0, jnp.maximum(first, pos // size * size), first)
+    last = jnp.max(pos)  # -1: a block of padding, which reads nothing
+    lo = jnp.minimum(jnp.min(jnp.where(pos >= 0, first, jnp.iinfo(jnp.int32).max)), jnp.maximum(last, 0))
+    start_page = lo // page_size
+    pages = jnp.maximum((last + page_size) // page_size - start_page, 0)
+    num_blocks = (pages + pages_per_block - 1) // pages_per_block
+
+    def body(i, carry):
+        m, l, acc = carry
+        page0 = start_page + i * pages_per_block
+        ids = table_ref[pl.ds(page0, pages_per_block)]
+        k = k_ref[layer, ids].reshape(block, d)
+        v = v_ref[layer, ids].reshape(block, d)
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
+        s = s * scale
+        slot = page0 * page_size + jax.lax.broadcasted_iota(jnp.int32, (m_rows, block), 1)
+        at = pos[:, None]
+        visible = slot <= at
+        if sliding_window is not None:
+            visible &= slot > at - sliding_window
+        visible &= (chunk <= 0) | (slot // size == at // size)
+        s = jnp.where(visible, s, MASK_VALUE)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        # Masked keys weigh exactly 0, even for a query that sees nothing in this block.
+        p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
+        correction = jnp.exp(m - m_new)
+        l = l * correction + p.sum(axis=-1)
+        pv = jax.lax.dot_general(
+            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+        )
+        return m_new, l, acc * correction[:, None] + pv
+
+    init = (
+        jnp.full((m_rows,), MASK_VALUE, jnp.float32),
+        jnp.zeros((m_rows,), jnp.float32),
+        jnp.zeros((m_rows, d), jnp.float32),
+    )
+    _, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+    o_ref[...] = (acc / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype)  # padding: zeros
+
+
+def prefill_blocks(tokens: int, group: int, page_size: int) -> tuple[int, int]:
+    """(query rows, pages) per block of the prefill kernel by default: up to 128 rows of
+    (token, head) pairs, and 64 keys' worth of pages (Triton wants powers of two)."""
+    rows = min(128, max(16, 1 << (tokens * group - 1).bit_length()))
+    return rows, max(1, 64 // page_size)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("sliding_window", "block_rows", "pages_per_block", "interpret", "num_warps", "num_stages")
+)
+def paged_prefill_attention(
+    q,
+    k_pages,
+    v_pages,
+    layer,
+    page_table,
+    positions,
+    sliding_window=None,
+    chunk=None,
+    *,
+    block_rows: int | None = None,
+    pages_per_block: int | None = None,
+    interpret: bool = False,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+):
+    """Prefill chunks (any number of tokens a row) with a Pallas (Triton-style GPU) flash kernel:
+    `paged_attention_reference`'s arguments and result, its masks exactly.
+
+    Rows are ragged: each row's queries sit at its positions [b, t] (-1 = padding; a row may
+    be all padding) after a cached prefix of any length, and see that row's pages up to
+    their own position. A kv head's g query heads are laid out as g * t query rows (token
+    major), so a block of rows shares every page it reads. `chunk` (None, or a static or
+    traced scalar, <= 0 = off) is chunked local attention (Llama 4).
+    """
+    from jax.experimental.pallas import triton as plgpu
+
+    b, t, h, d = q.shape
+    layers, kvh, num_pages, page_size, _ = k_pages.shape
+    g = h // kvh
+    default_rows, default_pages = prefill_blocks(t, g, page_size)
+    block_rows = block_rows or default_rows
+    pages_per_block = pages_per_block or default_pages
+    rows = t * g
+    blocks = -(-rows // block_rows)
+    pad = blocks * block_rows - rows
+    qr = q.reshape(b, t, kvh, g, d).transpose(0, 2, 1, 3, 4).reshape(b, kvh, rows, d)
+    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, pad), (0, 0)))
+    pos = jnp.pad(jnp.repeat(positions.astype(jnp.int32), g, axis=1), ((0, 0), (0, pad)), constant_values=-1)
+    # A block may run past the row's last page: page 0 there, never visible.
+    table = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, pages_per_block)))
+    w = table.shape[1]
+    kernel = functools.partial(
+        _prefill_kernel,
+        page_size=page_size,
+        pages_per_block=pages_per_block,
+        scale=1.0 / math.sqrt(d),
+        sliding_window=sliding_window,
+        # Float32 stays IEEE on Triton (not TF32); bfloat16 takes bfloat16 tensor-core dots.
+        precision=jax.lax.Precision.HIGHEST if k_pages.dtype == jnp.float32 else None,
+    )
+    pool = pl.BlockSpec((layers, None, num_pages, page_size, d), lambda i, j, k: (0, k, 0, 0, 0))
+    rows_spec = pl.BlockSpec((None, None, block_rows, d), lambda i, j, k: (i, k, j, 0))
+    out = pl.pallas_call(
+        kernel,
+        grid=(b, blocks, kvh),
+        in_specs=[
+            pl.BlockSpec((1,), lambda i, j, k: (0,)),  # layer
+            pl.BlockSpec((1,), lambda i, j, k: (0,)),  # chunk
+            pl.BlockSpec((None, w), lambda i, j, k: (i, 0)),  # this row's page table
+            pl.BlockSpec((None, block_rows), lambda i, j, k: (i, j)),  # the block's positions
+            rows_spec,
+            pool,
+            pool,
+        ],
+        out_specs=rows_spec,
+        out_shape=jax.ShapeDtypeStruct(qr.shape, q.dtype),
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps or (4 if d <= 64 else 8), num_stages=num_stages),
+        name="jfire_paged_prefill_attention",
+    )(
+        jnp.reshape(layer, (1,)).astype(jnp.int32),
+        jnp.reshape(0 if chunk is None else chunk, (1,)).astype(jnp.int32),
+        table,
+        pos,
+        qr,
+        k_pages,
+        v_pages,
+    )
+    return out[:, :, :rows].reshape(b, kvh, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, h, d)

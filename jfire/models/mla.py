@@ -172,7 +172,7 @@ def attend(
     """Writes entry [b, t, c + r] at (page, slot) and attends: returns (out [b, t, h, c]
     float32, cache). Over a mesh the cache's pages are split over PAGE_AXES (see the module
     docstring); queries enter replicated and the merged output leaves replicated."""
-    partial = _partial_fn(attention_impl, q_latent.shape[1])
+    partial = _partial_fn(attention_impl)
 
     def local(q_latent, q_rope, entry, cache, layer, page, slot, page_table, positions, first_page, axis_name):
         cache = mla_attention.write_latent(cache, layer, page, slot, entry, first_page)
@@ -198,11 +198,11 @@ def attend(
     )(q_latent, q_rope, entry, cache, jnp.asarray(layer, jnp.int32), page, slot, page_table, positions)
 
 
-def _partial_fn(attention_impl, tokens: int):
-    """The partial attention: the decode kernel for one-token steps when the engine asked for
-    one (`attention_impl.mla`), else the jnp reference."""
+def _partial_fn(attention_impl):
+    """The partial attention: the engine's kernels when it asked for them (`attention_impl.mla`:
+    the decode kernel for one-token steps, the prefill kernel for chunks), else the jnp reference."""
     kernel = getattr(attention_impl, "mla", None)
-    return kernel if kernel is not None and tokens == 1 else mla_attention.mla_partial_reference
+    return kernel if kernel is not None else mla_attention.mla_partial_reference
 
 
 def _page_ways(parallel) -> int:

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jfire.kernels.mla_attention import combine_partials, mla_paged_decode, mla_partial_reference
+from jfire.kernels.mla_attention import combine_partials, mla_paged_decode, mla_paged_prefill, mla_partial_reference
 
 LAYERS, LATENT, ROPE, PAGE, WIDTH = 3, 32, 16, 4, 8  # WIDTH: pages per row
 LENGTHS = [0, 1, PAGE, 13, WIDTH * PAGE, 2 * PAGE + 1]  # empty, one token, a page boundary, full width
@@ -166,3 +166,75 @@ def test_kernel_exports_for_cuda(heads):
     assert exported.platforms == ("cuda",)
     assert "__gpu$xla.gpu.triton" in text and "jfire_mla_paged_decode" in text
     assert [o.shape for o in exported.out_avals] == [(4, heads, 512), (4, heads), (4, heads)]
+
+
+def prefill_case(seed, rows, heads, dtype=jnp.float32):
+    """Queries [b, t, h, *] of chunks after cached prefixes: rows (prefix, new tokens), padded
+    with -1 to the longest chunk; the pool and table of make_case."""
+    _, _, cache, table, _ = make_case(seed, [0] * len(rows), heads, dtype=dtype)
+    rng = np.random.default_rng(seed + 100)
+    t = max(1, max(new for _, new in rows))
+    positions = np.full((len(rows), t), -1, np.int32)
+    for r, (prefix, new) in enumerate(rows):
+        positions[r, :new] = np.arange(prefix, prefix + new)
+    q_latent = jnp.asarray(rng.standard_normal((len(rows), t, heads, LATENT)), dtype)
+    q_rope = jnp.asarray(rng.standard_normal((len(rows), t, heads, ROPE)), dtype)
+    return q_latent, q_rope, cache, table, jnp.asarray(positions)
+
+
+# (cached prefix, new tokens): from 0, mid-page after a prefix, none (padding), to the full width.
+PREFILL_ROWS = [(0, 5), (13, 6), (9, 0), (WIDTH * PAGE - 7, 7)]
+
+
+@pytest.mark.parametrize("heads,block_rows,pages_per_block", [(5, 16, 1), (4, 32, 3), (2, 16, 2)])
+def test_prefill_kernel_equals_reference(heads, block_rows, pages_per_block):
+    """The prefill kernel's partials equal the reference's for ragged chunks after cached
+    prefixes (a row of padding included), several blocks of query rows and of pages, and
+    with the pool split over two devices (first_page traced): each device's partial, and
+    the merge equal to the unsharded output."""
+    q_latent, q_rope, cache, table, positions = prefill_case(4, PREFILL_ROWS, heads)
+    run = functools.partial(mla_paged_prefill, scale=0.2, block_rows=block_rows, pages_per_block=pages_per_block,
+                            interpret=True)  # fmt: skip
+    got = run(q_latent, q_rope, cache, jnp.int32(2), table, positions)
+    want = mla_partial_reference(q_latent, q_rope, cache, 2, table, positions, scale=0.2)
+    assert got[0].shape == q_latent.shape and got[1].shape == got[2].shape == q_latent.shape[:3]
+    assert_partials_close(got, want)
+    assert float(jnp.abs(got[0][2]).max()) == 0.0 and float(got[2][2].max()) == 0.0  # padding sees nothing
+    per = cache.shape[1] // 2
+    parts = []
+    for d in range(2):
+        local = cache[:, d * per : (d + 1) * per]
+        part = run(q_latent, q_rope, local, jnp.int32(2), table, positions, first_page=jnp.int32(d * per))
+        assert_partials_close(part, mla_partial_reference(q_latent, q_rope, local, 2, table, positions, scale=0.2,
+                                                          first_page=d * per))  # fmt: skip
+        parts.append(part)
+    valid = np.asarray(positions) >= 0
+    np.testing.assert_allclose(merge(parts)[valid], np.asarray(combine_partials(*want))[valid], rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_kernel_bfloat16():
+    """bf16 queries and cache on both sides; each rounds its probabilities to bf16 before the
+    value product against its own running max (the blocks differ): to bf16's precision."""
+    q_latent, q_rope, cache, table, positions = prefill_case(5, PREFILL_ROWS, 4, dtype=jnp.bfloat16)
+    got = mla_paged_prefill(q_latent, q_rope, cache, jnp.int32(1), table, positions, scale=0.2, interpret=True)
+    want = mla_partial_reference(q_latent, q_rope, cache, 1, table, positions, scale=0.2)
+    np.testing.assert_allclose(np.asarray(combine_partials(*got)), np.asarray(combine_partials(*want)),
+                               rtol=2e-2, atol=2e-2)  # fmt: skip
+
+
+def test_prefill_kernel_exports_for_cuda():
+    """DeepSeek-V3's shapes (128 heads, 512 + 64) lower for CUDA, layer and first_page traced."""
+    s = jax.ShapeDtypeStruct
+    args = (s((2, 16, 128, 512), jnp.bfloat16), s((2, 16, 128, 64), jnp.bfloat16),
+            s((61, 256, 16, 576), jnp.bfloat16), s((), jnp.int32), s((2, 64), jnp.int32), s((2, 16), jnp.int32),
+            s((), jnp.int32))  # fmt: skip
+
+    def prefill(q_latent, q_rope, cache, layer, table, positions, first_page):
+        return mla_paged_prefill(q_latent, q_rope, cache, layer, table, positions, scale=0.07, first_page=first_page)
+
+    exported = jax.export.export(
+        jax.jit(prefill), platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+    )(*args)  # fmt: skip
+    assert "jfire_mla_paged_prefill" in exported.mlir_module()
+    assert [o.shape for o in exported.out_avals] == [(2, 16, 128, 512), (2, 16, 128), (2, 16, 128)]

@@ -97,7 +97,8 @@ def test_int4_experts_stay_packed_on_the_device(released, capfd):
 
 @pytest.mark.parametrize("attention", ["reference", "pallas-interpret"])
 def test_greedy_tokens_match_transformers_on_the_dequantized_experts(released, attention):
-    """Decode through the jnp latent attention and through the Pallas MLA kernel (interpret mode)."""
+    """Prefill and decode through the jnp latent attention and through the Pallas MLA kernels
+    (interpret mode)."""
     got, expected = greedy_tokens(*released, attention)
     assert got.token_ids == expected.tolist()
     assert len(got.token_ids) == GREEDY_STEPS
