@@ -200,6 +200,7 @@ class HostTier(KVConnector):
                 if faults.host_block_saved is not None:
                     faults.host_block_saved(block_hash, block)
                 self.cache.put(block_hash, block)
+                self.counts["bytes_saved"] += block.nbytes
 
     def update(self) -> Progress:
         self._settle()
@@ -241,6 +242,7 @@ class HostTier(KVConnector):
             pool.register(page, block_hash)
         pool.free(pages[good:])
         self.counts["loaded"] += good
+        self.counts["bytes_loaded"] += sum(block.nbytes for _, block in found[:good])
         self.load_s += time.perf_counter() - t0
         return pages[:good]
 
@@ -252,5 +254,7 @@ class HostTier(KVConnector):
             "host_blocks_loaded": self.counts["loaded"],
             "host_blocks_corrupt": self.counts["corrupt"],
             "host_blocks_gated": self.counts["gated"],
+            "host_bytes_saved": self.counts["bytes_saved"],  # device to host
+            "host_bytes_loaded": self.counts["bytes_loaded"],  # host to device
             "host_load_s": self.load_s,
         }

@@ -44,6 +44,14 @@ class EngineCollector:
             "jfire_host_kv_blocks_corrupt",
             "Host prefix blocks whose bits differed from those saved: dropped and computed again",
         ),
+        "host_bytes_saved": (
+            "jfire_host_kv_bytes_saved",
+            "Bytes of prefix blocks copied from the device to host memory",
+        ),
+        "host_bytes_loaded": (
+            "jfire_host_kv_bytes_loaded",
+            "Bytes of prefix blocks loaded from host memory to the device",
+        ),
         "host_blocks_gated": (
             "jfire_host_kv_blocks_gated",
             "Evicted prefix blocks not kept in host memory: they served fewer prompts than --host-kv-min-uses",

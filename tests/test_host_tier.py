@@ -46,7 +46,10 @@ def test_evicted_prefixes_come_back_from_host_memory(tiny_model):
         outputs = list(handle)
         assert [t for o in outputs for t in o.token_ids] == expected
         assert outputs[-1].prefix_hit_tokens == 40  # every full block but the prompt's last token
-        assert engine.stats()["host_blocks_loaded"] == 10
+        stats = engine.stats()
+        assert stats["host_blocks_loaded"] == 10
+        block_bytes = tier.cache.get(block_hashes(target, PAGE)[0]).nbytes
+        assert stats["host_bytes_loaded"] == 10 * block_bytes and stats["host_bytes_saved"] >= 10 * block_bytes
 
         # A block corrupted in host memory is computed again (and the ones after it).
         for other in others:  # these come back from host memory too, and evict the target again
