@@ -18,15 +18,37 @@ infinities, subnormals and signed zeros planted in every tensor. Then:
      dropless layer with the Pallas grouped matmul (jfire.kernels.grouped_matmul), with XLA's
      `jax.lax.ragged_dot` (a padded dense matmul on CUDA) and every expert computed, at 1, 16,
      256 and 2,048 tokens, results compared; the kernel's tiles swept on the gate matmul;
-  6. Kimi K2.5's MLA decode and int4 expert kernels against their references;
+  6. Kimi K2.5's MLA decode and int4 expert kernels against their references, then one whole
+     Kimi K2.5-shaped MoE layer (MLA at its heads and latent sizes, 384 int4 routed experts,
+     the config in tests/data/kimi-k2.5) decoding at batch 1 and 8 over a 4k context: the
+     Pallas MLA and int4 kernels against the XLA reference path;
   6b. the Pallas prefill attention kernel against the reference at 4k and 16k tokens
      (Llama-3-8B's attention shapes, one chunk from position 0), and the MLA prefill kernel
      at Kimi K2.5's shapes (a 2k-token chunk);
   7. the engine: an 8B-shaped Llama in bf16 served by `Engine` with the Pallas attention
      (`scripts/gpu_engine_check.py`: start-up, batch-1 decode against the read-bandwidth
      roofline, batch-64 decode, TTFT of 512 and 4,096-token prompts and prefill MFU, each
-     decode without and with running ahead, the paged-attention kernel against its reference).
+     decode without and with running ahead, the paged-attention kernel against its reference),
+     started with `--kv-cache-gb auto` (the pool from the plan's arithmetic, JAX's allocator set
+     as `jfire serve` sets it); the roofline counts one embedding row a token, not the table.
 Prints a summary and writes all figures as JSON; exits 1 if anything is not bit-exact.
+
+Time on one H100 (80 GB, 3.35 TB/s, 989 dense bf16 TF/s), estimated from the sizes (never
+yet run on a GPU; compiles guessed at 1-5 s a program, the engine's at its CPU count):
+  1-4 compression: 1.1 GB of bf16 encoded on the host (~20 s), decodes at GB/s (~5 s),
+      20 tile configs compiled and timed (~30 s)                                      ~ 1 min
+  5   Scout MoE: 4 GB of experts; 4 token counts x 3 paths compiled (~40 s; the largest
+      call, dense at 2,048 tokens, 8 TFLOP: ~15 ms), 12 tile variants (~30 s), the scan
+      over 8 GB (~10 s)                                                               ~ 1.5 min
+  6   Kimi kernels (~15 s); the Kimi layer: 9.5 GB of weights drawn (~1 s), 4 compiles
+      (~30 s), the XLA reference unpacking 8.5 GB of int4 into 34 GB of bf16 (~15 ms a
+      call, 11 calls a batch)                                                         ~ 0.75 min
+  6b  prefill attention at 4k and 16k (the 16k reference materialises 34 GB of scores,
+      ~0.1 s a call) and MLA prefill at 2k                                            ~ 0.75 min
+  7   engine: 16 GB drawn (~5 s), start-up with every program compiled (~1-2 min),
+      8 decode waves of up to 64 x 128 tokens (~15 s), 4 TTFTs (~5 s)                  ~ 2.5 min
+  in all about 6.5 minutes, under the 8 the prepared call has (--repeats 10 throughout;
+  `--repeats 3` takes ~20 s off); an H200 is a little faster.
 """
 
 from __future__ import annotations
@@ -149,7 +171,7 @@ def moe_check(smoke: bool, repeats: int) -> list[dict]:
         t_kernel, t_xla = median_seconds(kernel, repeats), median_seconds(xla, repeats)
         t_dense = median_seconds(lambda: dense(*args).block_until_ready(), repeats)  # noqa: B023 (called here)
         touched = np.unique(np.asarray(chosen)).size * 3 * hidden * ffn * 2  # bf16 bytes of the experts used
-        rows.append({"tokens": tokens, "kernel": "paged_prefill_attention", "kernel_ms": 1e3 * t_kernel, "xla_ragged_dot_ms": 1e3 * t_xla,
+        rows.append({"tokens": tokens, "kernel": "grouped_matmul", "kernel_ms": 1e3 * t_kernel, "xla_ragged_dot_ms": 1e3 * t_xla,
                      "dense_ms": 1e3 * t_dense, "kernel_over_xla": t_kernel / t_xla,
                      "kernel_over_dense": t_kernel / t_dense, "kernel_weight_gbps": touched / t_kernel / 1e9,
                      "agree": close})
@@ -266,6 +288,76 @@ def kimi_kernels_check(smoke: bool, repeats: int) -> list[dict]:
     return rows
 
 
+KIMI_CONFIG = Path(__file__).resolve().parents[1] / "tests" / "data" / "kimi-k2.5" / "config.json"
+
+
+def kimi_layer_check(smoke: bool, repeats: int) -> list[dict]:
+    """One Kimi K2.5-shaped MoE layer (tests/data/kimi-k2.5's config: 64 heads, q rank 1536,
+    latent 512 + 64 rope, 384 int4 routed experts of width 2048 in groups of 32, 8 a token, one
+    shared expert; bf16 elsewhere) decoding one token a row at batch 1 and 8 over a 4k-token
+    cached context, through `mla.run_segment` as the model runs it, two ways: the engine's
+    Pallas paths (the MLA decode kernel, `PallasAttention`, and the int4 expert kernel) and the
+    XLA reference (jnp latent attention, int4 experts unpacked whole into ragged_dot: on CUDA
+    about 34 GB of bf16 temporaries and a dense dot over every expert). The layer's update
+    (output - input) must agree to bf16 rounding. The cache is not donated, so each call also
+    copies it (8 x 4k tokens x 1,152 bytes: 38 MB, ~20 us on an H100)."""
+    from jfire.kernels.int4_experts import use_impl
+    from jfire.models import mla
+    from jfire.models.deepseek import DeepseekV3Config
+    from jfire.models.params import init_params
+    from jfire.programs import PallasAttention
+
+    cfg = dataclasses.replace(DeepseekV3Config.from_hf(json.loads(KIMI_CONFIG.read_text())), num_layers=1,
+                              first_k_dense_replace=0)  # one routed-expert layer
+    context, page = (24, 4) if smoke else (4096, 16)
+    if smoke:
+        cfg = dataclasses.replace(cfg, vocab_size=256, hidden_size=64, num_heads=4, q_lora_rank=32, kv_lora_rank=32,
+                                  qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, num_experts=16,
+                                  moe_intermediate_size=64)
+    (segment,) = cfg.segments()
+    specs = [s for s in cfg.param_specs() if s.name.startswith(segment.name + ".")]
+    stack = jit(smoke)(lambda key: init_params(specs, key, jnp.bfloat16))(jax.random.key(29))[segment.name]
+    expert_bytes = sum(stack[f"we_{p}"][k].nbytes for p in ("gate", "up", "down") for k in ("packed", "scale"))
+    per_expert = expert_bytes // cfg.num_experts
+    rows = []
+    for batch in (1, 8):
+        key = jax.random.fold_in(jax.random.key(31), batch)
+        w = context // page + 1  # each row's pages, room for the token decoded
+        pages = batch * w + 1
+        cache = jax.random.normal(key, (1, pages, page, cfg.latent_width), jnp.float32).astype(jnp.bfloat16)
+        table = jnp.asarray(np.random.default_rng(batch).permutation(pages)[: batch * w].reshape(batch, w)
+                            .astype(np.int32))
+        positions = jnp.full((batch, 1), context, jnp.int32)  # the token after a full context
+        # Small inputs (the norms rescale them), so that the layer's update is not lost to the rounding of x + update.
+        x = (0.01 * jax.random.normal(jax.random.fold_in(key, 1), (batch, 1, cfg.hidden_size))).astype(jnp.bfloat16)
+
+        def layer(stack, x, cache, attention_impl, positions=positions, table=table):
+            out, _ = mla.run_segment(cfg, segment, stack, x, positions, {"latent": cache}, table, 0, 0,
+                                     attention_impl=attention_impl)
+            return out.astype(jnp.float32) - x.astype(jnp.float32)
+
+        def under(impl, attention_impl, x=x, cache=cache):
+            run = jit(smoke)(functools.partial(layer, attention_impl=attention_impl))
+
+            def call():
+                with use_impl(impl):  # part of jit's cache key
+                    return run(stack, x, cache).block_until_ready()
+            return call
+
+        kernel = under("pallas-interpret" if smoke else "pallas", PallasAttention(interpret=smoke))
+        xla = under("xla", None)
+        got, want = np.asarray(kernel(), np.float32), np.asarray(xla(), np.float32)
+        t_kernel, t_xla = median_seconds(kernel, repeats), median_seconds(xla, repeats)
+        # The experts the batch's rows chose (at most batch x 8 of 384), read once each, and the context's latents.
+        read = min(cfg.num_experts, batch * cfg.experts_per_token) * per_expert + batch * context * cfg.latent_width * 2
+        rows.append({"batch": batch, "context": context, "experts": cfg.num_experts, "kernel_ms": 1e3 * t_kernel,
+                     "xla_ms": 1e3 * t_xla, "kernel_over_xla": t_kernel / t_xla,
+                     "kernel_read_gbps_bound": read / t_kernel / 1e9,
+                     "max_abs_error": float(np.abs(got - want).max()), "scale": float(np.abs(want).max()),
+                     "agree": bool(np.allclose(got, want, rtol=2e-2, atol=2e-2 * float(np.abs(want).max())))})
+    return rows
+
+
 def prefill_attention_check(smoke: bool, repeats: int) -> list[dict]:
     """The Pallas prefill flash kernel against the reference attention (blocks of pages, scores
     materialised) on one prompt's chunk from position 0, at Llama-3-8B's attention shapes (32
@@ -332,6 +424,10 @@ def main(argv=None) -> int:
     ap.add_argument("--output", default="gpu_check.json", help="where the JSON figures go")
     args = ap.parse_args(argv)
     start = time.perf_counter()
+    if not args.smoke:  # as `jfire serve` with --kv-cache-gb auto: before JAX starts its backend
+        from jfire.device_memory import use_plan_allocator
+
+        print(f"JAX allocator: {use_plan_allocator() or 'as the environment sets it'}", flush=True)
     print(f"jax {jax.__version__} on {jax.devices()[0]} ({jax.default_backend()})", flush=True)
     if args.smoke:  # one plain matrix, one stacked and transposed
         tensors = synthetic(TINY, "tiny", 0, only=("embed", "layers.wq"))
@@ -353,6 +449,7 @@ def main(argv=None) -> int:
     result["moe_tiles"] = moe_tiles_check(args.smoke, repeats)
     result["moe_scan"] = moe_scan_check(args.smoke, repeats)
     result["kimi_kernels"] = kimi_kernels_check(args.smoke, repeats)
+    result["kimi_layer"] = kimi_layer_check(args.smoke, repeats)
     result["prefill_attention"] = prefill_attention_check(args.smoke, repeats)
     result["engine"] = engine_check(args.smoke, repeats)
     result["seconds"] = time.perf_counter() - start
@@ -361,7 +458,7 @@ def main(argv=None) -> int:
     exact = t["exact"] and all(r["exact"] for r in result["units"] + result["sweep"])
     exact = exact and all(r["agree"] for r in result["moe"] + result["kimi_kernels"] + [result["engine"]["kernel"]])
     exact = exact and all(r["agree"] for r in result["moe_tiles"])
-    exact = exact and all(r["agree"] for r in result["prefill_attention"])
+    exact = exact and all(r["agree"] for r in result["prefill_attention"] + result["kimi_layer"])
     best = max(result["sweep"], key=lambda r: r["gbps"])
     print(f"compression ratio {t['ratio']:.4f}; encode {t['encode_gbps']:.3f} GB/s (host)")
     for d in decoders:
@@ -385,6 +482,11 @@ def main(argv=None) -> int:
     for r in result["kimi_kernels"]:
         print(f"{r['kernel']:<18} {r['kernel_ms']:8.3f} ms against its reference {r['reference_ms']:8.3f} ms, "
               f"agree: {'yes' if r['agree'] else 'NO'}")
+    for r in result["kimi_layer"]:
+        print(f"Kimi K2.5 MoE layer decode, batch {r['batch']} at {r['context']:,} tokens: Pallas (MLA + int4) "
+              f"{r['kernel_ms']:8.3f} ms (<= {r['kernel_read_gbps_bound']:.0f} GB/s of experts + latents), "
+              f"XLA reference {r['xla_ms']:8.3f} ms, agree: {'yes' if r['agree'] else 'NO'} "
+              f"(max |error| {r['max_abs_error']:.3g} of {r['scale']:.3g})")
     for r in result["prefill_attention"]:
         print(f"{r['kernel']:<23} {r['tokens']:>5} tokens: kernel {r['kernel_ms']:8.3f} ms "
               f"({r['kernel_tflops']:.1f} TF/s), reference {r['reference_ms']:8.3f} ms "

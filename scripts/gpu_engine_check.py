@@ -1,7 +1,10 @@
 """The engine end to end on one device, for `scripts/gpu_check.py`: an 8B-shaped Llama in bf16
 (synthetic weights with the real shapes: nothing downloads on the GPU machine) served by
 `Engine` with the Pallas decode attention. Measures:
-  - start-up: the essential programs compiled (serving), then every program;
+  - start-up with `--kv-cache-gb auto`: the page pool sized by the plan's arithmetic
+    (`jfire.device_memory.size_pool`, as `jfire serve` sizes it, from JAX's allocator limit; the
+    smoke run states 1.02 GiB), the pages the engine got, the plan's line and the device memory
+    JAX reports in use after start-up; the essential programs compiled (serving), then every program;
   - the device's memory bandwidth (a reduction over 2 GiB: each byte read once, as decode
     reads the weights), and batch-1 decode tokens/s against that roofline;
   - batch-64 decode output tokens/s;
@@ -15,16 +18,24 @@ mode), so that the tests keep this file from rotting.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import gc
+import io
+import json
+import tempfile
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jfire import mesh
 from jfire.bench import run_wave
 from jfire.checkpoint.load import LoadedModel
+from jfire.device_memory import AUTO, PoolSize, size_pool
 from jfire.engine import Engine, EngineConfig
 from jfire.kernels.paged_attention import paged_attention, paged_attention_reference
 from jfire.models.llama import LlamaConfig
@@ -52,14 +63,14 @@ class Sizes:
     prompts: tuple[int, ...]
     context: int
     prefill_budget: int
-    kv_cache_gb: float
+    device_memory_gib: float | None  # for --kv-cache-gb auto; None: JAX's allocator limit (a GPU)
     bandwidth_bytes: int
 
 
 GPU = Sizes(LLAMA3_8B, "bfloat16", "pallas", decode_tokens=128, wide_batch=64, prompts=(512, 4096), context=4608,
-            prefill_budget=1024, kv_cache_gb=24.0, bandwidth_bytes=2 << 30)
+            prefill_budget=1024, device_memory_gib=None, bandwidth_bytes=2 << 30)
 SMOKE = Sizes(TINY_LLAMA, "float32", "pallas-interpret", decode_tokens=6, wide_batch=2, prompts=(24, 48), context=64,
-              prefill_budget=32, kv_cache_gb=0.01, bandwidth_bytes=16 << 20)
+              prefill_budget=32, device_memory_gib=1.02, bandwidth_bytes=16 << 20)
 
 
 def jit(smoke: bool):
@@ -123,6 +134,36 @@ def prefill_flops(cfg: LlamaConfig, tokens: int) -> float:
     return 2.0 * weights * tokens + attention
 
 
+def hf_config(cfg: LlamaConfig) -> dict:
+    """The config.json of `cfg`: what the plan reads (no weights), so that `size_pool` plans the
+    synthetic model as `jfire serve` would plan its checkpoint."""
+    return {"architectures": [cfg.architecture], "model_type": "llama", "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+            "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+            "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+            "max_position_embeddings": cfg.max_position_embeddings, "rope_theta": cfg.rope_theta,
+            "rms_norm_eps": cfg.rms_norm_eps, "tie_word_embeddings": cfg.tie_word_embeddings,
+            "torch_dtype": "bfloat16"}
+
+
+def memory_in_use(device) -> dict:
+    """What JAX's allocator reports on `device` (GPU; CPU devices report nothing)."""
+    stats = device.memory_stats() or {}
+    return {k: stats.get(k) for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")}
+
+
+def auto_pool(sizes: Sizes, config: EngineConfig, devices) -> tuple[EngineConfig, str]:
+    """`config` with its pool sized as `--kv-cache-gb auto` sizes it (device_memory.size_pool
+    on a config.json of the model), and the plan's one line that serve prints at start-up."""
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "config.json").write_text(json.dumps(hf_config(sizes.config)))
+        line = io.StringIO()
+        with contextlib.redirect_stderr(line):
+            config = size_pool(config, PoolSize(AUTO, sizes.device_memory_gib), model=d, dtype=sizes.dtype,
+                               spec=mesh.resolve(None), devices=devices)
+    return config, line.getvalue().strip()
+
+
 def engine_check(smoke: bool, repeats: int) -> dict:
     sizes = SMOKE if smoke else GPU
     cfg = sizes.config
@@ -138,14 +179,20 @@ def engine_check(smoke: bool, repeats: int) -> dict:
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(model.params))
     result.update(weights_gb=weight_bytes / 1e9, weights_s=time.perf_counter() - t0)
     config = EngineConfig(max_batch=sizes.wide_batch, prefill_budget=sizes.prefill_budget,
-                          max_model_len=sizes.context, kv_cache_bytes=int(sizes.kv_cache_gb * (1 << 30)),
-                          attention=sizes.attention, quick_compile=smoke)  # the smoke run checks paths, not speed
+                          max_model_len=sizes.context, attention=sizes.attention,
+                          quick_compile=smoke)  # the smoke run checks paths, not speed
+    gc.collect()  # the earlier checks' arrays gone before the plan reads the allocator's limit
     t0 = time.perf_counter()
+    config, plan_line = auto_pool(sizes, config, jax.devices())
+    result["auto_pool"] = {"plan": plan_line, "kv_cache_bytes": config.kv_cache_bytes,
+                           "plan_s": time.perf_counter() - t0, "memory_before": memory_in_use(device)}
     with Engine(model, config) as engine:
         result["serving_s"] = time.perf_counter() - t0  # essential programs compiled
         engine.wait_compiled()
         result["all_compiled_s"] = time.perf_counter() - t0
         result["programs"] = engine.programs.num_compiled
+        result["auto_pool"].update(pages=engine.runner.num_pages, page_size=config.page_size,
+                                   memory_after=memory_in_use(device))
         run_wave(engine, 1, 16, 4, seed=0)  # every path once before timing
         waves = {}
         for batch in (1, sizes.wide_batch):
@@ -159,7 +206,17 @@ def engine_check(smoke: bool, repeats: int) -> dict:
                             for (batch, ahead), w in waves.items()]
         tpot = waves[(1, True)]["tpot_s"]["p50"]
         result["batch1_tokens_per_s"] = 1.0 / tpot
-        result["batch1_roofline_fraction"] = weight_bytes / tpot / bandwidth
+        # The bytes a batch-1 decode step reads: every weight once, except the embedding, of which
+        # a lookup reads one row a token (1.05 GB of the 8B model's 16 GB, untied: the LM head is a
+        # separate matrix, read whole and counted). Counting the whole embedding put the roofline
+        # fraction ~7% high. Tied, the embedding is the LM head and read whole. The KV read (a
+        # ~200-token context: ~27 MB) is left out.
+        embed = model.params["embed"]
+        step_bytes = weight_bytes
+        if not cfg.tie_word_embeddings:
+            step_bytes -= embed.nbytes - embed.nbytes // embed.shape[0]
+        result["batch1_bytes_per_token"] = step_bytes
+        result["batch1_roofline_fraction"] = step_bytes / tpot / bandwidth
         result["prefill"] = []
         for n in sizes.prompts:
             run_wave(engine, 1, n, 1, seed=n + 1)  # its prefill programs run once before timing
@@ -172,10 +229,17 @@ def engine_check(smoke: bool, repeats: int) -> dict:
 
 def summary(r: dict) -> list[str]:
     """The engine check as a few lines of a table."""
+    a = r["auto_pool"]
+    mem = a["memory_after"]["bytes_in_use"]
+    in_use = f"{mem / 2**30:.2f} GiB" if mem is not None else "not reported (CPU)"
     lines = [f"engine ({r['model']}, {r['dtype']}, {r['attention']} attention, {r['weights_gb']:.2f} GB of weights): "
              f"serving after {r['serving_s']:.1f} s, all {r['programs']} programs after {r['all_compiled_s']:.1f} s",
              f"  read bandwidth {r['read_gbps']:.1f} GB/s; batch-1 decode {r['batch1_tokens_per_s']:.1f} tokens/s = "
-             f"{100 * r['batch1_roofline_fraction']:.1f}% of its roofline",
+             f"{100 * r['batch1_roofline_fraction']:.1f}% of its roofline "
+             f"({r['batch1_bytes_per_token'] / 1e9:.3f} GB a token: one embedding row)",
+             f"  --kv-cache-gb auto: {a['pages']:,} pages of {a['page_size']} ({a['kv_cache_bytes'] / 2**30:.2f} GiB); "
+             f"device memory in use after start-up {in_use}",
+             f"  plan: {a['plan']}",
              f"  {'batch':>5} {'ahead':>5} {'tok/s':>9} {'TPOT':>9} {'step':>9} {'host':>6}"]
     for d in r["decode"]:
         lines.append(f"  {d['batch']:>5} {'yes' if d['run_ahead'] else 'no':>5} {d['output_tokens_per_s']:>9.1f} "

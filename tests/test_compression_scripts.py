@@ -33,7 +33,11 @@ def test_gpu_check_smoke(tmp_path, capsys, monkeypatch):
     assert [r["tokens"] for r in result["moe"]] == [1, 16, 256] and all(r["agree"] for r in result["moe"])
     # The engine end to end (a tiny Llama, the Pallas attention interpreted): every measurement
     # taken, each decode batch without and with running ahead, the kernel equal to its reference.
+    # One Kimi K2.5-shaped layer (shrunk) decoding: the Pallas MLA + int4 paths equal the XLA reference.
+    assert [r["batch"] for r in result["kimi_layer"]] == [1, 8] and all(r["agree"] for r in result["kimi_layer"])
     engine = result["engine"]
+    # Started with --kv-cache-gb auto: the plan's pool from the stated 1.02 GiB.
+    assert engine["auto_pool"]["pages"] > 0 and "KV pages" in engine["auto_pool"]["plan"]
     assert engine["kernel"]["agree"] and engine["programs"] > 0
     assert [(d["batch"], d["run_ahead"]) for d in engine["decode"]] == [(1, False), (1, True), (2, False), (2, True)]
     assert all(d["output_tokens_per_s"] > 0 and 0 < d["host_share"] < 1 for d in engine["decode"])
