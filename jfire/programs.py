@@ -72,10 +72,26 @@ class PallasAttention:
         )
         return out[:, None]
 
-    def mla(self, q_latent, q_rope, cache, layer, page_table, positions, *, scale, first_page=0):
-        """The partial (acc, m, l) of jfire.kernels.mla_attention."""
-        from jfire.kernels.mla_attention import mla_paged_decode, mla_paged_prefill
+    def mla(self, q_latent, q_rope, cache, layer, page_table, positions, *, scale, first_page=0, expand=None):
+        """The partial (acc, m, l) of jfire.kernels.mla_attention; with `expand` = (q_nope,
+        wkv_b) (jfire.models.mla.prefill_expanded chose it for a long chunk), the expanded
+        form's partial, in the value space (q_latent unused)."""
+        from jfire.kernels.mla_attention import mla_expanded_prefill, mla_paged_decode, mla_paged_prefill
 
+        if expand is not None:
+            q_nope, wkv_b = expand
+            return mla_expanded_prefill(
+                q_nope,
+                q_rope,
+                wkv_b,
+                cache,
+                layer,
+                page_table,
+                positions,
+                scale=scale,
+                first_page=first_page,
+                interpret=self.interpret,
+            )
         if q_latent.shape[1] > 1:
             return mla_paged_prefill(
                 q_latent,

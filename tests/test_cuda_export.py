@@ -274,3 +274,23 @@ def test_expert_parallel_kernels_export_for_cuda(kind, on_gpu_host):
     text = exported.mlir_module()
     assert exported.nr_devices == 4
     assert gpu_path(text) == {EP_KERNELS[kind]}
+
+
+def test_long_mla_prefill_exports_the_expanded_form_for_cuda(on_gpu_host):
+    """A chunk long enough for jfire.models.mla.prefill_expanded (32 tokens after at most 32
+    cached at the tiny model's widths) takes the expanded MLA kernel, and lowers for CUDA."""
+    from jfire.models.mla import prefill_expanded
+    from jfire.programs import PallasAttention
+
+    cfg = config_from_hf(hf_config("deepseek_v3_fp8"))
+    assert prefill_expanded(cfg, PallasAttention(), 32, 4 * PAGE_SIZE)
+    buckets = Buckets.for_limits(max_batch=DECODE_ROWS, prefill_budget=32, max_prefill_rows=1, max_pages_per_row=4,
+                                 page_size=PAGE_SIZE)  # fmt: skip
+    pages = jax.eval_shape(functools.partial(init_pages, cfg, NUM_PAGES, PAGE_SIZE, jnp.bfloat16))
+    penalties = jax.eval_shape(functools.partial(init_penalty_state, DECODE_ROWS + 1, cfg.vocab_size))
+    params = abstract_params(cfg.param_specs(), jnp.bfloat16)
+    programs = CompiledPrograms(cfg, params, pages, penalties, buckets, "pallas", cpu_matmul=False)
+    fn, args, static = programs.program(("prefill", 1, 32))
+    exported = jax.export.export(fn, platforms=["cuda"], disabled_checks=EXPORT_CHECKS)(*args, **static)
+    assert "jfire_mla_expanded_prefill" in exported.mlir_module()
+    assert gpu_path(exported.mlir_module()) == CASES["deepseek_v3_fp8"][2] | {"triton:jfire_mla_expanded_prefill"}

@@ -474,3 +474,233 @@ def mla_paged_prefill(
         cache,
     )
     return acc[:, :rows].reshape(b, t, h, c), m[:, :rows].reshape(b, t, h), l[:, :rows].reshape(b, t, h)
+
+
+# -- the expanded form, for long prefill chunks -------------------------------------------------
+#
+# FLOPs of one row's chunk of `tokens` queries after `cached` positions (causal), with H heads,
+# latent c, rope r, per-head nope dn and value dv widths (multiply-adds count 2):
+#   pairs    = tokens * cached + tokens * (tokens + 1) / 2      (query, position) pairs seen
+#   absorbed = 2 H (2c + r) pairs                              scores over c + r, values over c
+#            + 2 tokens H c (dn + dv)                          q_nope W_UK before, out W_UV after
+#   expanded = 2 H (dn + r + dv) pairs                         scores over dn + r, values over dv
+#            + 2 (cached + tokens) c H (dn + dv)               K = latent W_UK, V = latent W_UV
+# The per-token projections equal the expansion of the chunk's own positions, so the
+# difference is pairs * 2H (2c - dn - dv) against cached * 2 c H (dn + dv): with a long prefix
+# the expanded form wins once tokens > c (dn + dv) / (2c - dn - dv) (DeepSeek-V3 / Kimi K2:
+# 512 * 256 / 768 = 170.7 tokens), whatever the prefix; below that it wins only while the
+# prefix is short enough. The caller evaluates the rule at the longest prefix its page
+# table allows (the cached positions are traced, the choice is static), so a chunk below
+# the threshold stays absorbed: never the more expensive form at long contexts.
+
+
+def mla_prefill_flops(tokens: int, cached: int, *, heads: int, latent: int, rope: int, nope: int, v: int) -> dict:
+    """{"absorbed": FLOPs, "expanded": FLOPs} of one row's chunk (see the comment above)."""
+    pairs = tokens * cached + tokens * (tokens + 1) // 2
+    return {
+        "absorbed": 2 * heads * (2 * latent + rope) * pairs + 2 * tokens * heads * latent * (nope + v),
+        "expanded": 2 * heads * (nope + rope + v) * pairs + 2 * (cached + tokens) * latent * heads * (nope + v),
+    }
+
+
+def mla_prefill_form(tokens: int, cached: int, **dims) -> str:
+    """ "expanded" or "absorbed": the cheaper in FLOPs for `tokens` queries after `cached`
+    positions (ties and one-token steps stay absorbed)."""
+    if tokens <= 1:
+        return "absorbed"
+    flops = mla_prefill_flops(tokens, cached, **dims)
+    return "expanded" if flops["expanded"] < flops["absorbed"] else "absorbed"
+
+
+def merge_partials(a, b):
+    """Two partials (acc, m, l) over disjoint positions merged into one, exactly."""
+    (acc_a, m_a, l_a), (acc_b, m_b, l_b) = a, b
+    m = jnp.maximum(m_a, m_b)
+    ca, cb = jnp.exp(m_a - m), jnp.exp(m_b - m)
+    return acc_a * ca[..., None] + acc_b * cb[..., None], m, l_a * ca + l_b * cb
+
+
+def _expanded_kernel(
+    start_ref,
+    qpos_ref,
+    kpos_ref,
+    qn_ref,
+    qr_ref,
+    k_ref,
+    kr_ref,
+    v_ref,
+    acc_ref,
+    m_ref,
+    l_ref,
+    *,
+    block_keys: int,
+    scale: float,
+    precision,
+):
+    """One (row, block of queries, head): flash attention over one span of expanded keys
+    (k_ref [span, dn], kr_ref [span, r] the shared rope key, v_ref [span, dv]) whose
+    positions are start + 0..span-1 (kpos_ref: those positions, or a huge value where the
+    page is not held here), as far as the block's last query position."""
+    start = start_ref[0]
+    qpos = qpos_ref[...]
+    qn, qr = qn_ref[...], qr_ref[...]
+    rows = qn.shape[0]
+    span, dv = v_ref.shape
+    dims = (((1,), (1,)), ((), ()))
+    last = jnp.max(qpos)
+    num_blocks = jnp.clip((last - start + block_keys) // block_keys, 0, span // block_keys)
+
+    def body(i, carry):
+        m, l, acc = carry
+        keys = pl.ds(i * block_keys, block_keys)
+        k, kr, v, kpos = k_ref[keys, :], kr_ref[keys, :], v_ref[keys, :], kpos_ref[keys]
+        s = (
+            jax.lax.dot_general(qn, k, dims, precision=precision, preferred_element_type=jnp.float32)
+            + jax.lax.dot_general(qr, kr, dims, precision=precision, preferred_element_type=jnp.float32)
+        ) * scale
+        visible = kpos[None, :] <= qpos[:, None]
+        m_new = jnp.maximum(m, jnp.where(visible, s, MASK_VALUE).max(axis=-1))
+        p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
+        correction = jnp.exp(m - m_new)
+        l = l * correction + p.sum(axis=-1)
+        pv = jax.lax.dot(p.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32)
+        return m_new, l, acc * correction[:, None] + pv
+
+    init = (
+        jnp.full((rows,), MASK_VALUE, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+        jnp.zeros((rows, dv), jnp.float32),
+    )
+    m, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+    acc_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def _expanded_span(start, qpos, kpos, qn, qr, k, kr, v, *, scale, block_rows, block_keys, interpret, num_warps):
+    """The Pallas flash kernel over one span: qn [b, h, T, dn], qr [b, h, T, r], qpos [b, T]
+    (T a multiple of block_rows), k [b, h, S, dn], kr [b, S, r], v [b, h, S, dv], kpos [b, S].
+    Returns (acc [b, h, T, dv], m [b, h, T], l [b, h, T]), float32."""
+    b, h, t, dn = qn.shape
+    r, span, dv = qr.shape[-1], k.shape[2], v.shape[-1]
+    kernel = functools.partial(
+        _expanded_kernel,
+        block_keys=block_keys,
+        scale=float(scale),
+        precision=jax.lax.Precision.HIGHEST if k.dtype == jnp.float32 else None,
+    )
+    q_spec = lambda d: pl.BlockSpec((None, None, block_rows, d), lambda i, j, n: (i, n, j, 0))  # noqa: E731
+    kv_spec = lambda d: pl.BlockSpec((None, None, span, d), lambda i, j, n: (i, n, 0, 0))  # noqa: E731
+    stat = pl.BlockSpec((None, None, block_rows), lambda i, j, n: (i, n, j))
+    return pl.pallas_call(
+        kernel,
+        grid=(b, t // block_rows, h),
+        in_specs=[
+            pl.BlockSpec((1,), lambda i, j, n: (0,)),  # the span's first position
+            pl.BlockSpec((None, block_rows), lambda i, j, n: (i, j)),  # the block's query positions
+            pl.BlockSpec((None, span), lambda i, j, n: (i, 0)),  # the span's key positions
+            q_spec(dn),
+            q_spec(r),
+            kv_spec(dn),
+            pl.BlockSpec((None, span, r), lambda i, j, n: (i, 0, 0)),  # the shared rope key
+            kv_spec(dv),
+        ],
+        out_specs=[q_spec(dv), stat, stat],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, h, t, dv), jnp.float32),
+            jax.ShapeDtypeStruct((b, h, t), jnp.float32),
+            jax.ShapeDtypeStruct((b, h, t), jnp.float32),
+        ],
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
+        name="jfire_mla_expanded_prefill",
+    )(jnp.reshape(start, (1,)).astype(jnp.int32), qpos, kpos, qn, qr, k, kr, v)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("scale", "span_pages", "block_rows", "block_keys", "interpret", "num_warps")
+)
+def mla_expanded_prefill(
+    q_nope,
+    q_rope,
+    w_kv_b,
+    cache,
+    layer,
+    page_table,
+    positions,
+    *,
+    scale: float,
+    first_page=0,
+    span_pages: int = 128,
+    block_rows: int = 64,
+    block_keys: int = 64,
+    interpret: bool = False,
+    num_warps: int = 4,
+):
+    """Prefill MLA in the expanded form: per-head keys cat(latent W_UK, rope_key) and values
+    latent W_UV, built from the paged latent cache once per step, then multi-head flash
+    attention with head widths dn + r (scores) and dv (values).
+
+    q_nope [b, t, h, dn] (the query before W_UK is folded in), q_rope [b, t, h, r] at
+    positions [b, t] (-1 = padding); w_kv_b [c, h, dn + dv] (kv_b_proj: W_UK then W_UV);
+    cache, layer, page_table, first_page as `mla_partial_reference`. Returns the partial
+    (acc [b, t, h, dv], m [b, t, h], l [b, t, h]), float32, in the *value* space: it equals
+    `mla_partial_reference`'s partial with W_UV applied to acc (linear, so `combine_partials`
+    over devices commutes with it), and the caller skips its W_UV.
+
+    The context is expanded a span of `span_pages` pages at a time (a loop only as far as
+    the longest row's last position), so the expanded keys and values never exceed
+    [b, h, span, dn + dv] however long the page table; each span's attention is a Pallas
+    flash kernel (grid (row, block of `block_rows` queries, head), keys `block_keys` at a
+    time, the blocking of jfire.kernels.paged_attention's prefill kernel, returning a
+    partial), and the spans' partials merge exactly. Pages not held here expand to zeros
+    and are masked. The defaults are unmeasured guesses; tune them on the GPU.
+    """
+    b, t, h, dn = q_nope.shape
+    r = q_rope.shape[-1]
+    c = w_kv_b.shape[0]
+    dv = w_kv_b.shape[-1] - dn
+    num_local, page_size, width = cache.shape[1:]
+    if width != c + r:
+        raise ValueError(f"cache entries hold {width} values, the weights and queries {c} + {r}")
+    dtype = jnp.result_type(q_nope.dtype, q_rope.dtype, cache.dtype)
+    w = page_table.shape[1]
+    span_pages = max(1, min(span_pages, w))
+    span = span_pages * page_size
+    block_keys = min(block_keys, span)
+    if span % block_keys:
+        raise ValueError(f"a span of {span} positions is not a multiple of block_keys ({block_keys})")
+    table = pad_to_multiple(page_table.astype(jnp.int32), span_pages)
+    block_rows = min(block_rows, max(16, 1 << (t - 1).bit_length()))
+    pad = -t % block_rows
+    positions = positions.astype(jnp.int32)
+    qpos = jnp.pad(positions, ((0, 0), (0, pad)), constant_values=-1)
+    to_rows = lambda x: jnp.pad(x.astype(dtype), ((0, 0), (0, pad), (0, 0), (0, 0))).transpose(0, 2, 1, 3)  # noqa: E731
+    qn, qr = to_rows(q_nope), to_rows(q_rope)
+    w_uk, w_uv = w_kv_b[..., :dn].astype(dtype), w_kv_b[..., dn:].astype(dtype)
+    never = jnp.iinfo(jnp.int32).max
+
+    def body(j, carry):
+        ids, held = local_pages(
+            jax.lax.dynamic_slice_in_dim(table, j * span_pages, span_pages, axis=1), first_page, num_local
+        )
+        held = jnp.repeat(held, page_size, axis=1)  # [b, span]
+        kv = jnp.where(held[..., None], cache[layer, ids].reshape(b, span, width), 0).astype(dtype)
+        latent, rope_key = kv[..., :c], kv[..., c:]
+        k = jnp.einsum("bsc,chd->bhsd", latent, w_uk, preferred_element_type=jnp.float32).astype(dtype)
+        v = jnp.einsum("bsc,chd->bhsd", latent, w_uv, preferred_element_type=jnp.float32).astype(dtype)
+        start = j * span
+        kpos = jnp.where(held, start + jnp.arange(span, dtype=jnp.int32)[None, :], never)
+        part = _expanded_span(start, qpos, kpos, qn, qr, k, rope_key, v, scale=scale, block_rows=block_rows,
+                              block_keys=block_keys, interpret=interpret, num_warps=num_warps)  # fmt: skip
+        return merge_partials(carry, part)
+
+    init = (
+        jnp.zeros((b, h, t + pad, dv), jnp.float32),
+        jnp.full((b, h, t + pad), MASK_VALUE, jnp.float32),
+        jnp.zeros((b, h, t + pad), jnp.float32),
+    )
+    init = vary_as(init, q_nope, q_rope, cache, table, positions)
+    stop = jnp.minimum((jnp.max(positions) + span) // span, table.shape[1] // span_pages)
+    acc, m, l = jax.lax.fori_loop(0, stop, body, init)
+    return acc[:, :, :t].transpose(0, 2, 1, 3), m[:, :, :t].transpose(0, 2, 1), l[:, :, :t].transpose(0, 2, 1)

@@ -1,11 +1,13 @@
 """The DeepSeek-V3 layer: multi-head latent attention over the paged latent cache, then a
 dense MLP or routed experts plus shared experts.
 
-Attention runs in the absorbed form for prefill and decode alike: the key half of
+Attention runs in the absorbed form for decode and short prefill chunks: the key half of
 `kv_b_proj` (W_UK) is folded into the query and the value half (W_UV) applied after, so
-attention reads only the cached latent and rope key (jfire.kernels.mla_attention). Prefill
-pays about three times the attention FLOPs of expanding per-head keys (576 against 192
-values per score), and never expands the cached context.
+attention reads only the cached latent and rope key (jfire.kernels.mla_attention). With the
+engine's kernels, long prefill chunks run the expanded form instead (per-head keys and
+values built from the latent once a step, then multi-head flash attention: 320 against
+1,088 values per score and position at DeepSeek-V3's widths, plus the expansion of the
+context); `prefill_expanded` picks by the FLOP rule in jfire.kernels.mla_attention.
 
 Sequence-sharded pages: the latent has no head axis, so splitting heads over tp would hold
 every token's latent on every device. Instead the cache's pages are split over the stage's
@@ -85,6 +87,7 @@ def run_segment(
     page, slot = cache_slots(positions, page_table, num_pages, cache.shape[2])
     Dn, C = cfg.qk_nope_head_dim, cfg.kv_lora_rank
     moe = segment.kind == "moe"
+    expanded = prefill_expanded(cfg, attention_impl, x.shape[1], page_table.shape[1] * cache.shape[2])
 
     def layer(carry, p, j):
         x, cache = carry
@@ -101,7 +104,7 @@ def run_segment(
             latent = rms_norm(kv[..., :C], p["kv_a_norm"], cfg.rms_norm_eps)
             k_rope = rope(kv[..., None, C:], cos, sin)[:, :, 0]
             entry = jnp.concatenate([latent, k_rope], axis=-1)  # [b, t, c + r]: what the cache keeps
-            q_latent = jnp.einsum("bthd,chd->bthc", q_nope, p["wkv_b"][..., :Dn])
+            q_latent = jnp.einsum("bthd,chd->bthc", q_nope, p["wkv_b"][..., :Dn])  # unused (DCE) when expanded
             out, cache = attend(
                 q_latent,
                 q_rope,
@@ -115,8 +118,12 @@ def run_segment(
                 scale=scale,
                 attention_impl=attention_impl,
                 parallel=parallel,
+                expand=(q_nope, p["wkv_b"]) if expanded else None,
             )
-            out = jnp.einsum("bthc,chd->bthd", out.astype(x.dtype), p["wkv_b"][..., Dn:])
+            if expanded:  # already per head in the value space
+                out = out.astype(x.dtype)
+            else:
+                out = jnp.einsum("bthc,chd->bthd", out.astype(x.dtype), p["wkv_b"][..., Dn:])
             x = x + out_projection(out, p["wo"])
         h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
         if moe:
@@ -168,34 +175,63 @@ def attend(
     scale,
     attention_impl=None,
     parallel=None,
+    expand=None,
 ):
     """Writes entry [b, t, c + r] at (page, slot) and attends: returns (out [b, t, h, c]
     float32, cache). Over a mesh the cache's pages are split over PAGE_AXES (see the module
-    docstring); queries enter replicated and the merged output leaves replicated."""
+    docstring); queries enter replicated and the merged output leaves replicated.
+
+    With `expand` = (q_nope [b, t, h, dn], wkv_b [c, h, dn + dv]) the engine's kernel runs
+    the expanded form instead (`prefill_expanded` chose it): out is then [b, t, h, dv],
+    W_UV already applied, and q_latent goes unused."""
     partial = _partial_fn(attention_impl)
 
-    def local(q_latent, q_rope, entry, cache, layer, page, slot, page_table, positions, first_page, axis_name):
+    def local(q_latent, q_rope, entry, cache, layer, page, slot, page_table, positions, expand, first_page, axis_name):
         cache = mla_attention.write_latent(cache, layer, page, slot, entry, first_page)
-        acc, m, l = partial(q_latent, q_rope, cache, layer, page_table, positions, scale=scale, first_page=first_page)
+        extra = {} if expand is None else {"expand": expand}
+        acc, m, l = partial(
+            q_latent, q_rope, cache, layer, page_table, positions, scale=scale, first_page=first_page, **extra
+        )
         return mla_attention.combine_partials(acc, m, l, axis_name), cache
 
     if parallel is None:
-        return local(q_latent, q_rope, entry, cache, layer, page, slot, page_table, positions, 0, None)
+        return local(q_latent, q_rope, entry, cache, layer, page, slot, page_table, positions, expand, 0, None)
 
     # Every traced value enters as an argument: inside the pipeline's shard_map a value
     # closed over from outside would carry the outer mesh's axis types.
-    def shard(q_latent, q_rope, entry, cache, layer, page, slot, page_table, positions):
+    def shard(q_latent, q_rope, entry, cache, layer, page, slot, page_table, positions, expand):
         first = jax.lax.axis_index(PAGE_AXES) * cache.shape[1]
-        return local(q_latent, q_rope, entry, cache, layer, page, slot, page_table, positions, first, PAGE_AXES)
+        return local(q_latent, q_rope, entry, cache, layer, page, slot, page_table, positions, expand, first, PAGE_AXES)
 
     cache_spec = P(None, PAGE_AXES, None, None)
+    expand_spec = None if expand is None else (P(), P())
     return jax.shard_map(
         shard,
         mesh=parallel.shard_map_mesh(),
         axis_names=frozenset(PAGE_AXES),
-        in_specs=(P(), P(), P(), cache_spec, P(), P(), P(), P(), P()),
+        in_specs=(P(), P(), P(), cache_spec, P(), P(), P(), P(), P(), expand_spec),
         out_specs=(P(), cache_spec),
-    )(q_latent, q_rope, entry, cache, jnp.asarray(layer, jnp.int32), page, slot, page_table, positions)
+    )(q_latent, q_rope, entry, cache, jnp.asarray(layer, jnp.int32), page, slot, page_table, positions, expand)
+
+
+def prefill_expanded(cfg, attention_impl, tokens: int, context: int) -> bool:
+    """Whether a step of `tokens` queries a row runs MLA in the expanded form: only with the
+    engine's kernels (`--attention pallas`) and when jfire.kernels.mla_attention's FLOP rule
+    finds it cheaper at the longest prefix the page table allows (`context` positions; the
+    cached length is traced, the choice static). Below ~171 tokens at DeepSeek-V3's widths
+    the absorbed form stays; above, the expanded form is cheaper at every prefix."""
+    if getattr(attention_impl, "mla", None) is None or tokens <= 1:
+        return False
+    form = mla_attention.mla_prefill_form(
+        tokens,
+        max(0, context - tokens),
+        heads=cfg.num_heads,
+        latent=cfg.kv_lora_rank,
+        rope=cfg.qk_rope_head_dim,
+        nope=cfg.qk_nope_head_dim,
+        v=cfg.v_head_dim,
+    )
+    return form == "expanded"
 
 
 def _partial_fn(attention_impl):

@@ -11,7 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jfire.kernels.mla_attention import combine_partials, mla_paged_decode, mla_paged_prefill, mla_partial_reference
+from jfire.kernels.mla_attention import (
+    combine_partials,
+    mla_expanded_prefill,
+    mla_paged_decode,
+    mla_paged_prefill,
+    mla_partial_reference,
+)
 
 LAYERS, LATENT, ROPE, PAGE, WIDTH = 3, 32, 16, 4, 8  # WIDTH: pages per row
 LENGTHS = [0, 1, PAGE, 13, WIDTH * PAGE, 2 * PAGE + 1]  # empty, one token, a page boundary, full width
@@ -238,3 +244,125 @@ def test_prefill_kernel_exports_for_cuda():
     )(*args)  # fmt: skip
     assert "jfire_mla_paged_prefill" in exported.mlir_module()
     assert [o.shape for o in exported.out_avals] == [(2, 16, 128, 512), (2, 16, 128), (2, 16, 128)]
+
+
+# -- the expanded form (long prefill chunks) ---------------------------------------------------
+
+DN, DV = 16, 16
+
+
+def expanded_case(seed, heads, dtype=jnp.float32):
+    """prefill_case's chunks with q_nope [b, t, h, dn] and kv_b_proj [c, h, dn + dv]; q_latent
+    = q_nope W_UK (float32, exact) for the absorbed reference."""
+    _, q_rope, cache, table, positions = prefill_case(seed, PREFILL_ROWS, heads, dtype=dtype)
+    rng = np.random.default_rng(seed + 200)
+    q_nope = jnp.asarray(rng.standard_normal((*positions.shape, heads, DN)), dtype)
+    wkv_b = jnp.asarray(rng.standard_normal((LATENT, heads, DN + DV)) / np.sqrt(LATENT), dtype)
+    q_latent = jnp.einsum("bthd,chd->bthc", q_nope.astype(jnp.float32), wkv_b[..., :DN].astype(jnp.float32),
+                          precision="highest").astype(dtype)  # fmt: skip
+    return q_nope, q_latent, q_rope, wkv_b, cache, table, positions
+
+
+def absorbed_output(partial, wkv_b):
+    """The absorbed form's output per head in the value space: combine, then W_UV."""
+    return jnp.einsum("bthc,chv->bthv", combine_partials(*partial), wkv_b[..., DN:].astype(jnp.float32),
+                      precision="highest")  # fmt: skip
+
+
+@pytest.mark.parametrize("heads,span_pages,block_keys", [(5, 1, 4), (4, 3, 4), (2, 64, 16)])
+def test_expanded_prefill_equals_absorbed(heads, span_pages, block_keys):
+    """The expanded form (keys and values built from the latent, flash attention over spans of
+    pages) equals the absorbed reference with W_UV applied, for ragged chunks after cached
+    prefixes (a row of padding, which sees nothing), one or several spans; and with the pool
+    split over two devices (first_page traced) each device's partial is the absorbed one's
+    times W_UV (acc) and the same (m, l), and the merge equals the unsharded output."""
+    q_nope, q_latent, q_rope, wkv_b, cache, table, positions = expanded_case(6, heads)
+    run = functools.partial(mla_expanded_prefill, scale=0.2, span_pages=span_pages, block_keys=block_keys,
+                            block_rows=16, interpret=True)  # fmt: skip
+    valid = np.asarray(positions) >= 0
+    got = run(q_nope, q_rope, wkv_b, cache, jnp.int32(2), table, positions)
+    assert got[0].shape == (*positions.shape, heads, DV) and got[1].shape == got[2].shape == q_nope.shape[:3]
+    want = mla_partial_reference(q_latent, q_rope, cache, 2, table, positions, scale=0.2)
+    np.testing.assert_allclose(np.asarray(combine_partials(*got))[valid], np.asarray(absorbed_output(want, wkv_b))[valid],
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+    assert float(jnp.abs(got[0][2]).max()) == 0.0 and float(got[2][2].max()) == 0.0  # padding sees nothing
+    per = cache.shape[1] // 2
+    parts = []
+    for d in range(2):
+        local = cache[:, d * per : (d + 1) * per]
+        part = run(q_nope, q_rope, wkv_b, local, jnp.int32(2), table, positions, first_page=jnp.int32(d * per))
+        acc, m, l = mla_partial_reference(q_latent, q_rope, local, 2, table, positions, scale=0.2, first_page=d * per)
+        acc = jnp.einsum("bthc,chv->bthv", acc, wkv_b[..., DN:], precision="highest")
+        assert_partials_close(tuple(x[valid] for x in part), (acc[valid], m[valid], l[valid]))
+        parts.append(part)
+    np.testing.assert_allclose(merge(parts)[valid], np.asarray(absorbed_output(want, wkv_b))[valid],
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+
+
+def test_expanded_prefill_bfloat16():
+    """bf16 queries, weights and cache: the expanded form rounds its keys and values (latent
+    W_UK, latent W_UV) and its probabilities to bf16, the absorbed reference its probabilities
+    and its output before W_UV: different roundings of the same sums, so agreement to bf16's
+    precision (8 bits: a few 1e-3 relative per rounding, summed over the context)."""
+    q_nope, q_latent, q_rope, wkv_b, cache, table, positions = expanded_case(7, 4, dtype=jnp.bfloat16)
+    got = mla_expanded_prefill(q_nope, q_rope, wkv_b, cache, jnp.int32(1), table, positions, scale=0.2,
+                               span_pages=2, block_keys=8, interpret=True)  # fmt: skip
+    want = mla_partial_reference(q_latent, q_rope, cache, 1, table, positions, scale=0.2)
+    valid = np.asarray(positions) >= 0
+    np.testing.assert_allclose(np.asarray(combine_partials(*got))[valid], np.asarray(absorbed_output(want, wkv_b))[valid],
+                               rtol=3e-2, atol=3e-2)  # fmt: skip
+
+
+V3 = dict(heads=128, latent=512, rope=64, nope=128, v=128)  # DeepSeek-V3 and Kimi K2 (64 heads: same rule)
+
+
+def test_prefill_form_rule():
+    """The FLOP rule: expanded above c (dn + dv) / (2c - dn - dv) = 170.7 tokens at any prefix;
+    below, absorbed once the prefix is long (and expanded while it is short); one token absorbed."""
+    from jfire.kernels.mla_attention import mla_prefill_flops, mla_prefill_form
+
+    assert mla_prefill_form(1, 0, **V3) == "absorbed"
+    for cached in (0, 1000, 128 * 1024):
+        assert mla_prefill_form(171, cached, **V3) == mla_prefill_form(4096, cached, **V3) == "expanded"
+    assert mla_prefill_form(170, 128 * 1024, **V3) == mla_prefill_form(16, 4096, **V3) == "absorbed"
+    assert mla_prefill_form(16, 0, **V3) == "expanded"  # no context to expand beyond the chunk's own
+    assert mla_prefill_form(64, 4096, **{**V3, "heads": 64}) == "absorbed"
+    # the hand count at 512 tokens after 4,096: 2·128·(1088·pairs + 512·512·256) against 2·128·(320·pairs + 4608·512·256)
+    pairs = 512 * 4096 + 512 * 513 // 2
+    flops = mla_prefill_flops(512, 4096, **V3)
+    assert flops == {"absorbed": 256 * (1088 * pairs + 512 * 512 * 256), "expanded": 256 * (320 * pairs + 4608 * 512 * 256)}
+
+
+def test_model_picks_the_form_by_length():
+    """jfire.models.mla.prefill_expanded: the expanded form only with the engine's kernels
+    (not the reference attention), never for decode, and for long chunks at DeepSeek-V3's widths."""
+    from types import SimpleNamespace
+
+    from jfire.models.mla import prefill_expanded
+    from jfire.programs import PallasAttention
+
+    cfg = SimpleNamespace(num_heads=128, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
+    pallas = PallasAttention(interpret=True)
+    assert prefill_expanded(cfg, pallas, 512, 128 * 1024) and prefill_expanded(cfg, pallas, 171, 128 * 1024)
+    assert not prefill_expanded(cfg, pallas, 128, 128 * 1024) and not prefill_expanded(cfg, pallas, 1, 64)
+    assert not prefill_expanded(cfg, None, 512, 128 * 1024)
+
+
+def test_expanded_prefill_exports_for_cuda():
+    """DeepSeek-V3's shapes (128 heads, latent 512 + rope 64, dn = dv = 128) lower for CUDA:
+    a 256-token chunk, a 1,024-page table (16k positions), layer and first_page traced."""
+    s = jax.ShapeDtypeStruct
+    args = (s((1, 256, 128, 128), jnp.bfloat16), s((1, 256, 128, 64), jnp.bfloat16), s((512, 128, 256), jnp.bfloat16),
+            s((61, 1024, 16, 576), jnp.bfloat16), s((), jnp.int32), s((1, 1024), jnp.int32), s((1, 256), jnp.int32),
+            s((), jnp.int32))  # fmt: skip
+
+    def prefill(q_nope, q_rope, wkv_b, cache, layer, table, positions, first_page):
+        return mla_expanded_prefill(q_nope, q_rope, wkv_b, cache, layer, table, positions, scale=0.07,
+                                    first_page=first_page)  # fmt: skip
+
+    exported = jax.export.export(
+        jax.jit(prefill), platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+    )(*args)  # fmt: skip
+    assert "jfire_mla_expanded_prefill" in exported.mlir_module()
+    assert [o.shape for o in exported.out_avals] == [(1, 256, 128, 128), (1, 256, 128), (1, 256, 128)]

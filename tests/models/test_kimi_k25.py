@@ -68,12 +68,12 @@ def released(tmp_path_factory):
     return write_release(tmp_path_factory, pack)
 
 
-def greedy_tokens(path, reference, attention):
+def greedy_tokens(path, reference, attention, length=11):
     """(jfire's greedy tokens from the directory, the reference HF model's) on a fixed prompt."""
     model = load_model(str(path), "float32")
-    prompt = [int(x) for x in np.random.RandomState(4).randint(3, model.config.vocab_size, size=11)]
+    prompt = [int(x) for x in np.random.RandomState(4).randint(3, model.config.vocab_size, size=length)]
     with torch.no_grad():
-        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=GREEDY_STEPS, do_sample=False)[0, 11:]
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=GREEDY_STEPS, do_sample=False)[0, length:]
     with Engine(model, EngineConfig(max_batch=1, max_prefill_rows=1, aot=False, attention=attention,
                                      quick_compile=True)) as engine:
         got = engine.generate([(prompt, SamplingParams(temperature=0.0, max_tokens=GREEDY_STEPS))])[0]
@@ -95,11 +95,19 @@ def test_int4_experts_stay_packed_on_the_device(released, capfd):
     assert on_device == moe_layers * X * F * E // 2
 
 
-@pytest.mark.parametrize("attention", ["reference", "pallas-interpret"])
-def test_greedy_tokens_match_transformers_on_the_dequantized_experts(released, attention):
+@pytest.mark.parametrize("attention,length", [("reference", 11), ("pallas-interpret", 11), ("pallas-interpret", 48)])
+def test_greedy_tokens_match_transformers_on_the_dequantized_experts(released, attention, length):
     """Prefill and decode through the jnp latent attention and through the Pallas MLA kernels
-    (interpret mode)."""
-    got, expected = greedy_tokens(*released, attention)
+    (interpret mode); the 48-token prompt's chunk is past the tiny model's threshold for the
+    expanded form of MLA prefill (latent 32, heads of 16 + 16: 32 tokens), which it then runs."""
+    if length == 48:
+        from jfire.models.mla import prefill_expanded
+        from jfire.programs import decode_attention
+
+        cfg = load_model(str(released[0]), "float32").config
+        assert prefill_expanded(cfg, decode_attention(attention), 48, 4096)
+        assert not prefill_expanded(cfg, decode_attention(attention), 11, 4096)
+    got, expected = greedy_tokens(*released, attention, length)
     assert got.token_ids == expected.tolist()
     assert len(got.token_ids) == GREEDY_STEPS
 
