@@ -54,6 +54,8 @@ SLOWEST_FIRST = [
     "tests/serve/test_tool_constraints.py",
     "tests/disagg/test_disagg_moe.py",
     "tests/test_engine.py",
+    "tests/test_pools_per_kind.py",
+    "tests/models/test_llama4_cache_groups.py",
     "tests/reliability/test_host_tier_faults.py",
     "tests/disagg/test_prefix_store.py",
     "tests/test_cli.py",
@@ -76,6 +78,8 @@ SLOWEST_FIRST = [
     "tests/test_lockstep_beats.py",
     "tests/serve/test_shutdown.py",
     "tests/kernels/test_mla_attention.py",
+    "tests/kernels/test_prefill_attention.py",
+    "tests/kernels/test_grouped_matmul.py",
 ]
 
 
