@@ -18,7 +18,7 @@ import httpx
 import jax
 import pytest
 
-from jfire import cli, device_memory, plan
+from jfire import cli, device_memory, plan, plan_format
 from jfire import mesh as meshes
 from jfire.disagg import launch
 from jfire.disagg.deployment import Deployment
@@ -69,7 +69,7 @@ def test_serve_auto_refuses_with_the_figures_when_a_context_does_not_fit(default
     lines = proc.stderr.strip().splitlines()
     assert lines == [f"jfire: error: --kv-cache-gb auto: {plan.format_refusal(expected)}"], proc.stderr
     d = expected["per_device"][0]
-    for figure in ("device memory 1.50 GiB (from --device-memory-gib)", f"weights {plan._gib(d['weight_bytes'])}",
+    for figure in ("device memory 1.50 GiB (from --device-memory-gib)", f"weights {plan_format._gib(d['weight_bytes'])}",
                    "reserve 1.00 GiB", "one 512-token context needs", "Lower --max-context"):
         assert figure in lines[0], figure
 

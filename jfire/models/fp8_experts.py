@@ -29,7 +29,7 @@ def dequantize(weight, scale_inv, dtype=jnp.bfloat16):
     float32 and rounded once, as loading dequantizes. On a tp shard, `out` (or `in`) is the shard's
     slice: whole blocks of it (DeepseekV3Config.mesh_problems), so block boundaries line up."""
     if weight.dtype == jnp.uint8:
-        # The codes' bytes, as `jfire plan` measures them (see FP8_AS_BYTES there).
+        # The codes' bytes, as `jfire plan` measures them (see FP8_AS_BYTES in jfire/plan_workspace.py).
         weight = jax.lax.bitcast_convert_type(weight, jnp.float8_e4m3fn)
     out, n_in = weight.shape[-2:]
     scale = jnp.repeat(jnp.repeat(scale_inv.astype(jnp.float32), BLOCK, axis=-2), BLOCK, axis=-1)
