@@ -113,6 +113,74 @@ def write_latent(cache, layer, page, slot, entry, first_page=0):
     return cache.at[layer, local, slot].set(entry.astype(cache.dtype), mode="drop")
 
 
+def _attend_latent_pages(
+    ql, qr, last, cache_ref, table_ref, layer, first, stop, *, page_size, pages_per_block, scale, precision
+):
+    """(m, l, acc) of query rows ql [n, c] / qr [n, r] over a row's latent pages, inside a
+    Pallas kernel: an online softmax over blocks 0..stop of `pages_per_block` pages read
+    through table_ref, each query row seeing the positions up to its own `last` [n] (-1:
+    nothing). cache_ref [layers, pages, page_size, c + r] is this device's whole pool, local
+    page ids the table's less `first`: a page not held here (or past every row's last) is
+    never read, by masked loads within a block and a skipped block where none is. The
+    decode kernel (every row of a block at one position) and the prefill kernel share it."""
+    num_local = cache_ref.shape[1]
+    n, c = ql.shape
+    r = qr.shape[1]
+    block = pages_per_block * page_size
+    dims = (((1,), (1,)), ((), ()))  # [n, x] . [block, x] -> [n, block]
+    newest = jnp.max(last)
+
+    def attend(i, ids, ok, carry):
+        m, l, acc = carry
+
+        # A page this device does not hold (or past the last position) is never read: its
+        # lanes of the load are masked off, and Triton issues no memory access for masked
+        # lanes. The ids were clamped into the pool, so even the (unused) addresses stay in
+        # bounds.
+        def gather(start, size):  # [block, size] of every page's entries, columns start:start+size
+            shape = (pages_per_block, page_size, size)
+            # Whole-array indices (not slices): the form both Triton and interpret mode gather.
+            index = (
+                layer,
+                jnp.broadcast_to(ids[:, None, None], shape),
+                jax.lax.broadcasted_iota(jnp.int32, shape, 1),
+                start + jax.lax.broadcasted_iota(jnp.int32, shape, 2),
+            )
+            mask = jnp.broadcast_to(ok[:, None, None], shape)
+            return plgpu.load(cache_ref.at[index], mask=mask, other=0.0).reshape(block, size).astype(ql.dtype)
+
+        latent, rope_key = gather(0, c), gather(c, r)
+        s = (
+            jax.lax.dot_general(ql, latent, dims, precision=precision, preferred_element_type=jnp.float32)
+            + jax.lax.dot_general(qr, rope_key, dims, precision=precision, preferred_element_type=jnp.float32)
+        ) * scale
+        slot = i * block + jax.lax.broadcasted_iota(jnp.int32, (n, block), 1)
+        held = jnp.broadcast_to(ok.astype(jnp.int32)[:, None], (pages_per_block, page_size)).reshape(1, block)
+        visible = (slot <= last[:, None]) & (held > 0)
+        m_new = jnp.maximum(m, jnp.where(visible, s, MASK_VALUE).max(axis=-1))
+        p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
+        correction = jnp.exp(m - m_new)
+        l = l * correction + p.sum(axis=-1)
+        pv = jax.lax.dot(p.astype(ql.dtype), latent, precision=precision, preferred_element_type=jnp.float32)
+        return m_new, l, acc * correction[:, None] + pv
+
+    def body(i, carry):
+        local = table_ref[pl.ds(i * pages_per_block, pages_per_block)] - first
+        page = i * pages_per_block + jax.lax.broadcasted_iota(jnp.int32, (pages_per_block,), 0)
+        ok = (local >= 0) & (local < num_local) & (page * page_size <= newest)
+        ids = jnp.clip(local, 0, num_local - 1)
+        # Skipping pages not held here (or past the last position), in two layers: a block
+        # with none of them (common when the pool is sequence-sharded) is skipped outright by
+        # a branch (an scf.if in Triton): no loads, no dots; within a block the skip is per
+        # page, by the masked load in `attend`. Clamp + mask alone (as the reference does)
+        # would still read the clamped pages; a branch per page would shrink every dot to
+        # page_size keys (pages_per_block=1 is exactly that), and Triton dots want >= 16.
+        return jax.lax.cond(ok.astype(jnp.int32).max() > 0, functools.partial(attend, i, ids, ok), lambda x: x, carry)
+
+    init = (jnp.full((n,), MASK_VALUE, jnp.float32), jnp.zeros((n,), jnp.float32), jnp.zeros((n, c), jnp.float32))
+    return jax.lax.fori_loop(0, stop, body, init)
+
+
 # -- the Pallas decode kernel ------------------------------------------------------------------
 
 
@@ -140,70 +208,29 @@ def _mla_decode_kernel(
     page by page through the row's page table (a gather, never a copy of the pool).
     """
     layer, first, length = layer_ref[0], first_ref[0], length_ref[0]
-    num_local = cache_ref.shape[1]
     ql, qr = ql_ref[...], qr_ref[...]
-    g, c = ql.shape
-    r = qr.shape[1]
+    g = ql.shape[0]
     dtype = jnp.result_type(ql.dtype, qr.dtype, cache_ref.dtype)
     ql, qr = ql.astype(dtype), qr.astype(dtype)
     block = pages_per_block * page_size
-    dims = (((1,), (1,)), ((), ()))  # [g, x] . [block, x] -> [g, block]
-    # Float32 accumulation always; HIGHEST keeps float32 inputs IEEE on Triton (not TF32),
-    # and leaves bfloat16 inputs bfloat16 tensor-core dots.
-    exact = jax.lax.Precision.HIGHEST
-
-    def attend(i, ids, ok, carry):
-        m, l, acc = carry
-
-        # A page this device does not hold (or past the length) is never read: its lanes of
-        # the load are masked off, and Triton issues no memory access for masked lanes. The
-        # ids were clamped into the pool, so even the (unused) addresses stay in bounds.
-        def gather(start, size):  # [block, size] of every page's entries, columns start:start+size
-            shape = (pages_per_block, page_size, size)
-            # Whole-array indices (not slices): the form both Triton and interpret mode gather.
-            index = (
-                layer,
-                jnp.broadcast_to(ids[:, None, None], shape),
-                jax.lax.broadcasted_iota(jnp.int32, shape, 1),
-                start + jax.lax.broadcasted_iota(jnp.int32, shape, 2),
-            )
-            mask = jnp.broadcast_to(ok[:, None, None], shape)
-            return plgpu.load(cache_ref.at[index], mask=mask, other=0.0).reshape(block, size).astype(dtype)
-
-        latent, rope_key = gather(0, c), gather(c, r)
-        s = (
-            jax.lax.dot_general(ql, latent, dims, precision=exact, preferred_element_type=jnp.float32)
-            + jax.lax.dot_general(qr, rope_key, dims, precision=exact, preferred_element_type=jnp.float32)
-        ) * scale
-        slot = i * block + jax.lax.broadcasted_iota(jnp.int32, (g, block), 1)
-        held = jnp.broadcast_to(ok.astype(jnp.int32)[:, None], (pages_per_block, page_size)).reshape(1, block)
-        visible = (slot < length) & (held > 0)
-        m_new = jnp.maximum(m, jnp.where(visible, s, MASK_VALUE).max(axis=-1))
-        p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
-        correction = jnp.exp(m - m_new)
-        l = l * correction + p.sum(axis=-1)
-        acc = acc * correction[:, None] + jax.lax.dot(
-            p.astype(dtype), latent, precision=exact, preferred_element_type=jnp.float32
-        )
-        return m_new, l, acc
-
-    def body(i, carry):
-        local = table_ref[pl.ds(i * pages_per_block, pages_per_block)] - first
-        page = i * pages_per_block + jax.lax.broadcasted_iota(jnp.int32, (pages_per_block,), 0)
-        ok = (local >= 0) & (local < num_local) & (page * page_size < length)
-        ids = jnp.clip(local, 0, num_local - 1)
-        # Skipping pages not held here (or past the length), in two layers: a block with
-        # none of them (common when the pool is sequence-sharded) is skipped outright by a
-        # branch (an scf.if in Triton): no loads, no dots; within a block the skip is per
-        # page, by the masked load in `attend`. Clamp + mask alone (as the reference does)
-        # would still read the clamped pages; a branch per page would shrink every dot to
-        # page_size keys (pages_per_block=1 is exactly that), and Triton dots want >= 16.
-        return jax.lax.cond(ok.astype(jnp.int32).max() > 0, functools.partial(attend, i, ids, ok), lambda x: x, carry)
-
     # Only blocks that hold visible positions are visited (none for an empty row).
     stop = jnp.minimum((length + block - 1) // block, num_blocks)
-    init = (jnp.full((g,), MASK_VALUE, jnp.float32), jnp.zeros((g,), jnp.float32), jnp.zeros((g, c), jnp.float32))
-    m, l, acc = jax.lax.fori_loop(0, stop, body, init)
+    m, l, acc = _attend_latent_pages(
+        ql,
+        qr,
+        jnp.full((g,), length - 1, jnp.int32),
+        cache_ref,
+        table_ref,
+        layer,
+        first,
+        stop,
+        page_size=page_size,
+        pages_per_block=pages_per_block,
+        scale=scale,
+        # Float32 accumulation always; HIGHEST keeps float32 inputs IEEE on Triton (not TF32),
+        # and leaves bfloat16 inputs bfloat16 tensor-core dots.
+        precision=jax.lax.Precision.HIGHEST,
+    )
     acc_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l
@@ -331,59 +358,23 @@ def _mla_prefill_kernel(
     device's whole pool, read a block of pages at a time through the row's page table; a
     page not held here is not read (masked loads, and a block with none is skipped).
     """
-    layer, first = layer_ref[0], first_ref[0]
-    num_local = cache_ref.shape[1]
     pos = pos_ref[...]
-    ql, qr = ql_ref[...], qr_ref[...]
-    m_rows, c = ql.shape
-    r = qr.shape[1]
-    block = pages_per_block * page_size
-    dims = (((1,), (1,)), ((), ()))  # [m, x] . [block, x] -> [m, block]
     last = jnp.max(pos)  # -1: a block of padding, which reads nothing
-    num_blocks = (last + block) // block
-
-    def attend(i, ids, ok, carry):
-        m, l, acc = carry
-
-        def gather(start, size):  # [block, size]: as in _mla_decode_kernel
-            shape = (pages_per_block, page_size, size)
-            index = (
-                layer,
-                jnp.broadcast_to(ids[:, None, None], shape),
-                jax.lax.broadcasted_iota(jnp.int32, shape, 1),
-                start + jax.lax.broadcasted_iota(jnp.int32, shape, 2),
-            )
-            mask = jnp.broadcast_to(ok[:, None, None], shape)
-            return plgpu.load(cache_ref.at[index], mask=mask, other=0.0).reshape(block, size).astype(ql.dtype)
-
-        latent, rope_key = gather(0, c), gather(c, r)
-        s = (
-            jax.lax.dot_general(ql, latent, dims, precision=precision, preferred_element_type=jnp.float32)
-            + jax.lax.dot_general(qr, rope_key, dims, precision=precision, preferred_element_type=jnp.float32)
-        ) * scale
-        slot = i * block + jax.lax.broadcasted_iota(jnp.int32, (m_rows, block), 1)
-        held = jnp.broadcast_to(ok.astype(jnp.int32)[:, None], (pages_per_block, page_size)).reshape(1, block)
-        visible = (slot <= pos[:, None]) & (held > 0)
-        m_new = jnp.maximum(m, jnp.where(visible, s, MASK_VALUE).max(axis=-1))
-        p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
-        correction = jnp.exp(m - m_new)
-        l = l * correction + p.sum(axis=-1)
-        pv = jax.lax.dot(p.astype(ql.dtype), latent, precision=precision, preferred_element_type=jnp.float32)
-        return m_new, l, acc * correction[:, None] + pv
-
-    def body(i, carry):
-        local = table_ref[pl.ds(i * pages_per_block, pages_per_block)] - first
-        page = i * pages_per_block + jax.lax.broadcasted_iota(jnp.int32, (pages_per_block,), 0)
-        ok = (local >= 0) & (local < num_local) & (page * page_size <= last)
-        ids = jnp.clip(local, 0, num_local - 1)
-        return jax.lax.cond(ok.astype(jnp.int32).max() > 0, functools.partial(attend, i, ids, ok), lambda x: x, carry)
-
-    init = (
-        jnp.full((m_rows,), MASK_VALUE, jnp.float32),
-        jnp.zeros((m_rows,), jnp.float32),
-        jnp.zeros((m_rows, c), jnp.float32),
+    block = pages_per_block * page_size
+    m, l, acc = _attend_latent_pages(
+        ql_ref[...],
+        qr_ref[...],
+        pos,
+        cache_ref,
+        table_ref,
+        layer_ref[0],
+        first_ref[0],
+        (last + block) // block,
+        page_size=page_size,
+        pages_per_block=pages_per_block,
+        scale=scale,
+        precision=precision,
     )
-    m, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
     acc_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l
