@@ -57,6 +57,7 @@ def pool_pages(
     max_len: int,
     page_size: int,
     step_tokens: int,
+    shared: bool = False,
 ) -> tuple[dict[str, int], bool]:
     """(pages per group, shared) for a cache of `budget_bytes`: each windowed group gets what
     `rows` rows hold of it at once (`CacheGroup.pages_per_row`, rows stepping up to
@@ -64,13 +65,13 @@ def pool_pages(
     pages each. One shared pool (the same count in every group, `shared` True) where that
     holds no fewer pages of full attention, or where every group is alike; a model whose
     every group is windowed gives each all it can hold (pages past the windows keep cached
-    prefixes)."""
+    prefixes). `shared`: one pool whatever (a connector moves pages by id)."""
     total = sum(group_page_bytes[g.name] for g in groups)
     one_pool = {g.name: max(1, int(budget_bytes // total)) for g in groups}
     windowed = [g for g in groups if g.windowed]
     full = [g for g in groups if not g.windowed]
-    if not windowed or not full:
-        return one_pool, len(groups) > 1
+    if shared or not windowed or not full:
+        return one_pool, shared or len(groups) > 1
     counts = {g.name: rows * g.pages_per_row(max_len, page_size, step_tokens) for g in windowed}
     rest = budget_bytes - sum(counts[n] * group_page_bytes[n] for n in counts)
     full_pages = int(rest // sum(group_page_bytes[g.name] for g in full)) if rest > 0 else 0

@@ -76,7 +76,7 @@ def pool_size(
         }
         shared = shared or (len(groups) > 1 and not split)
     else:
-        counts, by_kind_shared = pool_pages(
+        counts, shared = pool_pages(
             groups,
             per_page,
             config.kv_cache_bytes,
@@ -84,10 +84,8 @@ def pool_size(
             max_len=max_model_len,
             page_size=config.page_size,
             step_tokens=step_tokens,
+            shared=shared,
         )
-        if shared and not by_kind_shared:
-            counts = {g.name: max(1, int(config.kv_cache_bytes // sum(per_page.values()))) for g in groups}
-        shared = shared or by_kind_shared
         if config.max_batch == 1:
             # One row never holds more than one full context: sized by bytes, a one-row engine
             # (`jfire generate`) would spend the rest on pages that can only keep cached
