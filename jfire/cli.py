@@ -13,8 +13,9 @@ import re
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-from jfire.engine_config import ATTENTION_IMPLS
+from jfire.engine_config import ATTENTION_IMPLS, SPECULATIVE
 from jfire.errors import JfireError
 
 
@@ -171,6 +172,20 @@ def _add_engine_args(p: argparse.ArgumentParser, *, auto: bool = False) -> None:
         "comparison; --no-cpu-matmul is the old name)",
     )
     p.add_argument(
+        "--speculative",
+        choices=SPECULATIVE,
+        default=None,
+        help="speculative decoding: draft tokens from the request's own text and earlier outputs "
+        "(ngram: prompt lookup; suffix: a suffix index, adapting each draft's length) and verify them "
+        "in one step; the same tokens as without, several a step where drafts hold (docs/speculative.md)",
+    )
+    p.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=8,
+        help="with --speculative: the most draft tokens a sequence verifies in one step (default 8)",
+    )
+    p.add_argument(
         "--quick-compile",
         action="store_true",
         help="compile with XLA's backend optimisation off: programs compile about 3x faster and "
@@ -189,7 +204,7 @@ def engine_config(args, *, single: bool):
     from jfire.engine import EngineConfig
 
     cache = args.compile_cache or os.environ.get("JFIRE_COMPILE_CACHE") or default_compilation_cache_dir()
-    limits = dict(max_batch=1, max_prefill_rows=1, aot=False) if single else {}
+    limits: dict[str, Any] = dict(max_batch=1, max_prefill_rows=1, aot=False) if single else {}
     if args.max_batch is not None:
         if args.max_batch < 1:
             raise JfireError(f"--max-batch must be >= 1, got {args.max_batch}")
@@ -220,6 +235,8 @@ def engine_config(args, *, single: bool):
         cpu_kernels=args.cpu_kernels,
         quick_compile=args.quick_compile,
         compilation_cache_dir=None if cache == "off" else cache,
+        speculative=args.speculative,
+        num_draft_tokens=args.num_draft_tokens,
         **limits,
     )
 
@@ -809,6 +826,9 @@ def cmd_launch(args) -> int:
         ("--compile-cache", args.compile_cache),
         ("--max-context", args.max_context),
         ("--served-model-name", args.served_model_name or served_name(args.model)),
+        # The decode groups speculate; a prefill group ignores it (it decodes nothing).
+        ("--speculative", args.speculative),
+        ("--num-draft-tokens", args.num_draft_tokens if args.speculative else None),
     ]
     if not args.shutdown_grace >= 0:
         raise JfireError(f"--shutdown-grace must be >= 0 seconds, got {args.shutdown_grace}")

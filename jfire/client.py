@@ -61,3 +61,17 @@ class EngineClient(Protocol):
     def stats(self) -> dict: ...
 
     def shutdown(self) -> None: ...
+
+
+def serving_health(error: BaseException | None, ready: bool, programs, aot: bool) -> tuple[int, dict]:
+    """(HTTP status, body) for /health of an engine in this process: failed, starting (compiling
+    what serving needs), or serving, maybe while the rest of its programs compile."""
+    if error is not None:
+        return 503, {"status": "error", "message": str(error)}
+    if not ready:
+        return 503, {"status": "starting", "message": "compiling programs"}
+    compiled = {"compiled": programs.num_compiled, "total": programs.num_total}
+    if aot and compiled["compiled"] < compiled["total"]:
+        # Serving already, each step with the smallest program compiled so far.
+        return 200, {"status": "ok", "compiling": True, "programs": compiled}
+    return 200, {"status": "ok", "compiling": False, "programs": compiled}

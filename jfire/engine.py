@@ -3,12 +3,11 @@
 One thread owns the device state and the scheduler. Callers talk to it through `submit` /
 `cancel` / `stats`, which only enqueue commands or read snapshots, so an HTTP handler never
 blocks a step and a step never waits on a client. The engine is the loop and the life cycle;
-its parts do the work (docs/architecture.md):
-- `Scheduler` (jfire/scheduler.py) picks each step's prefill chunks and decode rows;
-- `ModelRunner` (jfire/runner.py) builds the step's inputs and runs the programs;
-- `OutputProcessor` (jfire/outputs.py) turns sampled tokens into the requests' outputs;
-- a `KVConnector` (jfire/kv_connector.py) brings KV from elsewhere or sends it on (the
-  prefill and decode roles of a split deployment); the colocated engine's does nothing.
+its parts do the work (docs/architecture.md): the `Scheduler` (jfire/scheduler.py) picks each
+step's prefill chunks and decode rows; the `ModelRunner` (jfire/runner.py) builds the step's
+inputs and runs the programs; the `OutputProcessor` (jfire/outputs.py) turns sampled tokens
+into outputs; a `KVConnector` (jfire/kv_connector.py) brings KV from elsewhere or sends it on
+(a split deployment's roles); a `Speculator` (jfire/speculative) drafts and verifies.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from collections.abc import Callable
 import numpy as np
 
 from jfire.checkpoint.load import LoadedModel
+from jfire.client import serving_health
 from jfire.compile_cache import enable_compilation_cache
 from jfire.engine_config import EngineConfig
 from jfire.errors import EngineStopped, QueueFull
@@ -34,6 +34,7 @@ from jfire.requests import Completion, RequestHandle, RequestOutput
 from jfire.runner import ModelRunner
 from jfire.sampling import SamplingParams
 from jfire.scheduler import Phase, Scheduler, Sequence, Step
+from jfire.speculative.speculator import Speculator
 
 
 class Engine:
@@ -52,6 +53,7 @@ class Engine:
         self.pools: KVPools = self.runner.pools
         self.pool = self.pools.first  # what a connector moving pages by id works with
         self.scheduler = Scheduler.for_engine(self.pools, config, self.connector.load_prefix)
+        self.speculator = Speculator.for_engine(config, self.eos_ids, self.max_model_len, self.connector.program_kinds)
         grammars = Grammars(model.tokenizer, cfg.vocab_size, self.eos_ids)
         self.outputs = OutputProcessor(
             model.tokenizer,
@@ -137,10 +139,9 @@ class Engine:
             self.compiled_s = (self.startup_s or 0.0) + time.perf_counter() - t0
 
     def _wait_idle(self, at_most_s: float = 1.0) -> None:
-        """Until no request is queued or running, or `at_most_s` passes: the compiling thread
-        loads stored programs between requests. Loading one takes ~50 ms of CPU, and on two
-        cores it slowed a running request's steps by a third; under steady traffic it still
-        proceeds, one program a second."""
+        """Until no request is queued or running, or `at_most_s` passes: the compiling thread loads
+        stored programs between requests (~50 ms of CPU each; on two cores that slowed a running
+        request's steps by a third); under steady traffic still one program a second."""
         end = time.perf_counter() + at_most_s
         while (
             (self.outputs.requests or not self._commands.empty())
@@ -176,15 +177,7 @@ class Engine:
 
     def health(self) -> tuple[int, dict]:
         """(HTTP status, body) for /health."""
-        if self.error is not None:
-            return 503, {"status": "error", "message": str(self.error)}
-        if not self.ready.is_set():
-            return 503, {"status": "starting", "message": "compiling programs"}
-        programs = {"compiled": self.programs.num_compiled, "total": self.programs.num_total}
-        if self.config.aot and programs["compiled"] < programs["total"]:
-            # Serving already, each step with the smallest program compiled so far.
-            return 200, {"status": "ok", "compiling": True, "programs": programs}
-        return 200, {"status": "ok", "compiling": False, "programs": programs}
+        return serving_health(self.error, self.ready.is_set(), self.programs, self.config.aot)
 
     # -- the API -------------------------------------------------------------------------------
 
@@ -332,15 +325,20 @@ class Engine:
         if seq.phase is not Phase.FINISHED:
             self.scheduler.finish(seq)
         self.runner.release_slot(seq.request_id)
+        self.speculator.finished(seq)
 
     def _execute(self, step: Step) -> None:
-        if self._may_run_ahead(step):
+        plan = self.speculator.plan(step.decode, self.programs, self.runner.seconds)
+        if plan is None and self._may_run_ahead(step):
             self._decode_running_ahead(step.decode)
             return
         for seq in step.preempted:
             self.runner.release_slot(seq.request_id)
         sampled: dict[Sequence, tuple] = {}
-        for group in self.runner.decode_groups(step.decode):
+        runs: dict[Sequence, list[tuple]] = {}
+        if plan is not None:  # every decode row verifies, with its drafts or none
+            runs = self.speculator.verify(plan, step, self.scheduler, self.runner)
+        for group in self.runner.decode_groups([seq for seq in step.decode if seq not in runs]):
             sampled.update(zip(group, self.runner.run_decode(group)))
         for chunks in self.runner.prefill_groups(step.prefill):
             results, prompt_logprobs = self.runner.run_prefill(chunks)
@@ -348,22 +346,18 @@ class Engine:
                 self.outputs.keep_prompt_logprob(seq, position, entry)
             sampled.update((c.seq, r) for c, r in zip(chunks, results) if c.completes_prompt)
         self.scheduler.on_step_done(step)
-        self._take_tokens(sampled)
+        self._take_tokens(sampled, runs)
 
-    def _take_tokens(self, sampled: dict[Sequence, tuple]) -> None:
-        """Hands each sequence's sampled (token, logprobs entry) to the output processor, or,
-        in a role that ends requests after their prompt, to the connector first."""
+    def _take_tokens(self, sampled: dict[Sequence, tuple], runs: dict[Sequence, list[tuple]] | None = None) -> None:
+        """Hands each sequence's sampled (token, logprobs entry), and each verified row's run of
+        them, to the output processor (in a role ending requests after their prompt: hand-offs)."""
         now = time.perf_counter()
-        self._recent.append((now, len(sampled)))
+        self._recent.append((now, len(sampled) + sum(map(len, (runs or {}).values()))))
         if self.connector.ends_after_prompt:
-            for seq, (token, logprobs) in sampled.items():
-                live = self.outputs.requests[seq.request_id]
-                try:
-                    self.outputs.prefilled(live, token, logprobs, self.connector.request_finished(seq, live.kv_params))
-                except Exception as e:  # this request's own hand-off
-                    self.outputs.fail_one(live, e)
+            self.outputs.hand_off(sampled, self.connector.request_finished)
         else:
             self.outputs.take_tokens(sampled)
+            self.outputs.take_runs(runs or {})
         self.runner.step_time["outputs"] += time.perf_counter() - now
         self.runner.step_time["steps"] += 1
 
@@ -393,22 +387,23 @@ class Engine:
         )
 
     def _decode_running_ahead(self, seqs: list[Sequence]) -> None:
-        """Decodes `seqs` step after step, dispatching each next step (its tokens: the ids of
-        the step in flight, still on the device) before reading the ids of the one in flight,
-        so that the host's scheduling, input building and output handling overlap the
-        device's work instead of stalling it. A row the step in flight ends (a stop token, a
-        stop string, a cancel) has its next token thrown away: one row of one step wasted.
-        Ends, with no step in flight, as soon as the next step cannot be dispatched so."""
+        """Decodes `seqs` step after step, dispatching each next step (its tokens: the ids of the
+        step in flight, still on the device) before reading the ids of the one in flight, so the
+        host's work overlaps the device's. A row the step in flight ends (a stop, a cancel) has
+        its next token thrown away. Ends, with no step in flight, once the next step cannot be
+        dispatched so (work waiting, a row with a draft to verify)."""
         runner, timing = self.runner, self.runner.step_time
         t0 = time.perf_counter()
         rows = self.programs.decode_shape(len(seqs))
         in_flight: list[Sequence | None] | None = [*seqs, *[None] * (rows - len(seqs))]
+        drafting = False  # a row has a draft to verify: the run ends
         _, positions, _, sampling = inputs = runner.decode_inputs(seqs, rows)
         out = runner.decode_call(list(in_flight), rows, inputs)
         timing["prepare"] += time.perf_counter() - t0
         while in_flight is not None:
             t1 = time.perf_counter()
-            following = None if self._work_pending() else self.scheduler.rows_ahead(in_flight, self.max_model_len)
+            pending = self._work_pending() or drafting
+            following = None if pending else self.scheduler.rows_ahead(in_flight, self.max_model_len)
             ahead = None
             if following is not None:
                 goes_on = [s is not None for s in following]
@@ -427,6 +422,9 @@ class Engine:
             timing["device"] += time.perf_counter() - t2
             self.scheduler.on_step_done(Step([seq for seq in done if seq is not None], [], []))
             self._take_tokens({seq: result for seq, result in zip(done, results) if seq is not None})
+            going = [s for s in done if s is not None and s.in_decode]
+            drafting = self.speculator.plan(going, self.programs, runner.seconds) is not None
+            runner.note_seconds(("decode", rows), time.perf_counter() - t1)
             self._publish_stats()
             self.outputs.deliver()
             self._drain_commands(None)  # cancels take effect; a new request ends the run
@@ -447,4 +445,5 @@ class Engine:
             **self.runner.step_stats(),
             "startup_s": self.startup_s,
             **self.connector.stats(),
+            **self.speculator.stats(),
         }

@@ -8,6 +8,7 @@ from jfire.errors import JfireError
 
 # The attention backends (jfire.programs.decode_attention chooses among them, for decode and prefill).
 ATTENTION_IMPLS = ("reference", "pallas", "pallas-interpret")
+SPECULATIVE = ("ngram", "suffix")  # the drafters (jfire.speculative.drafters)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +45,17 @@ class EngineConfig:
     # slower steps. For tiny models and trying things out, not for serving a real model.
     quick_compile: bool = False
     compilation_cache_dir: str | None = None  # JAX's persistent cache; None = off
+    # Speculative decoding (jfire.speculative): the drafter ("ngram", "suffix"; None: off),
+    # the most draft tokens a row verifies in one step, and the largest decode batch that
+    # drafts (a bigger batch is compute-bound enough that verifying drafts costs throughput).
+    speculative: str | None = None
+    num_draft_tokens: int = 8
+    speculative_max_rows: int = 4
 
     def __post_init__(self):
         if self.attention not in ATTENTION_IMPLS:
             raise JfireError(f"unknown attention {self.attention!r}; use one of {', '.join(ATTENTION_IMPLS)}")
+        if self.speculative is not None and self.speculative not in SPECULATIVE:
+            raise JfireError(f"unknown drafter {self.speculative!r}; use one of {', '.join(SPECULATIVE)}")
+        if not 1 <= self.num_draft_tokens <= 16:
+            raise JfireError(f"num_draft_tokens must be in [1, 16], got {self.num_draft_tokens}")

@@ -271,6 +271,15 @@ class KVPools:
             gp.pool.free([p for p in table if p != RELEASED])
             table.clear()
 
+    def shrink(self, tables: list[list[int]], num_positions: int) -> None:
+        """Gives back the pages past those positions up to num_positions need (a speculative
+        step's lookahead pages its rejected drafts left)."""
+        need = self.pages_needed(num_positions)
+        for gp, table in zip(self.pools, tables):
+            if len(table) > need:
+                gp.pool.free([p for p in table[need:] if p != RELEASED])
+                del table[need:]
+
     def release_behind(self, tables: list[list[int]], position: int) -> None:
         """Gives back the pages of windowed groups that no query at `position` or later sees."""
         for gp, table in zip(self.pools, tables):

@@ -80,6 +80,14 @@ class OutputProcessor:
             except Exception as e:
                 self.fail_one(live, e)
 
+    def take_runs(self, runs: dict[Sequence, list[tuple]]) -> None:
+        """Several tokens a sequence (a verified row's emitted run): appended one position at a
+        time, exactly as decode steps would append them, until the request ends."""
+        for j in range(max(map(len, runs.values()), default=0)):
+            self.take_tokens(
+                {seq: run[j] for seq, run in runs.items() if j < len(run) and seq.request_id in self.requests}
+            )
+
     def append(self, live: LiveRequest, token: int, logprobs: list | None = None) -> None:
         seq, sp = live.seq, live.seq.sampling
         seq.tokens.append(token)
@@ -113,6 +121,16 @@ class OutputProcessor:
         out = self._output(live, [token], "", logprobs)
         out.completion_tokens, out.transfer = 1, transfer
         self.finish(live, "prefilled", last=out)
+
+    def hand_off(self, sampled: dict[Sequence, tuple], request_finished: Callable) -> None:
+        """The prefill role's end of each request (`prefilled`), with where the connector keeps
+        its KV (`request_finished(seq, kv_params)`); a request whose own hand-off fails ends alone."""
+        for seq, (token, logprobs) in sampled.items():
+            live = self.requests[seq.request_id]
+            try:
+                self.prefilled(live, token, logprobs, request_finished(seq, live.kv_params))
+            except Exception as e:
+                self.fail_one(live, e)
 
     def keep_prompt_logprob(self, seq: Sequence, position: int, entry: list) -> None:
         """The logprobs of prompt token position + 1; a recompute after preemption runs the

@@ -18,104 +18,18 @@ import jax
 import jax.numpy as jnp
 
 from jfire import compile_cache
-from jfire.engine_config import ATTENTION_IMPLS
-from jfire.errors import JfireError
+from jfire.attention import PallasAttention, decode_attention
 from jfire.kernels import cpu_matmul as cpu_matmul_kernels
-from jfire.kernels.paged_attention import paged_attention, paged_prefill_attention
 from jfire.models.family import Family
 from jfire.sampling import PenaltyState, RowSampling, mask_words, prompt_logprobs, sample
+from jfire.speculative.verify import verify
+
+__all__ = ["PallasAttention", "decode_attention"]  # chosen in jfire.attention, imported from here too
 
 # Compiler options of a quick compile (EngineConfig.quick_compile): XLA's backend (LLVM)
 # optimisation off. A tiny model's programs compile about 3x faster on this CPU; the default
 # model's steps run about half as fast (docs/performance.md, "Quick compiles").
 QUICK_COMPILE = {"xla_backend_optimization_level": 0}
-
-
-def decode_attention(attention: str, mesh=None):
-    """The one place the attention backend of the programs (decode and prefill) is chosen:
-    the model's attention hook, None (the reference) or the Pallas kernels. Refuses a name it
-    does not know, and the kernels on a tensor-parallel mesh (they run on one device per group)."""
-    if attention not in ATTENTION_IMPLS:
-        raise JfireError(f"unknown attention {attention!r}; use one of {', '.join(ATTENTION_IMPLS)}")
-    if attention != "reference" and mesh is not None and mesh.shape["tp"] > 1:
-        raise JfireError(
-            "the Pallas attention kernel runs on one device per tensor-parallel group only; "
-            "use --attention reference with tp > 1"
-        )
-    return None if attention == "reference" else PallasAttention(interpret=attention == "pallas-interpret")
-
-
-@dataclasses.dataclass(frozen=True)
-class PallasAttention:
-    """The Pallas attention kernels, called as grouped-query attention over K/V pages
-    (`attention_impl(q, k_pages, v_pages, ...)`), and as `mla`, the latent-cache kernels that
-    multi-head latent attention families look for: each the decode kernel for one query a row,
-    the prefill flash kernel for chunks."""
-
-    interpret: bool = False
-
-    def __call__(self, q, k_pages, v_pages, layer, page_table, positions, sliding_window=None, chunk=None):
-        if q.shape[1] > 1:
-            return paged_prefill_attention(
-                q, k_pages, v_pages, layer, page_table, positions, sliding_window, chunk, interpret=self.interpret
-            )
-        out = paged_attention(
-            q[:, 0],
-            k_pages,
-            v_pages,
-            layer,
-            page_table,
-            positions[:, 0] + 1,
-            sliding_window=sliding_window,
-            chunk=0 if chunk is None else chunk,
-            interpret=self.interpret,
-        )
-        return out[:, None]
-
-    def mla(self, q_latent, q_rope, cache, layer, page_table, positions, *, scale, first_page=0, expand=None):
-        """The partial (acc, m, l) of jfire.kernels.mla_attention; with `expand` = (q_nope,
-        wkv_b) (jfire.models.mla.prefill_expanded chose it for a long chunk), the expanded
-        form's partial, in the value space (q_latent unused)."""
-        from jfire.kernels.mla_attention import mla_expanded_prefill, mla_paged_decode, mla_paged_prefill
-
-        if expand is not None:
-            q_nope, wkv_b = expand
-            return mla_expanded_prefill(
-                q_nope,
-                q_rope,
-                wkv_b,
-                cache,
-                layer,
-                page_table,
-                positions,
-                scale=scale,
-                first_page=first_page,
-                interpret=self.interpret,
-            )
-        if q_latent.shape[1] > 1:
-            return mla_paged_prefill(
-                q_latent,
-                q_rope,
-                cache,
-                layer,
-                page_table,
-                positions,
-                scale=scale,
-                first_page=first_page,
-                interpret=self.interpret,
-            )
-        acc, m, l = mla_paged_decode(
-            q_latent[:, 0],
-            q_rope[:, 0],
-            cache,
-            layer,
-            page_table,
-            positions[:, 0] + 1,
-            scale=scale,
-            first_page=first_page,
-            interpret=self.interpret,
-        )
-        return acc[:, None], m[:, None], l[:, None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,8 +204,14 @@ class CompiledPrograms:
         parallel=None,
         cpu_matmul: bool = False,
         compiler_options: dict | None = None,
+        verify_tokens: int = 0,
+        verify_rows: int = 0,
     ):
         self.cfg = cfg
+        # Speculative decoding's verify programs: `verify_tokens` (a row's last token and its
+        # drafts) a row, for the decode batches up to `verify_rows` rows (0: none).
+        self.verify_tokens = verify_tokens if "decode" in kinds else 0
+        self.verify_rows = verify_rows
         self.compiler_options = dict(compiler_options or {})  # every bucket's (e.g. QUICK_COMPILE)
         self.cpu_matmul = cpu_matmul  # small products read the weights in place (see `decode`)
         self.kinds = kinds  # a disaggregated group compiles only its own role's programs
@@ -309,10 +229,11 @@ class CompiledPrograms:
         self._penalties = jax.tree.map(_abstract, penalties)
         self._decode: dict[tuple[int], object] = {}  # (rows,)
         self._prefill: dict[tuple[int, int], object] = {}  # (rows, tokens)
+        self._verify: dict[tuple[int, int], object] = {}  # (rows, tokens)
 
     @property
     def num_compiled(self) -> int:
-        return len(self._decode) + len(self._prefill)
+        return len(self._decode) + len(self._prefill) + len(self._verify)
 
     @property
     def num_total(self) -> int:
@@ -324,8 +245,10 @@ class CompiledPrograms:
         rest = [("decode", n) for n in b.decode_batches if "decode" in self.kinds] + [
             ("prefill", r, t) for r, t in b.prefill_shapes if "prefill" in self.kinds
         ]
+        rest += [("verify", n, t) for n, t in self.verify_shapes()]
         essential = self.essential_shapes()
-        rest = sorted((x for x in rest if x not in essential), key=lambda x: (x[0] == "prefill", x[1:]))
+        order = {"decode": 0, "verify": 1, "prefill": 2}
+        rest = sorted((x for x in rest if x not in essential), key=lambda x: (order[x[0]], x[1:]))
         return essential + rest
 
     def essential_shapes(self) -> list[tuple]:
@@ -362,13 +285,29 @@ class CompiledPrograms:
                 before_loading()
             self.compile_all(workers, shapes=batch)
 
+    def verify_shapes(self) -> list[tuple[int, int]]:
+        """(rows, tokens) of the verify programs: each decode batch up to `verify_rows` rows, by
+        tokens a row 2, 3, 5, 9, ... up to `verify_tokens` (a step verifies in the smallest that
+        holds its drafts, or in a smaller one with its drafts cut: jfire.speculative.speculator)."""
+        if not self.verify_tokens:
+            return []
+        tokens = sorted({min(self.verify_tokens, 2**i + 1) for i in range(self.verify_tokens.bit_length())})
+        return [(n, t) for n in self.buckets.decode_batches if n <= self.verify_rows for t in tokens]
+
+    def _table(self, kind: str) -> dict:
+        tables: dict[str, dict] = {"decode": self._decode, "prefill": self._prefill, "verify": self._verify}
+        return tables[kind]
+
     def _has(self, shape: tuple) -> bool:
-        return (shape[1:] in self._decode) if shape[0] == "decode" else (shape[1:] in self._prefill)
+        return shape[1:] in self._table(shape[0])
 
     def _compile(self, shape: tuple) -> None:
         exe = compile_cache.program(*self.program(shape), self._devices, self.compiler_options)
+        # Tables are replaced, never mutated: the engine thread reads them while this one adds.
         if shape[0] == "decode":
             self._decode = {**self._decode, shape[1:]: exe}
+        elif shape[0] == "verify":
+            self._verify = {**self._verify, shape[1:]: exe}
         else:
             self._prefill = {**self._prefill, shape[1:]: exe}
 
@@ -396,6 +335,22 @@ class CompiledPrograms:
                 (self._params, self._pages, s((n,), i32), s((n,), i32), s((n, w), i32), self._rows(n), self._penalties),
                 static,
             )
+        if shape[0] == "verify":
+            _, n, t = shape
+            return (
+                verify,
+                (
+                    self._params,
+                    self._pages,
+                    s((n, t), i32),
+                    s((n, t), i32),
+                    s((n, w), i32),
+                    s((n,), i32),
+                    self._rows(n, t),
+                    self._penalties,
+                ),
+                static,
+            )
         _, r, t = shape
         return (
             prefill,
@@ -413,15 +368,17 @@ class CompiledPrograms:
             static,
         )
 
-    def _rows(self, n: int) -> RowSampling:
+    def _rows(self, n: int, tokens: int | None = None) -> RowSampling:
+        """Sampling rows of n rows; with `tokens`, a mask per token of each row (verify)."""
         s = functools.partial(jax.ShapeDtypeStruct, sharding=self._input_sharding)
         i32, u32, f32 = jnp.int32, jnp.uint32, jnp.float32
+        words = mask_words(self.cfg.vocab_size)
         return RowSampling(
             s((n,), u32),
             s((n,), f32),
             s((n,), i32),
             s((n,), f32),
-            s((n, mask_words(self.cfg.vocab_size)), i32),
+            s((n, words) if tokens is None else (n, tokens, words), i32),
             s((n,), f32),
             s((n,), f32),
             s((n,), f32),
@@ -451,6 +408,13 @@ class CompiledPrograms:
         rows = sorted(r for r, tt in self._prefill if tt == t)
         return next((x for x in rows if x >= count), rows[-1]), t
 
+    def verify_options(self, rows: int) -> list[tuple[int, int]]:
+        """(rows, tokens) of the verify programs a step of `rows` rows may run: the fewest rows
+        holding them, each number of tokens compiled so far (none: decode without drafts)."""
+        shapes = self.verify_shapes() if self.lazy else sorted(self._verify)
+        n = min((x for x, _ in shapes if x >= rows), default=None)
+        return [(x, t) for x, t in shapes if x == n]
+
     def as_input(self, x: jax.Array) -> jax.Array:
         """A program's output placed as the programs take their per-row inputs (to feed it
         to the next call without a trip through the host)."""
@@ -462,6 +426,11 @@ class CompiledPrograms:
         if self.lazy and (rows,) not in self._decode:
             self._compile(("decode", rows))
         return self._decode[(rows,)]
+
+    def verify(self, rows: int, tokens: int):
+        if self.lazy and (rows, tokens) not in self._verify:
+            self._compile(("verify", rows, tokens))
+        return self._verify[(rows, tokens)]
 
     def prefill(self, rows: int, tokens: int):
         if self.lazy and (rows, tokens) not in self._prefill:

@@ -34,7 +34,7 @@ from jfire.sampling import PenaltyState, RowSampling, init_penalty_state, mask_w
 from jfire.scheduler import Chunk, Sequence
 from jfire.sharding import to_host
 
-MODEL_CALLS = ("prefill", "decode", "penalty")  # the calls every runner has
+MODEL_CALLS = ("prefill", "decode", "verify", "penalty")  # the calls every runner has
 
 
 def uses_cpu_kernels(model: LoadedModel, wanted: bool) -> bool:
@@ -163,6 +163,8 @@ class ModelRunner:
             parallel=model.parallel,
             cpu_matmul=uses_cpu_kernels(model, config.cpu_kernels),
             compiler_options=QUICK_COMPILE if config.quick_compile else None,
+            verify_tokens=config.num_draft_tokens + 1 if config.speculative else 0,
+            verify_rows=config.speculative_max_rows,
         )
         self._calls: dict[str, Callable] = {}  # a connector's device calls, by kind
         # A group spanning processes (jfire.lockstep): the leader sends every device call to
@@ -171,6 +173,8 @@ class ModelRunner:
         # Where the engine thread's time goes, summed over steps: the host's input building
         # against the device's programs (the engine adds scheduling and output handling).
         self.step_time: collections.Counter = collections.Counter()
+        self.seconds: dict[tuple, float] = {}  # (kind, shape) -> a step's seconds, averaged (note_seconds)
+        self._timed_once: set[tuple] = set()
 
     # -- device calls --------------------------------------------------------------------------
 
@@ -191,15 +195,20 @@ class ModelRunner:
         return self.apply(kind, key, inputs)
 
     def apply(self, kind: str, key, inputs):
-        """Runs one call on this process's state: "decode" (key (rows,)), "prefill" (key
-        (rows, tokens)), "penalty" (key: the slot to start), or a connector's. Returns the
-        SampleOut of a decode or prefill, or what the connector's call returns."""
+        """Runs one call on this process's state: "decode" (key (rows,)), "prefill" or "verify"
+        (key (rows, tokens)), "penalty" (key: the slot to start), or a connector's. Returns the
+        SampleOut of a decode or prefill, the VerifyOut of a verify, or what the connector's
+        call returns."""
         if kind == "penalty":
             self.penalties = set_penalty_slot(self.penalties, key, *inputs)
             return None
         if kind == "decode":
             program = self.programs.decode(*key)
             out, _, self.penalties, self.pages = program(self.model.params, self.pages, *inputs, self.penalties)
+            return out
+        if kind == "verify":
+            program = self.programs.verify(*key)
+            out, self.penalties, self.pages = program(self.model.params, self.pages, *inputs, self.penalties)
             return out
         if kind == "prefill":
             program = self.programs.prefill(*key)
@@ -297,7 +306,9 @@ class ModelRunner:
         t0 = time.perf_counter()
         rows = self.programs.decode_shape(len(seqs))
         inputs = self.decode_inputs(seqs, rows)
-        return self._timed(t0, lambda: self.decode_call(list(seqs), rows, inputs), seqs)[0]
+        results = self._timed(t0, lambda: self.decode_call(list(seqs), rows, inputs), seqs)[0]
+        self.note_seconds(("decode", rows), time.perf_counter() - t0)
+        return results
 
     def run_prefill(self, chunks: list[Chunk]) -> tuple[list[tuple], list[tuple]]:
         """One prefill call of chunks: per row, (token, logprobs entry or None), and the prompt
@@ -318,12 +329,96 @@ class ModelRunner:
         results, out = self._timed(t0, lambda: self.call("prefill", (rows, t), inputs), seqs)
         return results, (self._prompt_logprobs(chunks, targets, out.prompt) if (targets >= 0).any() else [])
 
-    def _timed(self, t0: float, dispatch: Callable, seqs: list) -> tuple[list, object]:
-        """Runs a call and waits for its ids, timing the host's preparation since t0 and the
-        device's part (dispatch to result)."""
+    def run_verify(self, seqs: list[Sequence], drafts: list[list[int]], shape: tuple[int, int]) -> list[list[tuple]]:
+        """One verify call (jfire.speculative.verify) of program `shape` (rows, tokens) of seqs,
+        each with its drafts (its pages already reach its last draft's position); per row, the
+        emitted (token, logprobs entry or None) pairs: the accepted drafts, then the model's own
+        next token."""
+        t0 = time.perf_counter()
+        rows, t = shape
+        tokens = np.zeros((rows, t), np.int32)
+        positions = np.full((rows, t), -1, np.int32)
+        num_drafts = np.zeros(rows, np.int32)
+        for r, (seq, draft) in enumerate(zip(seqs, drafts)):
+            row = [seq.tokens[-1], *draft]
+            tokens[r, : len(row)] = row
+            positions[r, : len(row)] = np.arange(len(seq.tokens) - 1, len(seq.tokens) - 1 + len(row))
+            num_drafts[r] = len(draft)
+        sampling = self.sampling_rows(seqs, rows, [True] * len(seqs))
+        sampling = sampling._replace(allowed=self._verify_masks(seqs, drafts, rows, t))  # type: ignore[arg-type]
+        inputs = (tokens, positions, self.row_table(list(seqs), rows), num_drafts, sampling)
+        results, _ = self._timed(t0, lambda: self.call("verify", (rows, t), inputs), seqs, self._verify_results(seqs))
+        self.note_seconds(("verify", rows, t), time.perf_counter() - t0)
+        return results
+
+    def _verify_results(self, seqs: list[Sequence]) -> Callable:
+        """Reads a VerifyOut: per row of seqs, its emitted (token, logprobs entry or None) pairs."""
+
+        def read(out) -> list[list[tuple]]:
+            ids, emitted = to_host(out.ids), to_host(out.emitted)
+            wanted = [seq.sampling.logprobs for seq in seqs]
+            if any(k is not None for k in wanted):
+                logprob, top_ids, top_lps = to_host(out.logprob), to_host(out.top_ids), to_host(out.top_logprobs)
+            results = []
+            for r, k in enumerate(wanted):
+                run = []
+                for j in range(int(emitted[r])):
+                    entry = None
+                    if k is not None:
+                        top = [
+                            [int(i), float(lp)]
+                            for i, lp in zip(top_ids[r, j, :k], top_lps[r, j, :k])
+                            if np.isfinite(lp)
+                        ]
+                        entry = [float(logprob[r, j]), top]
+                    run.append((int(ids[r, j]), entry))
+                results.append(run)
+            return results
+
+        return read
+
+    def note_seconds(self, key: tuple, seconds: float) -> None:
+        """A step of program `key` took `seconds` (all its host and device work): kept as a
+        moving average, what the speculator weighs a verify step against decoding with. A
+        program's first step is not counted: it may have compiled or loaded the program."""
+        if key not in self._timed_once:
+            self._timed_once.add(key)
+            return
+        before = self.seconds.get(key)
+        self.seconds[key] = seconds if before is None else 0.8 * before + 0.2 * seconds
+
+    def _verify_masks(self, seqs: list[Sequence], drafts: list[list[int]], rows: int, t: int) -> np.ndarray:
+        """[rows, t, words]: the mask of each verify position, as decode would build it after the
+        drafts before it (a grammar advanced through them, then rolled back; EOS banned while
+        min_tokens is not reached). The drafts are ones the grammar accepts."""
+        words = mask_words(self.cfg.vocab_size)  # type: ignore[attr-defined]  # every family has one
+        allowed = np.full((rows, t, words), -1, np.int32)
+        for r, (seq, draft) in enumerate(zip(seqs, drafts)):
+            if not needs_mask(seq) and seq.num_generated + len(draft) >= seq.sampling.min_tokens:
+                continue
+            matcher, consumed = seq.matcher, 0
+            for j in range(len(draft) + 1):
+                if matcher is not None and not matcher.is_stopped():  # type: ignore[attr-defined]
+                    fill_mask(matcher, allowed[r], j)
+                if seq.num_generated + j < seq.sampling.min_tokens:
+                    grammar_allows = allowed[r, j].copy()
+                    ban(allowed[r], j, (*self.eos_ids, *seq.sampling.stop_token_ids))
+                    if not allowed[r, j].any():
+                        allowed[r, j] = grammar_allows
+                if j < len(draft) and matcher is not None:
+                    if not matcher.consume_token(draft[j]):  # type: ignore[attr-defined]
+                        break
+                    consumed += 1
+            if consumed:
+                matcher.rollback(consumed)  # type: ignore[attr-defined]
+        return allowed
+
+    def _timed(self, t0: float, dispatch: Callable, seqs: list, read: Callable | None = None) -> tuple[list, object]:
+        """Runs a call and waits for its ids (`read(out)`, by default `results(out, seqs)`),
+        timing the host's preparation since t0 and the device's part (dispatch to result)."""
         t1 = time.perf_counter()
         out = dispatch()
-        results = self.results(out, seqs)
+        results = read(out) if read is not None else self.results(out, seqs)
         self.step_time["prepare"] += t1 - t0
         self.step_time["device"] += time.perf_counter() - t1
         return results, out

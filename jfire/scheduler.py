@@ -89,6 +89,8 @@ class Step:
     decode: list[Sequence]
     prefill: list[Chunk]
     preempted: list[Sequence]
+    # Decode rows that verified drafts (jfire.speculative): how many tokens each emitted.
+    emitted: dict[Sequence, int] = dataclasses.field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
@@ -317,7 +319,10 @@ class Scheduler:
     def on_step_done(self, step: Step) -> None:
         """Advances the computed counts after the programs ran (before new tokens are appended)."""
         for seq in step.decode:
-            seq.computed += 1
+            emitted = step.emitted.get(seq)
+            seq.computed += emitted or 1
+            if emitted is not None:  # its pages past the emitted tokens held rejected drafts
+                self.pools.shrink(seq.tables, seq.computed + 1)
             self.pools.release_behind(seq.tables, seq.computed)
         for chunk in step.prefill:
             chunk.seq.computed += chunk.length

@@ -26,6 +26,11 @@ class EngineCollector:
         "pages_cached": ("jfire_kv_pages_cached", "Free KV pages still holding a reusable prefix block"),
         "pages_total": ("jfire_kv_pages_total", "KV cache pages in the pool"),
         "tokens_per_s": ("jfire_generation_tokens_per_second", "Tokens generated per second, last 10 s"),
+        # Speculative decoding (--speculative).
+        "spec_mean_accepted_length": (
+            "jfire_spec_mean_accepted_length",
+            "Tokens a verified sequence emitted a step on average: its accepted draft tokens plus one",
+        ),
         # The host-memory tier (--host-kv-gb).
         "host_blocks": ("jfire_host_kv_blocks", "Prefix blocks held in host memory"),
         "host_bytes": ("jfire_host_kv_bytes", "Bytes of prefix blocks held in host memory"),
@@ -35,6 +40,12 @@ class EngineCollector:
         "prompt_tokens": ("jfire_prompt_tokens", "Prompt tokens admitted"),
         "tokens_generated": ("jfire_generation_tokens", "Tokens generated"),
         "preemptions": ("jfire_preemptions", "Requests preempted for lack of KV pages"),
+        "spec_draft_tokens": ("jfire_spec_draft_tokens", "Draft tokens verified (--speculative)"),
+        "spec_accepted_tokens": ("jfire_spec_accepted_tokens", "Draft tokens the model made the same, so kept"),
+        "spec_verify_rows": (
+            "jfire_spec_verify_rows",
+            "Sequences a verify step ran (each emits its accepted drafts + 1)",
+        ),
         "host_blocks_saved": (
             "jfire_host_kv_blocks_saved",
             "Prefix blocks copied to host memory as the device evicted them",

@@ -79,6 +79,21 @@ _IN_PLACE = jax.make_user_context(default_value=False)
 _LIBRARY = jax.make_user_context(default_value="")
 
 
+# A speculative verify step's head: the b rows of a batch at each of t positions, [t, b, e].
+# Set to b, the head takes the path a decode step of b rows takes (jfire.models.blocks.lm_head),
+# so that every position's logits are the ones decode computes. A jax user context too.
+_DECODE_ROWS = jax.make_user_context(default_value=0)
+
+
+def decode_rows(rows: int):
+    """A context manager: heads traced inside it compute [t, b, e] as t decode steps of b rows."""
+    return _DECODE_ROWS(int(rows))
+
+
+def decode_rows_now() -> int:
+    return int(_DECODE_ROWS.value)
+
+
 def in_place(enabled: bool):
     """A context manager: layer scans traced inside it use the kernels where they apply."""
     return _IN_PLACE(bool(enabled))

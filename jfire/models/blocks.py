@@ -231,16 +231,101 @@ def out_projection(out: jax.Array, wo: jax.Array) -> jax.Array:
 
 
 def lm_head(x: jax.Array, params: dict, tied: bool) -> jax.Array:
-    """Float32 logits from the final hidden states (tied: through the embedding)."""
+    """Float32 logits from the final hidden states (tied: through the embedding). In a verify
+    step (`cpu_matmul.decode_rows`: x [t, b, e]) the product takes the path a decode step of b
+    rows takes: the kernel over every row where it serves b rows (a row's sums do not depend on
+    the rows beside it), else XLA's dot of b rows once per position."""
+    from jfire.kernels import cpu_matmul
+
+    step_rows = cpu_matmul.decode_rows_now()
     with jax.named_scope("lm_head"):
         if tied:
-            from jfire.kernels import cpu_matmul
-
             embed = params["embed"]
-            if cpu_matmul.applies(math.prod(x.shape[:-1]), x, embed, max_rows=cpu_matmul.head_max_rows(embed)):
+            rows = step_rows or math.prod(x.shape[:-1])
+            if cpu_matmul.applies(rows, x, embed, max_rows=cpu_matmul.head_max_rows(embed)):
                 return cpu_matmul.matmul_nt(x, params["embed"])
-            return jnp.einsum("...e,ve->...v", x, params["embed"], preferred_element_type=jnp.float32)
-        return jnp.einsum("...e,ev->...v", x, params["lm_head"], preferred_element_type=jnp.float32)
+
+            def head(x):
+                return jnp.einsum("...e,ve->...v", x, embed, preferred_element_type=jnp.float32)
+        else:
+
+            def head(x):
+                return jnp.einsum("...e,ev->...v", x, params["lm_head"], preferred_element_type=jnp.float32)
+
+        if step_rows and x.ndim == 3:
+            return jnp.stack([head(x[j]) for j in range(x.shape[0])])
+        return head(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeRows:
+    """Attention of t query tokens a row computed as t decode rows: the query at each position
+    attends on its own, through the attention decode uses (`inner`, the engine's kernels, or
+    None: the family's own), with the row's page table and its position. A speculative verify
+    step (jfire.speculative.verify) runs its k + 1 tokens a row so, so that each position's
+    output is the one a decode step would compute, in the same order of sums; a prefill
+    chunk's attention, a batch of matrix products, may sum in another order.
+
+    The family's layer calls `attention_fn(attention_impl, default)`; multi-head latent
+    attention finds the decode rows through `mla`."""
+
+    inner: Any = None
+
+    def bind(self, default):
+        attend = self.inner or default
+
+        def rows(q, k_pages, v_pages, layer, page_table, positions, sliding_window=None, chunk=None):
+            t = q.shape[1]
+            out = attend(
+                _one_query(q),
+                k_pages,
+                v_pages,
+                layer,
+                jnp.repeat(page_table, t, axis=0),
+                _one_query(positions),
+                sliding_window=sliding_window,
+                chunk=chunk,
+            )
+            return _t_queries(out, t)
+
+        return rows
+
+    def mla(self, q_latent, q_rope, cache, layer, page_table, positions, *, scale, first_page=0):
+        """The latent-cache partial (acc, m, l) of each position as a decode row's."""
+        from jfire.kernels.mla_attention import mla_partial_reference
+
+        partial = getattr(self.inner, "mla", None) or mla_partial_reference
+        t = q_latent.shape[1]
+        table = jnp.repeat(page_table, t, axis=0)
+        acc, m, l = partial(
+            _one_query(q_latent),
+            _one_query(q_rope),
+            cache,
+            layer,
+            table,
+            _one_query(positions),
+            scale=scale,
+            first_page=first_page,
+        )
+        return _t_queries(acc, t), _t_queries(m, t), _t_queries(l, t)
+
+
+def _one_query(x):
+    """[b, t, ...] as b * t rows of one query: [b * t, 1, ...]."""
+    return x.reshape(x.shape[0] * x.shape[1], 1, *x.shape[2:])
+
+
+def _t_queries(x, t: int):
+    """[b * t, 1, ...] back to [b, t, ...]."""
+    return x.reshape(x.shape[0] // t, t, *x.shape[2:])
+
+
+def attention_fn(attention_impl, default):
+    """The attention a layer calls: the engine's (`attention_impl`: the Pallas kernels, or
+    `DecodeRows` around them) or the family's `default`."""
+    if isinstance(attention_impl, DecodeRows):
+        return attention_impl.bind(default)
+    return attention_impl or default
 
 
 # -- grouped-query attention: its cache, its mesh constraints ------------------------------------

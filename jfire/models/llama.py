@@ -31,6 +31,7 @@ from jfire.models.blocks import (
     PreNormFamily,
     RopeScaling,
     apply_rope,
+    attention_fn,
     cache_slots,
     gqa_mesh_problems,
     kv_cache_specs,
@@ -421,7 +422,8 @@ class LlamaConfig(PreNormFamily):
         """
         cos, sin = rope_angles(positions, rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling))
         page, slot = cache_slots(positions, page_table, pages["k"].shape[2], pages["k"].shape[3])
-        attend = attention_impl or paged_attention  # on the CPU kernel where it applies, else the reference
+        # On the CPU kernel where it applies, else the reference (or the engine's, `attention_fn`).
+        attend = attention_fn(attention_impl, paged_attention)
 
         def layer(carry, p, j, kind):
             x, k_pages, v_pages = carry

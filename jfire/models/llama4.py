@@ -42,6 +42,7 @@ from jfire.models.blocks import (
     PreNormFamily,
     RopeScaling,
     apply_rope_interleaved,
+    attention_fn,
     cache_slots,
     gated_mlp,
     gqa_mesh_problems,
@@ -338,7 +339,7 @@ class Llama4Config(PreNormFamily):
         model layer L sits in its group's arrays at the number of that group's layers from
         there to L."""
         cos, sin = rope_angles(positions, rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling))
-        attend = attention_impl or paged_attention_reference
+        attend = attention_fn(attention_impl, paged_attention_reference)
         groups = {g.name: g for g in self.cache_groups()}
         tables, slots = {}, {}
         for name in groups:

@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from jfire.kernels import mla_attention
 from jfire.models.blocks import (
+    DecodeRows,
     apply_rope,
     apply_rope_interleaved,
     cache_slots,
@@ -220,7 +221,7 @@ def prefill_expanded(cfg, attention_impl, tokens: int, context: int) -> bool:
     finds it cheaper at the longest prefix the page table allows (`context` positions; the
     cached length is traced, the choice static). Below ~171 tokens at DeepSeek-V3's widths
     the absorbed form stays; above, the expanded form is cheaper at every prefix."""
-    if getattr(attention_impl, "mla", None) is None or tokens <= 1:
+    if getattr(attention_impl, "mla", None) is None or tokens <= 1 or isinstance(attention_impl, DecodeRows):
         return False
     form = mla_attention.mla_prefill_form(
         tokens,

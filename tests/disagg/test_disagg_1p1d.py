@@ -1,7 +1,8 @@
 """One prefill process and one decode process (plus the frontend), launched for real with
-`jfire launch meshes/local-1p1d.toml`: outputs equal colocated generation, the KV bytes moved
-equal the prompts' cache size, and transfers that are never pulled or never arrive end cleanly.
-(Processes killed mid-request: tests/reliability/test_disagg_faults.py.)"""
+`jfire launch meshes/local-1p1d.toml --speculative suffix`: outputs equal colocated generation
+(the decode group verifying drafts: the same tokens as decoding one at a time), the KV bytes
+moved equal the prompts' cache size, and transfers that are never pulled or never arrive end
+cleanly. (Processes killed mid-request: tests/reliability/test_disagg_faults.py.)"""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import sys
 import time
 
 import httpx
+import numpy as np
 import pytest
 
 from jfire.disagg.launch import free_port
@@ -27,7 +29,8 @@ TRANSFER_TIMEOUT_S = 4
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("local-1p1d")
-    running = launch(deployment_file(tmp, "local-1p1d", timeout_s=TRANSFER_TIMEOUT_S), tmp / "launch.log")
+    running = launch(deployment_file(tmp, "local-1p1d", timeout_s=TRANSFER_TIMEOUT_S), tmp / "launch.log",
+                     extra=("--speculative", "suffix"))
     yield running
     code = running.stop()
     assert code == 0, running.log.read_text()[-3000:]
@@ -110,10 +113,12 @@ def test_a_request_waiting_for_decode_pages_outlasts_the_transfer_timeout(deploy
     # Its pages (prompt and every token it may generate, taken when it starts decoding) leave
     # less than one free: the short request below needs two. A long prompt and 160 tokens to
     # decode: several times the transfer timeout of decoding still to go when the short one comes.
+    # Random tokens, sampled at temperature 1: an answer that copies nothing, so the decode group's
+    # drafts fail and it decodes about one token a step, as slowly as this test needs.
     decoded = 160
-    prompt = [1000 + i for i in range(pages_total * 16 - 8 - decoded)]
-    long_body = {"model": "default", "prompt": prompt, "max_tokens": decoded, "temperature": 0, "ignore_eos": True,
-                 "stream": True}
+    prompt = [int(x) for x in np.random.RandomState(3).randint(1000, 40000, size=pages_total * 16 - 8 - decoded)]
+    long_body = {"model": "default", "prompt": prompt, "max_tokens": decoded, "temperature": 1.0, "seed": 3,
+                 "ignore_eos": True, "stream": True}
     with httpx.stream("POST", deployment.url + "/v1/completions", json=long_body, timeout=120) as long_stream:
         lines = long_stream.iter_lines()
         next(line for line in lines if line.startswith("data: "))  # decoding: its pages are taken
@@ -254,6 +259,26 @@ def _assert_same(split, local, where="choices"):
             _assert_same(a, b, f"{where}[{i}]")
     else:
         assert split == local, (where, split, local)
+
+
+COPY = ("/v1/chat/completions", {"messages": [{"role": "user", "content": (
+    "Rename the class Point to Vector in this code and output the full code:\n\n```python\nclass Point:\n"
+    "    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n```")}], "max_tokens": 48,
+    "temperature": 0, "logprobs": True, "top_logprobs": 2})
+
+
+def test_the_decode_side_verifies_drafts_and_equals_colocated(deployment, colocated_app):
+    """An answer that copies its prompt: the decode group verifies drafts (its stats count them)
+    and the output, logprobs included, is the colocated engine's without speculation."""
+    before = deployment.stats("decode")["spec_draft_tokens"]
+    path, body = COPY
+    split = httpx.post(deployment.url + path, json={"model": "default", **body}, timeout=300)
+    local = colocated_app.post(path, json={"model": "default", **body})
+    assert split.status_code == local.status_code == 200, (split.text, local.text)
+    _assert_same(split.json()["choices"], local.json()["choices"])
+    decode = deployment.stats("decode")
+    assert decode["spec_draft_tokens"] > before and decode["spec_accepted_tokens"] > 0
+    assert "spec_draft_tokens" not in deployment.stats("prefill")  # the prefill group decodes nothing
 
 
 @pytest.mark.parametrize("index", range(len(AGENT_REQUESTS)), ids=["schema-logprobs", "penalties-n2", "tool", "echo"])

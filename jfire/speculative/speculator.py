@@ -1,0 +1,176 @@
+"""The engine's speculative part: drafts for a step's decode rows, their lookahead pages, the
+verify call, and the counts /stats and /metrics report.
+
+How speculation meets the rest of the engine (docs/speculative.md):
+- continuous batching and chunked prefill: a step's decode rows verify their drafts in one
+  call beside the step's prefill chunks; rows without drafts decode as usual;
+- pages: a row's pages grow to its last draft's position from free pages only (drafts never
+  preempt anyone: a row that cannot get them drafts fewer tokens), and shrink back to what
+  its emitted tokens need after the step;
+- prefix caching: generated tokens are never hashed, so a rejected draft's entries, left in
+  the pages, are never found by another request;
+- running ahead: a step with drafts is not run ahead, and a run ahead ends once a row has a
+  draft (the verify step needs the ids read);
+- structured outputs and min_tokens: a draft is cut where the grammar refuses it, and each
+  position gets the mask decode would build after the drafts before it; the matcher advances
+  by emitted tokens only (the output processor, as for decode);
+- penalties and logprobs: each position is penalized by the tokens before it and reports its
+  own logprobs, as decode does;
+- a step verifies only where it is expected to emit more tokens a second than decoding
+  (`Speculator.plan`: how often each request's drafts were accepted, against the measured
+  seconds of each program), and in the verify program of as many tokens a row as pays;
+  a batch larger than `max_rows` rows always decodes without drafts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jfire.scheduler import Scheduler, Sequence, Step
+from jfire.speculative.drafters import Drafter, make_drafter
+
+# Before a verify program's steps are timed, its step is taken as decode's stretched by this
+# much for each token a row past the first (the default model on this CPU: 1 + 4 tokens a row
+# cost 1.5x a decode step, 1 + 8 tokens 2.0x).
+VERIFY_COST_PER_TOKEN = 0.125
+
+
+@dataclasses.dataclass
+class Plan:
+    """A step's verify call: each decode row's draft (maybe empty), and the program's (rows, tokens)."""
+
+    drafts: dict[Sequence, list[int]]
+    shape: tuple[int, int]
+
+
+class Speculator:
+    """`drafter` None: an engine that does not speculate (every call a no-op)."""
+
+    def __init__(self, drafter: Drafter | None, num_draft_tokens: int, max_rows: int, eos_ids, max_model_len: int):
+        self.drafter = drafter
+        self.k = num_draft_tokens
+        self.max_rows = max_rows
+        self.eos_ids = frozenset(eos_ids)
+        self.max_model_len = max_model_len
+        self.proposed = 0  # draft tokens verified
+        self.accepted = 0  # of which the model made the same
+        self.verify_rows = 0  # rows verified (each emits its accepted drafts plus one token)
+        # How often each request's draft tokens were accepted (a moving average), and across
+        # requests (what a new request starts from).
+        self.acceptance: dict[str, float] = {}
+        self.prior = 0.5
+        # Whether a step verifies only where that is expected to pay (False: whenever a row has
+        # a draft, as tests that must see drafts verified want).
+        self.weigh = True
+
+    @classmethod
+    def for_engine(cls, config, eos_ids, max_model_len: int, program_kinds) -> Speculator:
+        """The speculator of an engine with settings `config` (an EngineConfig): without a
+        drafter where it does not speculate (none asked for, or a role that does not decode)."""
+        on = config.speculative and "decode" in program_kinds
+        drafter = make_drafter(config.speculative) if on else None
+        return cls(drafter, config.num_draft_tokens, config.speculative_max_rows, eos_ids, max_model_len)
+
+    def plan(self, seqs: list[Sequence], programs, seconds: dict) -> Plan | None:
+        """How the step's decode rows `seqs` verify drafts, or None where decoding them one token
+        each is expected to be faster (or nothing is drafted, or no verify program holds them).
+
+        The choice weighs tokens a second: a verify program of t tokens a row emits, per row,
+        1 + a + a^2 + ... + a^d tokens on average (d: its draft cut to t - 1; a: how often the
+        request's draft tokens were accepted so far) in the seconds that program's steps take
+        (`seconds`, measured by the runner; before its first step, decode's stretched by
+        VERIFY_COST_PER_TOKEN a token); decoding emits one token a row in a decode step's."""
+        if self.drafter is None or not seqs or len(seqs) > self.max_rows:
+            return None
+        options = programs.verify_options(len(seqs))
+        if not options:
+            return None
+        drafts = {seq: self._draft(seq) for seq in seqs}
+        if not any(drafts.values()):
+            return None
+        decode_s = seconds.get(("decode", programs.decode_shape(len(seqs))))
+        if not self.weigh:
+            rows, t = options[-1]
+            return Plan({seq: d[: t - 1] for seq, d in drafts.items()}, (rows, t))
+        best, best_rate = None, len(seqs) / decode_s if decode_s else 0.0
+        for rows, t in options:
+            verify_s = seconds.get(("verify", rows, t))
+            if verify_s is None:
+                verify_s = (decode_s or 0.0) * (1 + VERIFY_COST_PER_TOKEN * (t - 1))
+            expected = sum(self._expected_tokens(seq, min(len(d), t - 1)) for seq, d in drafts.items())
+            rate = expected / verify_s if verify_s > 0 else float("inf")
+            if rate > best_rate:
+                best, best_rate = (rows, t), rate
+        if best is None:
+            return None
+        return Plan({seq: d[: best[1] - 1] for seq, d in drafts.items()}, best)
+
+    def _expected_tokens(self, seq: Sequence, drafted: int) -> float:
+        a = self.acceptance.get(seq.request_id, self.prior)
+        return sum(a**j for j in range(drafted + 1))
+
+    def _draft(self, seq: Sequence) -> list[int]:
+        sp = seq.sampling
+        # Emitted tokens past max_tokens or the context would be thrown away: draft no further.
+        room = min(self.k, sp.max_tokens - seq.num_generated - 1, self.max_model_len - len(seq.tokens))
+        if room <= 0:
+            return []
+        draft = self.drafter.propose(seq, room)[:room]  # type: ignore[union-attr]
+        # A request ends at its first stop token: nothing after one can be emitted.
+        for j, token in enumerate(draft):
+            if (token in self.eos_ids and not sp.ignore_eos) or token in sp.stop_token_ids:
+                draft = draft[: j + 1]
+                break
+        if seq.matcher is not None and draft:
+            draft = draft[: seq.matcher.validate_tokens(draft)]  # type: ignore[attr-defined]
+        return draft
+
+    def reserve(self, scheduler: Scheduler, drafts: dict[Sequence, list[int]]) -> None:
+        """Pages up to each row's last draft, from free pages only; a row that cannot get them
+        keeps the drafts its pages reach."""
+        for seq, draft in drafts.items():
+            while draft and not scheduler.pools.grow(seq.tables, len(seq.tokens) + len(draft)):
+                draft.pop()
+
+    def verify(self, plan: Plan, step: Step, scheduler: Scheduler, runner) -> dict:
+        """Runs the step's decode rows (the plan's) as one verify call (a ModelRunner's), their
+        pages grown to their drafts first; returns each row's emitted (token, logprobs entry)
+        run and records the counts in `step.emitted` (the scheduler's on_step_done)."""
+        drafts = plan.drafts
+        self.reserve(scheduler, drafts)
+        runs = dict(zip(drafts, runner.run_verify(list(drafts), list(drafts.values()), plan.shape)))
+        step.emitted = {seq: len(run) for seq, run in runs.items()}
+        self.observe(drafts, step.emitted)
+        return runs
+
+    def observe(self, drafts: dict[Sequence, list[int]], emitted: dict[Sequence, int]) -> None:
+        for seq, draft in drafts.items():
+            accepted = emitted[seq] - 1
+            self.proposed += len(draft)
+            self.accepted += accepted
+            self.verify_rows += 1
+            if draft:
+                # Each draft token a trial until the first refused one.
+                rate = accepted / (accepted + (accepted < len(draft)))
+                before = self.acceptance.get(seq.request_id, self.prior)
+                self.acceptance[seq.request_id] = 0.7 * before + 0.3 * rate
+                self.prior = 0.95 * self.prior + 0.05 * rate
+            self.drafter.observe(seq, len(draft), accepted)  # type: ignore[union-attr]
+
+    def finished(self, seq: Sequence) -> None:
+        self.acceptance.pop(seq.request_id, None)
+        if self.drafter is not None:
+            self.drafter.finished(seq)
+
+    def stats(self) -> dict:
+        if self.drafter is None:
+            return {}
+        return {
+            "spec_draft_tokens": self.proposed,
+            "spec_accepted_tokens": self.accepted,
+            "spec_verify_rows": self.verify_rows,
+            # Tokens a verified row emitted on average: its accepted drafts plus the model's own.
+            "spec_mean_accepted_length": (self.accepted + self.verify_rows) / self.verify_rows
+            if self.verify_rows
+            else 0.0,
+        }
