@@ -137,15 +137,14 @@ def test_drafts_change_no_token(family, tiny_hf_dir):
     with Engine(model, EngineConfig(**CONFIG)) as engine:
         want = run(engine, Silent(), requests)
         answers = {(tuple(p), sp): c.token_ids for (p, sp), c in zip(requests, want)}
-        for drafter in (Oracle(answers, wrong=0), Oracle(answers, wrong=3), NgramDrafter(), SuffixDrafter()):
+        for drafter in (Oracle(answers, wrong=3), NgramDrafter(), SuffixDrafter()):
             before = engine.stats()
             same(run(engine, drafter, requests), want, family)
             stats = engine.stats()
             proposed = stats["spec_draft_tokens"] - before["spec_draft_tokens"]
             accepted = stats["spec_accepted_tokens"] - before["spec_accepted_tokens"]
-            if isinstance(drafter, Oracle):  # drafts were verified, kept and (when wrong) refused
-                assert proposed > 0 and accepted > 0
-                assert (accepted < proposed) == (drafter.wrong > 0)
+            if isinstance(drafter, Oracle):  # drafts were verified, kept and refused
+                assert 0 < accepted < proposed
         assert engine.stats()["pages_used"] == 0
 
 
