@@ -197,8 +197,16 @@ def run(args, model, engine_config, engine_args: list[str]) -> dict:
                     + f" (host {100 * r['host_share']:.1f}%), {r['step_wall_ms']:.2f} ms a step",
                     flush=True,
                 )
+        spec = {k: v for k, v in engine.stats().items() if k.startswith("spec_")}
     results["waves"] = rows
     print(format_table(rows))
+    if spec:  # --speculative: what the drafts did over every wave
+        results["speculation"] = spec
+        kept = spec["spec_accepted_tokens"] / spec["spec_draft_tokens"] if spec["spec_draft_tokens"] else 0.0
+        print(
+            f"speculation: {spec['spec_draft_tokens']} draft tokens verified, {kept:.0%} kept; "
+            f"{spec['spec_mean_accepted_length']:.2f} tokens a verified sequence a step"
+        )
     if len(rows) > 1:
         by_c = {r["concurrency"]: r["output_tokens_per_s"] for r in rows if r["run_ahead"] == engine_config.run_ahead}
         if 1 in by_c and 16 in by_c:

@@ -16,6 +16,9 @@ and usage.prompt_tokens_details.cached_tokens is what the prefix cache served.
 
 It starts each deployment itself, one after the other (logs in /tmp/jfire-agent-trace-MODE.log):
   colocated:      `jfire serve` (one process, one page pool);
+  speculative:    the same with `--speculative suffix` (use --max-tokens 64 or so: with 8 tokens a
+                  turn there is little to draft); it reports the draft tokens kept and the
+                  decode tokens/s, which every mode reports;
   disaggregated:  `jfire launch meshes/local-2p1d.toml` (two prefill groups, one decode group);
                   every request carries `x-session-affinity: <session id>`, so a session's turns
                   all go to the same prefill group, whose prefix cache holds the session
@@ -430,6 +433,11 @@ def request_body(messages: list[dict]) -> dict:
             "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
 
 
+def set_max_tokens(n: int) -> None:
+    global MAX_TOKENS
+    MAX_TOKENS = n
+
+
 def is_role_chunk(chunk: dict) -> bool:
     """The first chunk of a chat stream: only the role, sent before any token exists."""
     choices = chunk.get("choices") or []
@@ -473,6 +481,7 @@ def stream_turn(http: httpx.Client, url: str, messages: list[dict], session_id: 
     if usage is None:
         raise RequestFailed(r.status_code, "the stream ended without a usage chunk", body)
     return {"ttft_s": ttft if ttft is not None else latency, "latency_s": latency, "first_chunk": first_kind,
+            "decode_s": latency - (ttft if ttft is not None else latency),
             "prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage.get("completion_tokens"),
             "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0}
 
@@ -654,7 +663,10 @@ def summarize(records: list[dict], turns: int) -> dict:
             "last_turn_prompt_tokens_max": max((r["prompt_tokens"] for r in records if r["turn"] == turns),
                                                default=None),
             "first_chunks": {k: sum(r["first_chunk"] == k for r in records)
-                             for k in ("content", "tool_call", "finish", "empty")}}
+                             for k in ("content", "tool_call", "finish", "empty")},
+            # Tokens after the first over the time after it, over every request.
+            "decode_tokens_per_s": (sum(max(0, (r["completion_tokens"] or 0) - 1) for r in records)
+                                    / max(1e-9, sum(r["decode_s"] for r in records)))}
 
 
 def print_mode(mode: str, result: dict) -> None:
@@ -678,6 +690,10 @@ def print_mode(mode: str, result: dict) -> None:
               f"TTFT p50 {s['later_turns_ttft_p50_ms']:.0f} ms")
     print(f"  {hit_ratio_text(s)}; {ttft_growth_text(s)}; first chunk after the role: "
           + ", ".join(f"{k} {v}" for k, v in s["first_chunks"].items()))
+    print(f"  decode {s['decode_tokens_per_s']:.1f} tokens/s (tokens after each request's first over the time "
+          "after it)" + (f"; speculation: {s['speculation']['accepted']:.0f} of {s['speculation']['drafted']:.0f} "
+                         f"draft tokens kept, {s['speculation']['mean_accepted_length']:.2f} tokens a verified step"
+                         if s.get("speculation") else ""))
     if result["errors"]:
         print(f"  {len(result['errors'])} requests FAILED (the output file's errors list them)")
 
@@ -711,7 +727,9 @@ def run_mode(mode: str, args) -> dict:
     port = args.port or free_port()
     print(f"{mode}: starting (log {log}) ...", file=sys.stderr, flush=True)
     engine_args = shlex.split(args.engine_args) if args.engine_args is not None else ENGINE_ARGS
-    process, url = start(mode, port, log, engine_args)
+    if mode == "speculative":  # colocated, drafting from the session's own text
+        engine_args = [*engine_args, "--speculative", "suffix"]
+    process, url = start("colocated" if mode == "speculative" else mode, port, log, engine_args)
     try:
         health = wait_ready(url, process, log)
         prefill_groups = sorted(n for n, g in health.get("groups", {}).items() if g["role"] == "prefill")
@@ -727,6 +745,10 @@ def run_mode(mode: str, args) -> dict:
         summary = summarize(records, args.turns)
         summary["kv"] = sampler.summary()
         metrics = scrape_metrics(url)
+        if metrics.get("jfire_spec_draft_tokens_total"):
+            summary["speculation"] = {"drafted": metrics["jfire_spec_draft_tokens_total"],
+                                      "accepted": metrics["jfire_spec_accepted_tokens_total"],
+                                      "mean_accepted_length": metrics["jfire_spec_mean_accepted_length"]}
         summary["routing"] = {k: int(metrics[f"jfire_{k}_total"])
                               for k in ("routed_by_prefix", "routed_by_affinity", "routed_by_load", "prefix_fetches",
                                         "shared_kv_blocks_received")
@@ -745,7 +767,11 @@ def run_mode(mode: str, args) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--modes", default="colocated,disaggregated", help="comma-separated: colocated, disaggregated")
+    p.add_argument("--modes", default="colocated,disaggregated",
+                   help="comma-separated: colocated, disaggregated, speculative (colocated with --speculative suffix)")
+    p.add_argument("--max-tokens", type=int, default=MAX_TOKENS,
+                   help=f"tokens a turn may generate (default {MAX_TOKENS}: the trace measures prefill; more lets "
+                   "the model write its calls and answers, as the speculative mode's comparison wants)")
     p.add_argument("--sessions", type=int, default=4, help="concurrent agent sessions")
     p.add_argument("--turns", type=int, default=20, help="requests per session")
     p.add_argument("--seed", type=int, default=0, help="the trace is the same for the same seed")
@@ -762,8 +788,9 @@ def main() -> int:
     if args.sessions < 1 or args.turns < 1:
         p.error("--sessions and --turns must be >= 1")
     modes = args.modes.split(",")
-    if unknown := set(modes) - {"colocated", "disaggregated"}:
+    if unknown := set(modes) - {"colocated", "disaggregated", "speculative"}:
         p.error(f"unknown mode(s): {', '.join(sorted(unknown))}")
+    set_max_tokens(args.max_tokens)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` stops the servers
     results = {}
     for mode in modes:
