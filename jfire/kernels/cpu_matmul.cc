@@ -132,8 +132,9 @@ constexpr int64_t kBlockRows = 6, kBlockVecs = 2;
 constexpr int64_t kBlockCols = kLanes * kBlockVecs;
 // Up to this many rows stream w with the few-rows form (the same sums in the same order as the
 // blocks): the default model's decode at 4 rows took 36 ms against 40 through the blocks, at
-// 8 rows 49 against 54, alike at 16 (a speculative verify step is 1 + drafts rows a sequence).
-constexpr int64_t kFewRows = 8;
+// 8 rows 49 against 54, and a speculative verify step of 9 tokens (1 + 8 drafts) 47 against
+// 56; at 16 rows the blocks are as fast or faster (74-77 ms either way).
+constexpr int64_t kFewRows = 12;
 
 // y[0:R, 0:kBlockCols] = x[0:R, k0:k1] @ w[0:k1-k0, 0:kBlockCols] (w: rows k0..k1 of a strip,
 // ldw floats apart; y: ldy apart), the accumulators held in registers: per row of w,
