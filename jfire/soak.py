@@ -394,6 +394,7 @@ class Deployment:
             "pull_threads",
             "transfers_failed",
             "transfers_corrupted",
+            "last_transfer_error",
             "kv_transfers",
             "transfers_published",
             "transfers_expired",

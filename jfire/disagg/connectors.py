@@ -243,6 +243,7 @@ class DecodeConnector(KVConnector):
         self._pulling: dict[str, _Incoming] = {}
         self.kv_transfer_bytes = 0
         self.transfer_counts: collections.Counter = collections.Counter()
+        self.last_transfer_error: str | None = None
 
     def bind(self, engine) -> None:
         super().bind(engine)
@@ -457,6 +458,7 @@ class DecodeConnector(KVConnector):
         self._drop(incoming)
         if error is not None:
             self.transfer_counts["failed"] += 1
+            self.last_transfer_error = error
         progress.failed.append(Failed(incoming.live, error))
 
     def num_waiting(self) -> int:
@@ -469,6 +471,8 @@ class DecodeConnector(KVConnector):
             "kv_transfers": self.transfer_counts["pulled"],
             "transfers_failed": self.transfer_counts["failed"],
             "transfers_corrupted": self.transfer_counts["corrupted"],
+            # Why the last transfer failed: a rare failure under load names its cause.
+            "last_transfer_error": self.last_transfer_error,
             "pull_threads": self.puller.in_flight,
         }
 

@@ -136,7 +136,8 @@ def test_a_short_soak_of_mixed_traffic_with_no_fault_loses_nothing(deployment):
     failed = {name: (c.get("transfers_failed", 0) - before[name].get("transfers_failed", 0),
                      c.get("transfers_corrupted", 0) - before[name].get("transfers_corrupted", 0))
               for name, c in result["idle"].items()}
-    assert all(f == (0, 0) for f in failed.values()), failed
+    errors = {name: c.get("last_transfer_error") for name, c in result["idle"].items() if c.get("last_transfer_error")}
+    assert all(f == (0, 0) for f in failed.values()), (failed, errors)
     assert len(result["probe_outputs"]) == 1 and result["probes"] >= 3, result["probe_outputs"]
     for name, held in result["idle"].items():
         assert (held.get("pages_used", 0), held.get("transfers_pending", 0), held.get("pull_threads", 0)) == (0, 0, 0), \
