@@ -287,11 +287,12 @@ class CompiledPrograms:
 
     def verify_shapes(self) -> list[tuple[int, int]]:
         """(rows, tokens) of the verify programs: each decode batch up to `verify_rows` rows, by
-        tokens a row 2, 3, 5, 9, ... up to `verify_tokens` (a step verifies in the smallest that
-        holds its drafts, or in a smaller one with its drafts cut: jfire.speculative.speculator)."""
+        tokens a row 1 + 1, 4, 8 or 16 drafts, up to `verify_tokens` (a step verifies in the
+        smallest that holds its drafts, or in a smaller one with its drafts cut, whichever pays:
+        jfire.speculative.speculator). Few sizes: each is a program to compile per batch."""
         if not self.verify_tokens:
             return []
-        tokens = sorted({min(self.verify_tokens, 2**i + 1) for i in range(self.verify_tokens.bit_length())})
+        tokens = sorted({min(self.verify_tokens, 1 + drafts) for drafts in (1, 4, 8, 16)})
         return [(n, t) for n in self.buckets.decode_batches if n <= self.verify_rows for t in tokens]
 
     def _table(self, kind: str) -> dict:

@@ -27,7 +27,8 @@ EDIT = [{"role": "user", "content": f"Rename the class Point to Vector in this c
 def clients(default_checkpoint, tmp_path_factory):
     log = tmp_path_factory.mktemp("speculative")
     servers = [start_server(SERVE_LIMITS, log / "plain.log"),
-               start_server([*SERVE_LIMITS, "--speculative", "suffix"], log / "speculative.log")]
+               start_server([*SERVE_LIMITS, "--speculative", "suffix", "--num-draft-tokens", "4"],
+                            log / "speculative.log")]
     try:
         yield [openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=300) for s in servers], \
             servers[1]
