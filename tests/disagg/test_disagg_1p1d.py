@@ -30,7 +30,7 @@ TRANSFER_TIMEOUT_S = 4
 def deployment(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("local-1p1d")
     running = launch(deployment_file(tmp, "local-1p1d", timeout_s=TRANSFER_TIMEOUT_S), tmp / "launch.log",
-                     extra=("--speculative", "suffix", "--num-draft-tokens", "4"))
+                     extra=("--speculative", "suffix", "--num-draft-tokens", "1"))
     yield running
     code = running.stop()
     assert code == 0, running.log.read_text()[-3000:]

@@ -1,8 +1,9 @@
 """Speculation through the OpenAI API: a `jfire serve --speculative suffix` of the default model
 streams the same text, the same tool calls and the same schema-valid structured outputs as a
-plain `jfire serve`, chunk joins and all, and reports its drafts on /metrics. Several tokens a
-step pass through the detokenizer, stop strings, the grammar matcher and the tool-call parser
-exactly as one token a step would; usage counts stay right."""
+plain `jfire serve`, chunk joins and all, and reports its drafts on /metrics. Two tokens a step
+(one draft, so three verify programs to compile beside the server's others) pass through the
+detokenizer, stop strings, the grammar matcher and the tool-call parser exactly as one token a
+step would; usage counts stay right."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ EDIT = [{"role": "user", "content": f"Rename the class Point to Vector in this c
 def clients(default_checkpoint, tmp_path_factory):
     log = tmp_path_factory.mktemp("speculative")
     servers = [start_server(SERVE_LIMITS, log / "plain.log"),
-               start_server([*SERVE_LIMITS, "--speculative", "suffix", "--num-draft-tokens", "4"],
+               start_server([*SERVE_LIMITS, "--speculative", "suffix", "--num-draft-tokens", "1"],
                             log / "speculative.log")]
     try:
         yield [openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=300) for s in servers], \
