@@ -363,14 +363,7 @@ class ModelRunner:
             for r, k in enumerate(wanted):
                 run = []
                 for j in range(int(emitted[r])):
-                    entry = None
-                    if k is not None:
-                        top = [
-                            [int(i), float(lp)]
-                            for i, lp in zip(top_ids[r, j, :k], top_lps[r, j, :k])
-                            if np.isfinite(lp)
-                        ]
-                        entry = [float(logprob[r, j]), top]
+                    entry = None if k is None else logprobs_entry(logprob[r, j], top_ids[r, j], top_lps[r, j], k)
                     run.append((int(ids[r, j]), entry))
                 results.append(run)
             return results
@@ -398,13 +391,8 @@ class ModelRunner:
                 continue
             matcher, consumed = seq.matcher, 0
             for j in range(len(draft) + 1):
-                if matcher is not None and not matcher.is_stopped():  # type: ignore[attr-defined]
-                    fill_mask(matcher, allowed[r], j)
-                if seq.num_generated + j < seq.sampling.min_tokens:
-                    grammar_allows = allowed[r, j].copy()
-                    ban(allowed[r], j, (*self.eos_ids, *seq.sampling.stop_token_ids))
-                    if not allowed[r, j].any():
-                        allowed[r, j] = grammar_allows
+                live = matcher if matcher is not None and not matcher.is_stopped() else None  # type: ignore[attr-defined]
+                self._fill_mask_row(allowed[r], j, seq, seq.num_generated + j, live)
                 if j < len(draft) and matcher is not None:
                     if not matcher.consume_token(draft[j]):  # type: ignore[attr-defined]
                         break
@@ -432,10 +420,7 @@ class ModelRunner:
             logprob, top_ids, top_lps = to_host(out.logprob), to_host(out.top_ids), to_host(out.top_logprobs)
         results: list = []
         for r, (seq, k) in enumerate(zip(seqs, wanted)):
-            entry = None
-            if k is not None:
-                top = [[int(i), float(lp)] for i, lp in zip(top_ids[r, :k], top_lps[r, :k]) if np.isfinite(lp)]
-                entry = [float(logprob[r]), top]
+            entry = None if k is None else logprobs_entry(logprob[r], top_ids[r], top_lps[r], k)
             results.append((int(ids[r]), entry) if seq is not None else None)
         return results
 
@@ -525,15 +510,19 @@ class ModelRunner:
             return self._all_allowed[rows]
         allowed = np.full((rows, mask_words(self.cfg.vocab_size)), -1, np.int32)
         for r in masked:
-            seq = seqs[r]
-            if seq.matcher is not None:
-                fill_mask(seq.matcher, allowed, r)
-            if seq.num_generated < seq.sampling.min_tokens:
-                grammar_allows = allowed[r].copy()
-                ban(allowed, r, (*self.eos_ids, *seq.sampling.stop_token_ids))
-                if not allowed[r].any():  # a complete grammar allows only the end: it wins
-                    allowed[r] = grammar_allows
+            self._fill_mask_row(allowed, r, seqs[r], seqs[r].num_generated, seqs[r].matcher)
         return allowed
+
+    def _fill_mask_row(self, allowed: np.ndarray, row: int, seq: Sequence, generated: int, matcher) -> None:
+        """Row `row` of allowed [rows, words]: what `matcher` allows next (None: any token), with
+        EOS and the request's stop ids banned while `generated` is under its min_tokens."""
+        if matcher is not None:
+            fill_mask(matcher, allowed, row)
+        if generated < seq.sampling.min_tokens:
+            grammar_allows = allowed[row].copy()
+            ban(allowed, row, (*self.eos_ids, *seq.sampling.stop_token_ids))
+            if not allowed[row].any():  # a complete grammar allows only the end: it wins
+                allowed[row] = grammar_allows
 
     def _slot_of(self, seq: Sequence) -> int:
         """The request's penalty slot, started from what it has generated so far."""
@@ -560,6 +549,12 @@ class ModelRunner:
         slot = self._slots.pop(request_id, None)
         if slot is not None:
             self._free_slots.append(slot)
+
+
+def logprobs_entry(logprob, top_ids, top_logprobs, k: int) -> list:
+    """A sampled token's logprobs entry: [its logprob, [[id, logprob] of the k most likely]]."""
+    top = [[int(i), float(lp)] for i, lp in zip(top_ids[:k], top_logprobs[:k]) if np.isfinite(lp)]
+    return [float(logprob), top]
 
 
 def needs_mask(seq: Sequence) -> bool:
