@@ -31,9 +31,33 @@ def import_torchvision():
     import torchvision
 
     # transformers asks once whether torchvision is installed and remembers the answer: where it
-    # was imported before this (another test module in the same process), it remembered no.
+    # was imported before this (in a pytest run always: tests/tiny_models.py, imported by
+    # conftest, loads its image modules), it remembered no.
     from transformers.utils import import_utils
 
     for check in (import_utils.is_torchvision_available, import_utils.is_torchvision_v2_available):
         check.cache_clear()
+    _bind_into_transformers()
     return torchvision
+
+
+def _bind_into_transformers() -> None:
+    """transformers' image modules bind their torchvision names when first imported: loaded
+    before torchvision could be, image_processing_backends holds no `tvF` and a resampling map
+    of None. They are bound here from a fresh execution of image_utils."""
+    import importlib.util
+
+    import transformers.image_processing_backends as backends
+    import transformers.image_utils as image_utils
+
+    if backends.pil_torch_interpolation_mapping is not None:
+        return
+    from torchvision.transforms.v2 import functional as tvF
+
+    spec = importlib.util.find_spec("transformers.image_utils")
+    fresh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fresh)
+    for module in (image_utils, backends):
+        module.pil_torch_interpolation_mapping = fresh.pil_torch_interpolation_mapping
+        module.torch_pil_interpolation_mapping = fresh.torch_pil_interpolation_mapping
+    backends.tvF = tvF
