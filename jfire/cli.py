@@ -176,7 +176,8 @@ def _add_engine_args(p: argparse.ArgumentParser, *, auto: bool = False) -> None:
         choices=SPECULATIVE,
         default=None,
         help="speculative decoding: draft tokens from the request's own text and earlier outputs "
-        "(ngram: prompt lookup; suffix: a suffix index, adapting each draft's length) and verify them "
+        "(ngram: prompt lookup; suffix: a suffix index, adapting each draft's length) or with DeepSeek-V3's "
+        "MTP layer (mtp: read from the model's Hugging Face directory) and verify them "
         "in one step; the same tokens as without, several a step where drafts hold (docs/speculative.md)",
     )
     p.add_argument(

@@ -8,7 +8,8 @@ from jfire.errors import JfireError
 
 # The attention backends (jfire.programs.decode_attention chooses among them, for decode and prefill).
 ATTENTION_IMPLS = ("reference", "pallas", "pallas-interpret")
-SPECULATIVE = ("ngram", "suffix")  # the drafters (jfire.speculative.drafters)
+SPECULATIVE = ("ngram", "suffix", "mtp")  # the drafters (jfire.speculative.drafters)
+MODEL_DRAFTERS = ("mtp",)  # those that run a draft model inside the programs (jfire.speculative.model_drafts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +35,8 @@ class EngineConfig:
     # Serve once the essential programs exist and compile the rest in the background (with aot).
     serve_while_compiling: bool = True
     # Steady decoding dispatches each step before reading the previous step's ids (the ids
-    # stay on the device and feed the next step): the host's work overlaps the device's.
+    # stay on the device and feed the next step): the host's work overlaps the device's. Off
+    # with a draft model: each step's drafts are read before the next step is planned.
     run_ahead: bool = True
     # On one CPU device computing in float32 (float32 or bfloat16 weights), products read each
     # layer's weights where they lie in the stack, and decode attention each page's keys and
@@ -59,3 +61,5 @@ class EngineConfig:
             raise JfireError(f"unknown drafter {self.speculative!r}; use one of {', '.join(SPECULATIVE)}")
         if not 1 <= self.num_draft_tokens <= 16:
             raise JfireError(f"num_draft_tokens must be in [1, 16], got {self.num_draft_tokens}")
+        if self.speculative in MODEL_DRAFTERS:
+            object.__setattr__(self, "run_ahead", False)

@@ -22,6 +22,7 @@ from jfire.attention import PallasAttention, decode_attention
 from jfire.kernels import cpu_matmul as cpu_matmul_kernels
 from jfire.models.family import Family
 from jfire.sampling import PenaltyState, RowSampling, mask_words, prompt_logprobs, sample
+from jfire.speculative.model_drafts import DraftIn
 from jfire.speculative.verify import verify
 
 __all__ = ["PallasAttention", "decode_attention"]  # chosen in jfire.attention, imported from here too
@@ -90,7 +91,7 @@ def _smallest_at_least(options, n: int, what: str) -> int:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "attention", "layer_stack", "parallel", "cpu_matmul"),
+    static_argnames=("cfg", "attention", "layer_stack", "parallel", "cpu_matmul", "draft"),
     donate_argnames=("pages", "penalties"),
 )
 def prefill(
@@ -103,19 +104,23 @@ def prefill(
     rows: RowSampling,
     penalties: PenaltyState,
     targets,
+    draft_in: DraftIn | None = None,
     *,
     cfg: Family,
     attention: str = "reference",
     layer_stack=None,
     parallel=None,
     cpu_matmul: bool = False,
+    draft=None,
 ):
     """Chunks of prompts: tokens/positions [b, t] (position -1 = padding), page_table [b, groups x w];
     last_index [b] picks the token whose next-token logits are wanted; targets [b, t] the
     prompt token after each position whose logprob is wanted (-1: none, the usual case).
     Returns (SampleOut of the next ids with the prompt's logprobs, their logits [b, v],
     penalties, pages). `cpu_matmul`: small products read the weights in place
-    (jfire.kernels.cpu_matmul; one CPU device computing in float32 only)."""
+    (jfire.kernels.cpu_matmul; one CPU device computing in float32 only). `draft`: a draft
+    model run after the step (jfire.speculative.model_drafts), its inputs `draft_in`; the
+    SampleOut then carries its drafts."""
     with cpu_matmul_kernels.in_place(cpu_matmul):
         hidden, pages = cfg.decoder(
             params,
@@ -132,12 +137,26 @@ def prefill(
         steps = positions[row, last_index].astype(jnp.uint32)
         out, penalties = sample(logits, steps, rows, penalties)
         out = out._replace(prompt=prompt_logprobs(functools.partial(cfg.logits, params), hidden, targets))
+    if draft is not None:
+        drafts, pages = draft(
+            params,
+            pages,
+            hidden,
+            draft_in,
+            out.ids,
+            positions,
+            last_index,
+            page_table,
+            decode_attention(attention),
+            parallel,
+        )
+        out = out._replace(drafts=drafts)
     return out, logits, penalties, pages
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "attention", "layer_stack", "parallel", "cpu_matmul"),
+    static_argnames=("cfg", "attention", "layer_stack", "parallel", "cpu_matmul", "draft"),
     donate_argnames=("pages", "penalties"),
 )
 def decode(
@@ -148,15 +167,17 @@ def decode(
     page_table,
     rows: RowSampling,
     penalties: PenaltyState,
+    draft_in: DraftIn | None = None,
     *,
     cfg: Family,
     attention: str = "reference",
     layer_stack=None,
     parallel=None,
     cpu_matmul: bool = False,
+    draft=None,
 ):
     """One token per row: tokens/positions [b] (position -1 = an empty row), page_table [b, groups x w].
-    Returns (SampleOut of the next ids, logits [b, v], penalties, pages)."""
+    Returns (SampleOut of the next ids, logits [b, v], penalties, pages); `draft` as for prefill."""
     with cpu_matmul_kernels.in_place(cpu_matmul):
         hidden, pages = cfg.decoder(
             params,
@@ -170,6 +191,21 @@ def decode(
         )
         logits = cfg.logits(params, hidden[:, 0])
     out, penalties = sample(logits, positions.astype(jnp.uint32), rows, penalties)
+    if draft is not None:
+        first = jnp.zeros(tokens.shape, jnp.int32)
+        drafts, pages = draft(
+            params,
+            pages,
+            hidden,
+            draft_in,
+            out.ids,
+            positions[:, None],
+            first,
+            page_table,
+            decode_attention(attention),
+            parallel,
+        )
+        out = out._replace(drafts=drafts)
     return out, logits, penalties, pages
 
 
@@ -206,8 +242,10 @@ class CompiledPrograms:
         compiler_options: dict | None = None,
         verify_tokens: int = 0,
         verify_rows: int = 0,
+        draft=None,
     ):
         self.cfg = cfg
+        self.draft = draft  # a draft model every program runs after its step (model_drafts), or None
         # Speculative decoding's verify programs: `verify_tokens` (a row's last token and its
         # drafts) a row, for the decode batches up to `verify_rows` rows (0: none).
         self.verify_tokens = verify_tokens if "decode" in kinds else 0
@@ -328,12 +366,27 @@ class CompiledPrograms:
             layer_stack=self.layer_stack,
             parallel=self.parallel,
             cpu_matmul=self.cpu_matmul,
+            draft=self.draft,
         )
+
+        def draft_in(n: int, t: int) -> tuple:
+            """A draft model's inputs, where one runs: the programs' last argument."""
+            return (DraftIn(s((n, t), i32), s((n,), i32)),) if self.draft is not None else ()
+
         if shape[0] == "decode":
             _, n = shape
             return (
                 decode,
-                (self._params, self._pages, s((n,), i32), s((n,), i32), s((n, w), i32), self._rows(n), self._penalties),
+                (
+                    self._params,
+                    self._pages,
+                    s((n,), i32),
+                    s((n,), i32),
+                    s((n, w), i32),
+                    self._rows(n),
+                    self._penalties,
+                    *draft_in(n, 1),
+                ),
                 static,
             )
         if shape[0] == "verify":
@@ -349,6 +402,7 @@ class CompiledPrograms:
                     s((n,), i32),
                     self._rows(n, t),
                     self._penalties,
+                    *draft_in(n, t),
                 ),
                 static,
             )
@@ -365,6 +419,7 @@ class CompiledPrograms:
                 self._rows(r),
                 self._penalties,
                 s((r, t), i32),
+                *draft_in(r, t),
             ),
             static,
         )

@@ -12,6 +12,7 @@ pages to send, inserting pages that arrived) joins the same path through `add_ca
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import sys
 import threading
@@ -24,6 +25,7 @@ import numpy as np
 
 from jfire import faults, sharding
 from jfire.checkpoint.load import LoadedModel
+from jfire.engine_config import MODEL_DRAFTERS
 from jfire.grammar import ban, fill_mask
 from jfire.kernels import cpu_matmul
 from jfire.kv_cache import KVPools, init_pages, page_bytes, pool_pages
@@ -33,6 +35,7 @@ from jfire.programs import QUICK_COMPILE, Buckets, CompiledPrograms, decode_atte
 from jfire.sampling import PenaltyState, RowSampling, init_penalty_state, mask_words, set_penalty_slot
 from jfire.scheduler import Chunk, Sequence
 from jfire.sharding import to_host
+from jfire.speculative.model_drafts import DraftIn, load_draft
 
 MODEL_CALLS = ("prefill", "decode", "verify", "penalty")  # the calls every runner has
 
@@ -114,6 +117,15 @@ class ModelRunner:
     ):
         self.model, self.cfg, self.eos_ids = model, model.config, eos_ids
         mesh = model.mesh
+        # A draft model run inside the programs (--speculative mtp): its parameters beside the
+        # target's, its one-layer cache beside the target's pages, sized with them.
+        self.draft, self.params = None, model.params
+        if config.speculative in MODEL_DRAFTERS and "decode" in program_kinds:
+            self.draft, draft_params = load_draft(model, config.speculative, config.num_draft_tokens)
+            self.params = {**model.params, self.draft.PARAMS: draft_params}
+            target_bytes = self.cfg.kv_bytes_per_token(model.kv_dtype)
+            share = target_bytes / (target_bytes + self.draft.cfg.kv_bytes_per_token(model.kv_dtype))
+            config = dataclasses.replace(config, kv_cache_bytes=int(config.kv_cache_bytes * share))
         # Pages per cache group, and whether one pool serves every group (`shared_pool`: the
         # engine's connector moves pages by id; see jfire.kv_cache.KVPools).
         self.group_pages, self.shared_pool = pool_size(
@@ -121,6 +133,10 @@ class ModelRunner:
         )
         cache_shardings = sharding.cache_shardings(self.cfg, mesh) if mesh is not None else None
         self.pages = init_pages(self.cfg, self.group_pages, config.page_size, model.kv_dtype, cache_shardings)
+        if self.draft is not None:
+            draft_shardings = sharding.cache_shardings(self.draft.cfg, mesh) if mesh is not None else None
+            pages = self.group_pages[self.cfg.cache_groups()[0].name]
+            self.pages.update(init_pages(self.draft.cfg, pages, config.page_size, model.kv_dtype, draft_shardings))
         self.pools = KVPools(self.cfg.cache_groups(), self.group_pages, config.page_size, self.shared_pool)
         # The page table of a program: each cache group's table side by side, in the order of
         # `cache_groups()`, each column block naming its pool (the same one, when shared).
@@ -151,7 +167,7 @@ class ModelRunner:
         self._all_allowed: dict[int, np.ndarray] = {}  # rows -> a mask allowing every token
         self.programs = CompiledPrograms(
             self.cfg,
-            model.params,
+            self.params,
             self.pages,
             self.penalties,
             self.buckets,
@@ -165,6 +181,7 @@ class ModelRunner:
             compiler_options=QUICK_COMPILE if config.quick_compile else None,
             verify_tokens=config.num_draft_tokens + 1 if config.speculative else 0,
             verify_rows=config.speculative_max_rows,
+            draft=self.draft,
         )
         self._calls: dict[str, Callable] = {}  # a connector's device calls, by kind
         # A group spanning processes (jfire.lockstep): the leader sends every device call to
@@ -202,18 +219,23 @@ class ModelRunner:
         if kind == "penalty":
             self.penalties = set_penalty_slot(self.penalties, key, *inputs)
             return None
+        # The inputs before the penalty state, then those after it (a prefill's prompt targets,
+        # a draft model's inputs).
         if kind == "decode":
             program = self.programs.decode(*key)
-            out, _, self.penalties, self.pages = program(self.model.params, self.pages, *inputs, self.penalties)
+            out, _, self.penalties, self.pages = program(
+                self.params, self.pages, *inputs[:4], self.penalties, *inputs[4:]
+            )
             return out
         if kind == "verify":
             program = self.programs.verify(*key)
-            out, self.penalties, self.pages = program(self.model.params, self.pages, *inputs, self.penalties)
+            out, self.penalties, self.pages = program(self.params, self.pages, *inputs[:5], self.penalties, *inputs[5:])
             return out
         if kind == "prefill":
             program = self.programs.prefill(*key)
-            *args, targets = inputs
-            out, _, self.penalties, self.pages = program(self.model.params, self.pages, *args, self.penalties, targets)
+            out, _, self.penalties, self.pages = program(
+                self.params, self.pages, *inputs[:5], self.penalties, *inputs[5:]
+            )
             return out
         return self._calls[kind](key, inputs)
 
@@ -326,6 +348,12 @@ class ModelRunner:
         sampling = self.sampling_rows(seqs, rows, [c.completes_prompt for c in chunks])
         targets = self._prompt_targets(chunks, rows, t)
         inputs = (tokens, positions, self.row_table(seqs, rows), last, sampling, targets)
+        if self.draft is not None:
+            following = np.full((rows, t), -1, np.int32)  # -1: the token sampled there
+            for r, c in enumerate(chunks):
+                known = c.seq.tokens[c.start + 1 : c.start + c.length + 1]
+                following[r, : len(known)] = known
+            inputs += (self.draft_inputs(seqs, rows, following),)
         results, out = self._timed(t0, lambda: self.call("prefill", (rows, t), inputs), seqs)
         return results, (self._prompt_logprobs(chunks, targets, out.prompt) if (targets >= 0).any() else [])
 
@@ -347,6 +375,8 @@ class ModelRunner:
         sampling = self.sampling_rows(seqs, rows, [True] * len(seqs))
         sampling = sampling._replace(allowed=self._verify_masks(seqs, drafts, rows, t))  # type: ignore[arg-type]
         inputs = (tokens, positions, self.row_table(list(seqs), rows), num_drafts, sampling)
+        if self.draft is not None:
+            inputs += (self.draft_inputs(seqs, rows, np.full((rows, t), -1, np.int32)),)
         results, _ = self._timed(t0, lambda: self.call("verify", (rows, t), inputs), seqs, self._verify_results(seqs))
         self.note_seconds(("verify", rows, t), time.perf_counter() - t0)
         return results
@@ -356,6 +386,7 @@ class ModelRunner:
 
         def read(out) -> list[list[tuple]]:
             ids, emitted = to_host(out.ids), to_host(out.emitted)
+            self.keep_drafts(out, list(seqs))
             wanted = [seq.sampling.logprobs for seq in seqs]
             if any(k is not None for k in wanted):
                 logprob, top_ids, top_lps = to_host(out.logprob), to_host(out.top_ids), to_host(out.top_logprobs)
@@ -415,6 +446,7 @@ class ModelRunner:
         """Waits for a program's ids and returns, per row of seqs, (token, logprobs entry or
         None), or None for a row without a sequence."""
         ids = to_host(out.ids)
+        self.keep_drafts(out, seqs)
         wanted = [seq.sampling.logprobs if seq is not None else None for seq in seqs]
         if any(k is not None for k in wanted):
             logprob, top_ids, top_lps = to_host(out.logprob), to_host(out.top_ids), to_host(out.top_logprobs)
@@ -456,7 +488,29 @@ class ModelRunner:
         for r, seq in enumerate(seqs):
             tokens[r], positions[r] = seq.tokens[-1], len(seq.tokens) - 1
         sampling = self.sampling_rows(seqs, rows, [True] * len(seqs))
+        if self.draft is not None:
+            draft_in = self.draft_inputs(seqs, rows, np.full((rows, 1), -1, np.int32))
+            return tokens, positions, self.row_table(seqs, rows), sampling, draft_in
         return tokens, positions, self.row_table(seqs, rows), sampling
+
+    def draft_inputs(self, seqs: list[Sequence], rows: int, following: np.ndarray) -> DraftIn:
+        """A draft model's inputs: the token after each position (-1: the one the step samples
+        there) and how far each row's pages reach."""
+        room = np.zeros(rows, np.int32)
+        for r, seq in enumerate(seqs):
+            room[r] = len(seq.tables[0]) * self.pools.page_size
+        return DraftIn(following, room)
+
+    def keep_drafts(self, out, seqs: list[Sequence | None]) -> None:
+        """Hands a draft model's drafts (a program's `drafts`, -1 past each row's end) to the
+        rows' sequences, for the speculator's next plan."""
+        if getattr(out, "drafts", None) is None:
+            return
+        drafts = to_host(out.drafts)
+        for r, seq in enumerate(seqs):
+            if seq is not None:
+                row = drafts[r].tolist()
+                seq.model_draft = row[: row.index(-1)] if -1 in row else row
 
     @property
     def num_pages(self) -> int:

@@ -138,6 +138,7 @@ class SampleOut(NamedTuple):
     top_ids: jax.Array  # int32 [b, MAX_TOP_LOGPROBS]
     top_logprobs: jax.Array  # float32 [b, MAX_TOP_LOGPROBS]
     prompt: PromptLogprobs | None = None  # prefill only
+    drafts: jax.Array | None = None  # int32 [b, k]: a draft model's next drafts (-1: none), where one runs
 
 
 def prompt_logprobs(logits_of, hidden, targets) -> PromptLogprobs:

@@ -48,6 +48,8 @@ class Sequence:
     after: Sequence | None = None
     # The llguidance matcher of a constrained request: which tokens it may sample next.
     matcher: object | None = None
+    # A draft model's tokens after the last step that touched it (jfire.speculative.model_drafts).
+    model_draft: list[int] = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
         if not self.tokens:

@@ -35,7 +35,7 @@ from typing import Protocol
 from jfire.errors import JfireError
 from jfire.scheduler import Sequence
 
-DRAFTERS = ("ngram", "suffix")  # the model-free ones; eagle3 and mtp draft with a model
+DRAFTERS = ("ngram", "suffix", "mtp")
 
 
 class Drafter(Protocol):
@@ -53,6 +53,8 @@ def make_drafter(name: str) -> Drafter:
         return NgramDrafter()
     if name == "suffix":
         return SuffixDrafter()
+    if name == "mtp":
+        return ModelDrafter(name)
     raise JfireError(f"unknown drafter {name!r}; use one of {', '.join(DRAFTERS)}")
 
 
@@ -209,3 +211,21 @@ class SuffixDrafter:
 def _most_frequent(counts: collections.Counter) -> int:
     """The token with the highest count; on ties the one counted first (dicts keep order)."""
     return max(counts.items(), key=lambda kv: kv[1])[0]
+
+
+class ModelDrafter:
+    """A draft model's tokens: computed by the engine's own programs after each step that
+    touched the request (jfire.speculative.model_drafts) and kept on its `Sequence` by the
+    runner; this hands them on."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        return seq.model_draft[:k]
+
+    def observe(self, seq: Sequence, proposed: int, accepted: int) -> None:
+        pass
+
+    def finished(self, seq: Sequence) -> None:
+        pass

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 
 from jfire.scheduler import Scheduler, Sequence, Step
-from jfire.speculative.drafters import Drafter, make_drafter
+from jfire.speculative.drafters import Drafter, ModelDrafter, make_drafter
 
 # Before a verify program's steps are timed, its step is taken as decode's stretched by this
 # much for each token a row past the first (the default model on this CPU: 1 + 4 tokens a row
@@ -129,6 +129,10 @@ class Speculator:
         """Pages up to each row's last draft, from free pages only; a row that cannot get them
         keeps the drafts its pages reach."""
         for seq, draft in drafts.items():
+            if draft and isinstance(self.drafter, ModelDrafter):
+                # The draft model's next chain is written past the verified tokens, in pages the
+                # row holds (a chain ends where they do): room for it if free pages allow.
+                scheduler.pools.grow(seq.tables, len(seq.tokens) + len(draft) + self.k)
             while draft and not scheduler.pools.grow(seq.tables, len(seq.tokens) + len(draft)):
                 draft.pop()
 

@@ -42,11 +42,12 @@ class VerifyOut(NamedTuple):
     top_ids: jax.Array  # int32 [b, t, MAX_TOP_LOGPROBS]
     top_logprobs: jax.Array  # float32 [b, t, MAX_TOP_LOGPROBS]
     emitted: jax.Array  # int32 [b]: the row's tokens are ids[:emitted]
+    drafts: jax.Array | None = None  # int32 [b, k]: a draft model's next drafts (-1: none), where one runs
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "attention", "layer_stack", "parallel", "cpu_matmul"),
+    static_argnames=("cfg", "attention", "layer_stack", "parallel", "cpu_matmul", "draft"),
     donate_argnames=("pages", "penalties"),
 )
 def verify(
@@ -58,16 +59,19 @@ def verify(
     num_drafts,
     rows: RowSampling,
     penalties: PenaltyState,
+    draft_in=None,
     *,
     cfg: Family,
     attention: str = "reference",
     layer_stack=None,
     parallel=None,
     cpu_matmul: bool = False,
+    draft=None,
 ):
     """tokens/positions [b, t] (position -1: past the row's drafts, or an empty row), page_table
     [b, groups x w], num_drafts [b]; rows.allowed is [b, t, words], each position's mask.
-    Returns (VerifyOut, penalties, pages)."""
+    Returns (VerifyOut, penalties, pages). `draft`: a draft model run after the step over the
+    emitted tokens (jfire.speculative.model_drafts), its inputs `draft_in`."""
     b, t = tokens.shape
     with cpu_matmul_kernels.in_place(cpu_matmul):
         hidden, pages = cfg.decoder(
@@ -114,4 +118,11 @@ def verify(
         jnp.swapaxes(top_lps, 0, 1),
         alive.sum(axis=0).astype(jnp.int32),
     )
+    if draft is not None:
+        # Every position's own sample is the token after it wherever the row kept its drafts.
+        last = jnp.maximum(out.emitted - 1, 0)
+        drafts, pages = draft(
+            params, pages, hidden, draft_in, out.ids, positions, last, page_table, decode_attention(attention), parallel
+        )
+        out = out._replace(drafts=drafts)
     return out, replicated(penalties), pages
