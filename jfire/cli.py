@@ -559,6 +559,7 @@ def cmd_generate(args) -> int:
                 if out.finished and out.finish_reason == "error":
                     raise JfireError(out.error)
             print()
+            _report_speculation(engine)
             return 0
     if args.json:
         print(
@@ -572,6 +573,7 @@ def cmd_generate(args) -> int:
                     "ttft_s": _seconds(result.ttft_s),
                     "seconds": _seconds(result.latency_s),
                     "timings": _timings(load_s, compile_s, result),
+                    **({"speculative": engine.speculator.stats()} if engine.config.speculative else {}),
                 }
             )
         )
@@ -621,7 +623,21 @@ def _generate_batch(args, model, sampling) -> int:
             out.close()
     if args.output:
         print(f"wrote {count} results to {args.output}", file=sys.stderr)
+    _report_speculation(engine)
     return 0
+
+
+def _report_speculation(engine) -> None:
+    """A speculating run's counts on stderr: how many drafts held, so a user can tell whether
+    speculation paid (the same counts as /stats and `jfire bench`)."""
+    stats = engine.speculator.stats()
+    if stats:
+        print(
+            f"jfire: speculative decoding ({engine.config.speculative}): {stats['spec_draft_tokens']} draft tokens "
+            f"verified in {stats['spec_verify_rows']} rows, {stats['spec_accepted_tokens']} accepted, "
+            f"{stats['spec_mean_accepted_length']:.2f} tokens a verified row",
+            file=sys.stderr,
+        )
 
 
 def cmd_convert(args) -> int:

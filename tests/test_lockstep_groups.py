@@ -37,7 +37,8 @@ MOE = LlamaConfig(architecture="MixtralForCausalLM", vocab_size=512, hidden_size
 # Small buckets: few programs to compile, and compiled quickly (a few tokens each).
 ENGINE_ARGS = ["--max-batch", "4", "--prefill-budget", "32", "--max-context", "128", "--quick-compile",
                "--kv-cache-gb", "0.01"]
-PROMPTS = [{"prompt_ids": [1, 5, 9, 200, 31], "max_tokens": 8},
+# The first repeats itself, and the dense model's answer does too: a speculating group's drafts hold.
+PROMPTS = [{"prompt_ids": [7] * 12, "max_tokens": 8},
            {"prompt_ids": [7, 7, 7], "max_tokens": 6},
            {"prompt_ids": [3, 100, 400, 2, 9, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28,
                            29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40], "max_tokens": 10}]
@@ -119,7 +120,11 @@ def one_device(models, tmp_path_factory):
     ("default", "pp=2,tp=3", 3),  # 9 heads: tp=3 per stage
 ])
 def test_group_of_two_processes_equals_one_device(models, one_device, tmp_path, model, mesh, devices_each):
-    group = start_group(generate_args(model, mesh, tmp_path), devices_each, tmp_path)
+    args = generate_args(model, mesh, tmp_path)
+    if model == "dense":
+        # The group speculates too: the leader drafts, every process runs the verify calls.
+        args += ["--speculative", "suffix", "--num-draft-tokens", "4"]
+    group = start_group(args, devices_each, tmp_path)
     outs = [p.communicate(timeout=600)[0] for p in group]
     for i, p in enumerate(group):
         assert p.returncode == 0, (tmp_path / f"process{i}.log").read_text()[-3000:]
@@ -127,6 +132,9 @@ def test_group_of_two_processes_equals_one_device(models, one_device, tmp_path, 
     assert results(outs[0]) == one_device(model)
     follower_log = (tmp_path / "process1.log").read_text()
     assert "follows process 0" in follower_log
+    if model == "dense":
+        counts = json.loads(outs[0])["speculative"]
+        assert counts["spec_verify_rows"] > 0 and counts["spec_accepted_tokens"] > 0, counts
 
 
 def test_follower_started_with_other_settings_refuses(models, tmp_path):
