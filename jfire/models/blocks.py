@@ -385,12 +385,28 @@ class PreNormFamily(Family):
         raise NotImplementedError
 
     def decoder(
-        self, params, tokens, positions, pages, page_table, *, attention_impl=None, layer_stack=None, parallel=None
+        self,
+        params,
+        tokens,
+        positions,
+        pages,
+        page_table,
+        *,
+        attention_impl=None,
+        layer_stack=None,
+        parallel=None,
+        embeds=None,
     ):
         # [b, t, e], in the cache's dtype: bfloat16 rows widen to float32 beside bfloat16
         # weights on the CPU (jfire.checkpoint.load.LoadedModel.kv_dtype), and stay as they are
         # where the cache has the weights' dtype.
         x = params["embed"][tokens].astype(jax.tree.leaves(pages)[0].dtype)
+        if embeds is not None:
+            # `embeds` = (values [b, t, e], mask [b, t]): an image's encoder output takes the place
+            # of its placeholder tokens' embeddings, as transformers' masked_scatter does; cast
+            # like the token rows so both meet the layers in one dtype.
+            values, mask = embeds
+            x = jnp.where(mask[..., None], values.astype(x.dtype), x)
         x, pages = run_segments(
             self,
             params,
