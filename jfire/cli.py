@@ -176,9 +176,16 @@ def _add_engine_args(p: argparse.ArgumentParser, *, auto: bool = False) -> None:
         choices=SPECULATIVE,
         default=None,
         help="speculative decoding: draft tokens from the request's own text and earlier outputs "
-        "(ngram: prompt lookup; suffix: a suffix index, adapting each draft's length) or with DeepSeek-V3's "
-        "MTP layer (mtp: read from the model's Hugging Face directory) and verify them "
+        "(ngram: prompt lookup; suffix: a suffix index, adapting each draft's length) or with a draft model "
+        "(mtp: DeepSeek-V3's MTP layer, read from the model's Hugging Face directory; eagle3: an EAGLE-3 head, "
+        "--draft-model) and verify them "
         "in one step; the same tokens as without, several a step where drafts hold (docs/speculative.md)",
+    )
+    p.add_argument(
+        "--draft-model",
+        default=None,
+        metavar="PATH",
+        help="with --speculative eagle3: the EAGLE-3 head's Hugging Face directory (config.json and its weights)",
     )
     p.add_argument(
         "--num-draft-tokens",
@@ -238,6 +245,7 @@ def engine_config(args, *, single: bool):
         compilation_cache_dir=None if cache == "off" else cache,
         speculative=args.speculative,
         num_draft_tokens=args.num_draft_tokens,
+        draft_model=args.draft_model,
         **limits,
     )
 
@@ -846,6 +854,7 @@ def cmd_launch(args) -> int:
         # The decode groups speculate; a prefill group ignores it (it decodes nothing).
         ("--speculative", args.speculative),
         ("--num-draft-tokens", args.num_draft_tokens if args.speculative else None),
+        ("--draft-model", args.draft_model),
     ]
     if not args.shutdown_grace >= 0:
         raise JfireError(f"--shutdown-grace must be >= 0 seconds, got {args.shutdown_grace}")

@@ -8,8 +8,8 @@ from jfire.errors import JfireError
 
 # The attention backends (jfire.programs.decode_attention chooses among them, for decode and prefill).
 ATTENTION_IMPLS = ("reference", "pallas", "pallas-interpret")
-SPECULATIVE = ("ngram", "suffix", "mtp")  # the drafters (jfire.speculative.drafters)
-MODEL_DRAFTERS = ("mtp",)  # those that run a draft model inside the programs (jfire.speculative.model_drafts)
+SPECULATIVE = ("ngram", "suffix", "mtp", "eagle3")  # the drafters (jfire.speculative.drafters)
+MODEL_DRAFTERS = ("mtp", "eagle3")  # those that run a draft model inside the programs (jfire.speculative.model_drafts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +52,7 @@ class EngineConfig:
     # drafts (a bigger batch is compute-bound enough that verifying drafts costs throughput).
     speculative: str | None = None
     num_draft_tokens: int = 8
+    draft_model: str | None = None  # an EAGLE-3 head's directory (speculative "eagle3")
     speculative_max_rows: int = 4
 
     def __post_init__(self):

@@ -22,7 +22,7 @@ from jfire.attention import PallasAttention, decode_attention
 from jfire.kernels import cpu_matmul as cpu_matmul_kernels
 from jfire.models.family import Family
 from jfire.sampling import PenaltyState, RowSampling, mask_words, prompt_logprobs, sample
-from jfire.speculative.model_drafts import DraftIn
+from jfire.speculative.model_drafts import DraftIn, capturing
 from jfire.speculative.verify import verify
 
 __all__ = ["PallasAttention", "decode_attention"]  # chosen in jfire.attention, imported from here too
@@ -121,7 +121,7 @@ def prefill(
     (jfire.kernels.cpu_matmul; one CPU device computing in float32 only). `draft`: a draft
     model run after the step (jfire.speculative.model_drafts), its inputs `draft_in`; the
     SampleOut then carries its drafts."""
-    with cpu_matmul_kernels.in_place(cpu_matmul):
+    with cpu_matmul_kernels.in_place(cpu_matmul), capturing(draft) as captured:
         hidden, pages = cfg.decoder(
             params,
             tokens,
@@ -141,7 +141,7 @@ def prefill(
         drafts, pages = draft(
             params,
             pages,
-            hidden,
+            draft.target_hidden(params, hidden, captured),
             draft_in,
             out.ids,
             positions,
@@ -178,7 +178,7 @@ def decode(
 ):
     """One token per row: tokens/positions [b] (position -1 = an empty row), page_table [b, groups x w].
     Returns (SampleOut of the next ids, logits [b, v], penalties, pages); `draft` as for prefill."""
-    with cpu_matmul_kernels.in_place(cpu_matmul):
+    with cpu_matmul_kernels.in_place(cpu_matmul), capturing(draft) as captured:
         hidden, pages = cfg.decoder(
             params,
             tokens[:, None],
@@ -196,7 +196,7 @@ def decode(
         drafts, pages = draft(
             params,
             pages,
-            hidden,
+            draft.target_hidden(params, hidden, captured),
             draft_in,
             out.ids,
             positions[:, None],

@@ -121,10 +121,10 @@ class ModelRunner:
         # target's, its one-layer cache beside the target's pages, sized with them.
         self.draft, self.params = None, model.params
         if config.speculative in MODEL_DRAFTERS and "decode" in program_kinds:
-            self.draft, draft_params = load_draft(model, config.speculative, config.num_draft_tokens)
+            self.draft, draft_params = load_draft(model, config)
             self.params = {**model.params, self.draft.PARAMS: draft_params}
             target_bytes = self.cfg.kv_bytes_per_token(model.kv_dtype)
-            share = target_bytes / (target_bytes + self.draft.cfg.kv_bytes_per_token(model.kv_dtype))
+            share = target_bytes / (target_bytes + self.draft.kv_bytes_per_token(model.kv_dtype))
             config = dataclasses.replace(config, kv_cache_bytes=int(config.kv_cache_bytes * share))
         # Pages per cache group, and whether one pool serves every group (`shared_pool`: the
         # engine's connector moves pages by id; see jfire.kv_cache.KVPools).
@@ -134,9 +134,11 @@ class ModelRunner:
         cache_shardings = sharding.cache_shardings(self.cfg, mesh) if mesh is not None else None
         self.pages = init_pages(self.cfg, self.group_pages, config.page_size, model.kv_dtype, cache_shardings)
         if self.draft is not None:
-            draft_shardings = sharding.cache_shardings(self.draft.cfg, mesh) if mesh is not None else None
             pages = self.group_pages[self.cfg.cache_groups()[0].name]
-            self.pages.update(init_pages(self.draft.cfg, pages, config.page_size, model.kv_dtype, draft_shardings))
+            arrays = self.draft.cache_arrays(pages, config.page_size, model.kv_dtype)
+            if mesh is not None:  # a small layer's cache: whole on every device
+                arrays = jax.device_put(arrays, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+            self.pages.update(arrays)
         self.pools = KVPools(self.cfg.cache_groups(), self.group_pages, config.page_size, self.shared_pool)
         # The page table of a program: each cache group's table side by side, in the order of
         # `cache_groups()`, each column block naming its pool (the same one, when shared).

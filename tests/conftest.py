@@ -77,6 +77,7 @@ SLOWEST_FIRST = [
     "tests/test_bench_compare.py",
     "tests/serve/test_limits_and_fuzz.py",
     "tests/test_engine_preemption.py",
+    "tests/test_speculative_eagle3.py",
     "tests/test_speculative_mtp.py",
     "tests/test_lockstep_beats.py",
     "tests/serve/test_shutdown.py",

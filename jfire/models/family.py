@@ -23,6 +23,7 @@ interface too: `vocab_size`, `max_position_embeddings`, `bos_token_id`, `eos_tok
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -415,7 +416,46 @@ def stack_depth(stack) -> int:
     return jax.tree.leaves(stack)[0].shape[0]
 
 
-def scan_layers(layer: Callable, stack, carry, dtype, *, in_place: bool = False):
+# The captures in progress while a program traces its target's decoder (`capture_hidden`):
+# (indices, found) pairs, innermost last.
+_captures: list[tuple[tuple[int, ...], dict]] = []
+
+
+@contextlib.contextmanager
+def capture_hidden(indices):
+    """While a decoder is traced inside, keeps the residual stream entering each layer of
+    `indices` (Hugging Face's `hidden_states` indices: i is layer i's input, the output of
+    layer i - 1), for a draft model that reads the target's intermediate states (EAGLE-3).
+    Yields a dict that the traced segments fill, index -> [b, t, e]. The scanned layers carry
+    one more array per index, set where the layer index matches: no second pass, no per-layer
+    output kept. Not inside pipeline stages (their layers run per microbatch)."""
+    found: dict[int, Any] = {}
+    _captures.append((tuple(indices), found))
+    try:
+        yield found
+    finally:
+        _captures.pop()
+
+
+def _kept(kept: tuple, x, index, indices: tuple[int, ...]) -> tuple:
+    """`kept` with x where the layer about to run (`index`) is a captured one."""
+    return tuple(jax.numpy.where(index == i, x, k) for i, k in zip(indices, kept))
+
+
+def _scan_capturing(scan: Callable, layer: Callable, stack, carry, first: int, per_step: int):
+    """`scan(layer, stack, carry)` keeping the captured layers' inputs (see capture_hidden):
+    x is the first element of every family's carry; a scan step runs `per_step` layers."""
+    indices, found = _captures[-1]
+    zeros = tuple(jax.numpy.zeros_like(carry[0]) for _ in indices)
+    (carry, kept) = scan(layer, stack, (carry, zeros))
+    depth = stack_depth(stack) * per_step
+    for i, k in zip(indices, kept):
+        if first <= i < first + depth:
+            found[i] = k
+    return carry
+
+
+def scan_layers(layer: Callable, stack, carry, dtype, *, in_place: bool = False, first: int | None = None):
     """`lax.scan` of `layer(carry, p, j) -> (carry, None)` over a segment's stacked weights,
     j the layer's index in the stack. The cache rides in the carry so each layer updates it in
     place (a scanned-over output would be a second full copy of the pool). Weights kept
@@ -427,6 +467,16 @@ def scan_layers(layer: Callable, stack, carry, dtype, *, in_place: bool = False)
     from jfire.kernels import cpu_matmul
     from jfire.kernels.layer_weights import has_compressed, layer_slice
 
+    if _captures and first is not None:  # `first`: the model layer of the stack's first entry
+
+        def capturing(c, p, j):
+            inner, kept = c
+            kept = _kept(kept, inner[0], first + j, _captures[-1][0])
+            inner, out = layer(inner, p, j)
+            return (inner, kept), out
+
+        scan = functools.partial(scan_layers, dtype=dtype, in_place=in_place)
+        return _scan_capturing(scan, capturing, stack, carry, first, 1)
     ids = jax.numpy.arange(stack_depth(stack), dtype=jax.numpy.int32)
     if has_compressed(stack):
         carry, _ = jax.lax.scan(lambda c, j: layer(c, layer_slice(stack, j, dtype=dtype), j), carry, ids)
@@ -443,15 +493,31 @@ def scan_segment(segment: Segment, layer: Callable, stack, carry, dtype, *, in_p
     step per layer of a uniform segment, or per period of a periodic one, whose layers are then
     unrolled inside the step (each reading its position's stack at the period's index)."""
     if not segment.period:
-        return scan_layers(lambda c, p, j: (layer(c, p, j, segment.kind), None), stack, carry, dtype, in_place=in_place)
+        return scan_layers(
+            lambda c, p, j: (layer(c, p, j, segment.kind), None),
+            stack,
+            carry,
+            dtype,
+            in_place=in_place,
+            first=segment.first,
+        )
     k = len(segment.period)
     keys = [s.path.rsplit(".", 1)[1] for s in segment.stacks()]
+    capturing = bool(_captures)
 
     def period(c, p, j):
         for pos, (key, kind) in enumerate(zip(keys, segment.period)):
-            c = layer(c, p[key], j * k + pos, kind)
+            if capturing:  # the layers of a period are unrolled: each checked by its own index
+                inner, kept = c
+                kept = _kept(kept, inner[0], segment.first + j * k + pos, _captures[-1][0])
+                c = (layer(inner, p[key], j * k + pos, kind), kept)
+            else:
+                c = layer(c, p[key], j * k + pos, kind)
         return c, None
 
+    if capturing:
+        scan = functools.partial(scan_layers, dtype=dtype, in_place=in_place)
+        return _scan_capturing(scan, period, stack, carry, segment.first, k)
     return scan_layers(period, stack, carry, dtype, in_place=in_place)
 
 

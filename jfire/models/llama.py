@@ -465,4 +465,4 @@ class LlamaConfig(PreNormFamily):
             return x, k_pages, v_pages
 
         x, k, v = scan_segment(segment, layer, stack, (x, pages["k"], pages["v"]), x.dtype, in_place=True)
-        return x, {"k": k, "v": v}
+        return x, {**pages, "k": k, "v": v}

@@ -158,7 +158,9 @@ def run_segment(
                 x = x + gated_mlp(h, p["w_gate"], p["w_up"], p["w_down"])
         return (x, cache), None
 
-    x, cache = scan_layers(layer, stack, (x, cache), x.dtype)
+    x, cache = scan_layers(
+        layer, stack, (x, cache), x.dtype, first=layer_offset if isinstance(layer_offset, int) else None
+    )
     return x, {**pages, name: cache}
 
 

@@ -35,7 +35,7 @@ from typing import Protocol
 from jfire.errors import JfireError
 from jfire.scheduler import Sequence
 
-DRAFTERS = ("ngram", "suffix", "mtp")
+DRAFTERS = ("ngram", "suffix", "mtp", "eagle3")
 
 
 class Drafter(Protocol):
@@ -53,7 +53,7 @@ def make_drafter(name: str) -> Drafter:
         return NgramDrafter()
     if name == "suffix":
         return SuffixDrafter()
-    if name == "mtp":
+    if name in ("mtp", "eagle3"):
         return ModelDrafter(name)
     raise JfireError(f"unknown drafter {name!r}; use one of {', '.join(DRAFTERS)}")
 

@@ -34,6 +34,7 @@ from jfire.kernels import cpu_matmul as cpu_matmul_kernels
 from jfire.models.blocks import DecodeRows
 from jfire.models.family import Family
 from jfire.sampling import PenaltyState, RowSampling, sample
+from jfire.speculative.model_drafts import capturing
 
 
 class VerifyOut(NamedTuple):
@@ -73,7 +74,7 @@ def verify(
     Returns (VerifyOut, penalties, pages). `draft`: a draft model run after the step over the
     emitted tokens (jfire.speculative.model_drafts), its inputs `draft_in`."""
     b, t = tokens.shape
-    with cpu_matmul_kernels.in_place(cpu_matmul):
+    with cpu_matmul_kernels.in_place(cpu_matmul), capturing(draft) as captured:
         hidden, pages = cfg.decoder(
             params,
             tokens,
@@ -122,7 +123,16 @@ def verify(
         # Every position's own sample is the token after it wherever the row kept its drafts.
         last = jnp.maximum(out.emitted - 1, 0)
         drafts, pages = draft(
-            params, pages, hidden, draft_in, out.ids, positions, last, page_table, decode_attention(attention), parallel
+            params,
+            pages,
+            draft.target_hidden(params, hidden, captured),
+            draft_in,
+            out.ids,
+            positions,
+            last,
+            page_table,
+            decode_attention(attention),
+            parallel,
         )
         out = out._replace(drafts=drafts)
     return out, replicated(penalties), pages
