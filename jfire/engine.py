@@ -66,6 +66,7 @@ class Engine:
         # What a server reads (jfire.client.EngineClient).
         self.tokenizer = model.tokenizer
         self.vocab_size = cfg.vocab_size
+        self.vision = self.runner.images.vision  # None: a text-only model
         self.model_type: str | None = getattr(cfg, "model_type", None)
         self.checks = RequestChecks(
             cfg.vocab_size,
@@ -197,12 +198,14 @@ class Engine:
         affinity: str | None = None,
         after: str | None = None,
         kv_params: dict | None = None,
+        images=(),
     ) -> RequestHandle:
         """Queues a request; outputs go to the handle's queue, or to `on_output` (called on the
         engine thread: it must not block). `affinity` (a session key) matters only where there
         are several prefill groups to choose from. `after` (a request id with the same prompt,
         n > 1) admits this one once that one's prompt is in the cache, so it reuses its pages.
-        `kv_params` is for the KV connector (a split deployment's transfer, its wire split)."""
+        `kv_params` is for the KV connector (a split deployment's transfer, its wire split).
+        `images`: RequestImages (jfire.vision.encoder) in prompt order, placeholders expanded."""
         if self.error is not None:
             raise EngineStopped(f"the engine has stopped after an error: {self.error}")
         prompt_ids = [int(i) for i in prompt_ids]
@@ -212,6 +215,7 @@ class Engine:
         request_id = request_id or f"req-{next(self._ids)}"
         handle = RequestHandle(self, request_id, prompt_ids, self.model.tokenizer is not None)
         seq = Sequence(request_id, prompt_ids, sampling, sampling.resolved_seed())
+        seq.images = self.runner.images.for_request(prompt_ids, images)
         seq.after = after  # type: ignore[assignment]  # a request id until the engine thread finds its sequence
         live = self.outputs.new_request(seq, handle, on_output or handle.outputs.put, kv_params)
         self._commands.put(("submit", live))
@@ -254,11 +258,7 @@ class Engine:
                 self.outputs.deliver()
         except BaseException as e:  # a bug or a device failure: fail every request loudly
             self.error = e
-            what = (
-                "engine failure"
-                if self.runner.step_channel is None
-                else "engine failure (in a group spanning processes)"
-            )
+            what = "engine failure" + ("" if self.runner.step_channel is None else " (in a group spanning processes)")
             self._fail_everything(f"{what}: {e}")
             self.outputs.deliver()
             if self.on_fatal is not None:

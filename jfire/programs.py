@@ -21,6 +21,7 @@ from jfire import compile_cache
 from jfire.attention import PallasAttention, decode_attention
 from jfire.kernels import cpu_matmul as cpu_matmul_kernels
 from jfire.models.family import Family
+from jfire.program_inputs import Extras
 from jfire.sampling import PenaltyState, RowSampling, mask_words, prompt_logprobs, sample
 from jfire.speculative.model_drafts import DraftIn, capturing
 from jfire.speculative.verify import verify
@@ -104,7 +105,7 @@ def prefill(
     rows: RowSampling,
     penalties: PenaltyState,
     targets,
-    draft_in: DraftIn | None = None,
+    extras: Extras | None = None,
     *,
     cfg: Family,
     attention: str = "reference",
@@ -118,9 +119,10 @@ def prefill(
     prompt token after each position whose logprob is wanted (-1: none, the usual case).
     Returns (SampleOut of the next ids with the prompt's logprobs, their logits [b, v],
     penalties, pages). `cpu_matmul`: small products read the weights in place
-    (jfire.kernels.cpu_matmul; one CPU device computing in float32 only). `draft`: a draft
-    model run after the step (jfire.speculative.model_drafts), its inputs `draft_in`; the
-    SampleOut then carries its drafts."""
+    (jfire.kernels.cpu_matmul; one CPU device computing in float32 only). `extras`: image rows
+    in place of token embeddings, and the inputs of `draft`, a draft model run after the step
+    (jfire.speculative.model_drafts; the SampleOut then carries its drafts)."""
+    draft_in, embeds = extras if extras is not None else (None, None)
     with cpu_matmul_kernels.in_place(cpu_matmul), capturing(draft) as captured:
         hidden, pages = cfg.decoder(
             params,
@@ -131,6 +133,7 @@ def prefill(
             attention_impl=decode_attention(attention),
             layer_stack=layer_stack,
             parallel=parallel,
+            **({"embeds": embeds} if embeds is not None else {}),
         )
         row = jnp.arange(tokens.shape[0])
         logits = cfg.logits(params, hidden[row, last_index])
@@ -167,7 +170,7 @@ def decode(
     page_table,
     rows: RowSampling,
     penalties: PenaltyState,
-    draft_in: DraftIn | None = None,
+    extras: Extras | None = None,
     *,
     cfg: Family,
     attention: str = "reference",
@@ -178,6 +181,7 @@ def decode(
 ):
     """One token per row: tokens/positions [b] (position -1 = an empty row), page_table [b, groups x w].
     Returns (SampleOut of the next ids, logits [b, v], penalties, pages); `draft` as for prefill."""
+    draft_in = extras.draft if extras is not None else None
     with cpu_matmul_kernels.in_place(cpu_matmul), capturing(draft) as captured:
         hidden, pages = cfg.decoder(
             params,
@@ -243,9 +247,11 @@ class CompiledPrograms:
         verify_tokens: int = 0,
         verify_rows: int = 0,
         draft=None,
+        embeds_width: int = 0,
     ):
         self.cfg = cfg
         self.draft = draft  # a draft model every program runs after its step (model_drafts), or None
+        self.embeds_width = embeds_width  # a prefill's image rows (their width; 0: a text-only model)
         # Speculative decoding's verify programs: `verify_tokens` (a row's last token and its
         # drafts) a row, for the decode batches up to `verify_rows` rows (0: none).
         self.verify_tokens = verify_tokens if "decode" in kinds else 0
@@ -369,9 +375,11 @@ class CompiledPrograms:
             draft=self.draft,
         )
 
-        def draft_in(n: int, t: int) -> tuple:
-            """A draft model's inputs, where one runs: the programs' last argument."""
-            return (DraftIn(s((n, t), i32), s((n,), i32)),) if self.draft is not None else ()
+        def extras(n: int, t: int, images: bool = False) -> tuple:
+            """The optional inputs where the engine has any: the programs' last argument."""
+            draft = DraftIn(s((n, t), i32), s((n,), i32)) if self.draft is not None else None
+            embeds = (s((n, t, self.embeds_width), jnp.float32), s((n, t), jnp.bool_)) if images else None
+            return (Extras(draft, embeds),) if draft is not None or embeds is not None else ()
 
         if shape[0] == "decode":
             _, n = shape
@@ -385,7 +393,7 @@ class CompiledPrograms:
                     s((n, w), i32),
                     self._rows(n),
                     self._penalties,
-                    *draft_in(n, 1),
+                    *extras(n, 1),
                 ),
                 static,
             )
@@ -402,7 +410,7 @@ class CompiledPrograms:
                     s((n,), i32),
                     self._rows(n, t),
                     self._penalties,
-                    *draft_in(n, t),
+                    *extras(n, t),
                 ),
                 static,
             )
@@ -419,7 +427,7 @@ class CompiledPrograms:
                 self._rows(r),
                 self._penalties,
                 s((r, t), i32),
-                *draft_in(r, t),
+                *extras(r, t, images=self.embeds_width > 0),
             ),
             static,
         )

@@ -31,13 +31,27 @@ from jfire.kernels import cpu_matmul
 from jfire.kv_cache import KVPools, init_pages, page_bytes, pool_pages
 from jfire.models.family import Family
 from jfire.pipeline import Pipeline
+from jfire.program_inputs import Extras
 from jfire.programs import QUICK_COMPILE, Buckets, CompiledPrograms, decode_attention
 from jfire.sampling import PenaltyState, RowSampling, init_penalty_state, mask_words, set_penalty_slot
 from jfire.scheduler import Chunk, Sequence
 from jfire.sharding import to_host
 from jfire.speculative.model_drafts import DraftIn, load_draft
+from jfire.vision.encoder import ImageEncoder
 
 MODEL_CALLS = ("prefill", "decode", "verify", "penalty")  # the calls every runner has
+
+
+def load_vision(model: LoadedModel):
+    """The model's vision encoder (jfire.vision.model), or None: a text-only model, or one not
+    read from a Hugging Face directory (a jfire checkpoint keeps the text model alone)."""
+    from jfire.checkpoint.load import resolve_model_path
+    from jfire.vision.model import load_vision_model
+
+    path, _ = resolve_model_path(model.name)
+    if not path.is_dir():
+        return None
+    return load_vision_model(path, model.dtype_of_params, model.tokenizer)
 
 
 def uses_cpu_kernels(model: LoadedModel, wanted: bool) -> bool:
@@ -140,6 +154,7 @@ class ModelRunner:
                 arrays = jax.device_put(arrays, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
             self.pages.update(arrays)
         self.pools = KVPools(self.cfg.cache_groups(), self.group_pages, config.page_size, self.shared_pool)
+        self.images = ImageEncoder(load_vision(model) if "prefill" in program_kinds else None)
         # The page table of a program: each cache group's table side by side, in the order of
         # `cache_groups()`, each column block naming its pool (the same one, when shared).
         self.table_pools = [self.pools.index[g.name] for g in self.cfg.cache_groups()]
@@ -184,6 +199,7 @@ class ModelRunner:
             verify_tokens=config.num_draft_tokens + 1 if config.speculative else 0,
             verify_rows=config.speculative_max_rows,
             draft=self.draft,
+            embeds_width=getattr(self.cfg, "hidden_size", 0) if self.images.vision is not None else 0,
         )
         self._calls: dict[str, Callable] = {}  # a connector's device calls, by kind
         # A group spanning processes (jfire.lockstep): the leader sends every device call to
@@ -350,12 +366,17 @@ class ModelRunner:
         sampling = self.sampling_rows(seqs, rows, [c.completes_prompt for c in chunks])
         targets = self._prompt_targets(chunks, rows, t)
         inputs = (tokens, positions, self.row_table(seqs, rows), last, sampling, targets)
+        draft_in = embeds = None
         if self.draft is not None:
             following = np.full((rows, t), -1, np.int32)  # -1: the token sampled there
             for r, c in enumerate(chunks):
                 known = c.seq.tokens[c.start + 1 : c.start + c.length + 1]
                 following[r, : len(known)] = known
-            inputs += (self.draft_inputs(seqs, rows, following),)
+            draft_in = self.draft_inputs(seqs, rows, following)
+        if self.programs.embeds_width:
+            embeds = self.images.chunk_embeds(chunks, rows, t, self.programs.embeds_width)
+        if draft_in is not None or embeds is not None:
+            inputs += (Extras(draft_in, embeds),)
         results, out = self._timed(t0, lambda: self.call("prefill", (rows, t), inputs), seqs)
         return results, (self._prompt_logprobs(chunks, targets, out.prompt) if (targets >= 0).any() else [])
 
@@ -378,7 +399,7 @@ class ModelRunner:
         sampling = sampling._replace(allowed=self._verify_masks(seqs, drafts, rows, t))  # type: ignore[arg-type]
         inputs = (tokens, positions, self.row_table(list(seqs), rows), num_drafts, sampling)
         if self.draft is not None:
-            inputs += (self.draft_inputs(seqs, rows, np.full((rows, t), -1, np.int32)),)
+            inputs += (Extras(self.draft_inputs(seqs, rows, np.full((rows, t), -1, np.int32))),)
         results, _ = self._timed(t0, lambda: self.call("verify", (rows, t), inputs), seqs, self._verify_results(seqs))
         self.note_seconds(("verify", rows, t), time.perf_counter() - t0)
         return results
@@ -492,7 +513,7 @@ class ModelRunner:
         sampling = self.sampling_rows(seqs, rows, [True] * len(seqs))
         if self.draft is not None:
             draft_in = self.draft_inputs(seqs, rows, np.full((rows, 1), -1, np.int32))
-            return tokens, positions, self.row_table(seqs, rows), sampling, draft_in
+            return tokens, positions, self.row_table(seqs, rows), sampling, Extras(draft_in)
         return tokens, positions, self.row_table(seqs, rows), sampling
 
     def draft_inputs(self, seqs: list[Sequence], rows: int, following: np.ndarray) -> DraftIn:
@@ -597,6 +618,7 @@ class ModelRunner:
             "steps": t["steps"],
             "run_ahead_steps": t["run_ahead_steps"],
             **{f"step_{k}_s": t[k] for k in ("schedule", "prepare", "device", "outputs")},
+            **self.images.stats(),
         }
 
     def release_slot(self, request_id: str) -> None:

@@ -50,6 +50,8 @@ class Sequence:
     matcher: object | None = None
     # A draft model's tokens after the last step that touched it (jfire.speculative.model_drafts).
     model_draft: list[int] = dataclasses.field(default_factory=list)
+    # Its images and where their rows go in the prompt (jfire.vision.encoder), or None.
+    images: object | None = None
 
     def __post_init__(self):
         if not self.tokens:
@@ -242,7 +244,7 @@ class Scheduler:
         if not self.prefix_caching or any(seq.tables) or seq.sampling.prompt_logprobs:  # those compute every token
             return
         reusable = (len(seq.tokens) - 1) // self.page_size
-        hashes = block_hashes(seq.tokens[: reusable * self.page_size], self.page_size)
+        hashes = block_hashes(seq.tokens[: reusable * self.page_size], self.page_size, extra_keys=_image_keys(seq))
         seq.tables, blocks = self.pools.cached_prefix(hashes)
         if self.load_prefix is not None and blocks < len(hashes):
             # A connector loading blocks by id works with one shared pool (KVPools.shared).
@@ -258,7 +260,7 @@ class Scheduler:
         full = min(seq.computed, len(seq.prompt_ids)) // self.page_size
         if full <= seq.registered_blocks:
             return
-        hashes = block_hashes(seq.tokens[: full * self.page_size], self.page_size)
+        hashes = block_hashes(seq.tokens[: full * self.page_size], self.page_size, extra_keys=_image_keys(seq))
         self.pools.register(seq.tables, seq.registered_blocks, hashes)
         seq.registered_blocks = full
 
@@ -330,3 +332,8 @@ class Scheduler:
             chunk.seq.computed += chunk.length
             self.register_computed_blocks(chunk.seq)
             self.pools.release_behind(chunk.seq.tables, chunk.seq.computed)
+
+
+def _image_keys(seq: Sequence):
+    """What a block of seq's holds besides its ids: the hashes of the images with rows in it."""
+    return seq.images.extra_keys if seq.images is not None else None  # type: ignore[attr-defined]

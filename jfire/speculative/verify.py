@@ -60,7 +60,7 @@ def verify(
     num_drafts,
     rows: RowSampling,
     penalties: PenaltyState,
-    draft_in=None,
+    extras=None,
     *,
     cfg: Family,
     attention: str = "reference",
@@ -72,7 +72,8 @@ def verify(
     """tokens/positions [b, t] (position -1: past the row's drafts, or an empty row), page_table
     [b, groups x w], num_drafts [b]; rows.allowed is [b, t, words], each position's mask.
     Returns (VerifyOut, penalties, pages). `draft`: a draft model run after the step over the
-    emitted tokens (jfire.speculative.model_drafts), its inputs `draft_in`."""
+    emitted tokens (jfire.speculative.model_drafts), its inputs `extras.draft`."""
+    draft_in = extras.draft if extras is not None else None
     b, t = tokens.shape
     with cpu_matmul_kernels.in_place(cpu_matmul), capturing(draft) as captured:
         hidden, pages = cfg.decoder(

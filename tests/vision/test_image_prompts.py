@@ -105,6 +105,7 @@ class Case:
     images: list[ImagePixels]
     template_ids: list[int]  # as the chat template writes it: one placeholder per image
     hf_image_inputs: dict  # pixel_values (and Kimi's grids) for transformers
+    path: Path | None = None  # the saved directory (the engine tests load it)
 
 
 def eager(config) -> None:
@@ -143,7 +144,7 @@ def llama4_case(tmp_path_factory) -> Case:
     image = LLAMA4_TOKENS["<|image|>"]
     template = text_ids(5, seed=3) + [image] + text_ids(4, seed=4) + [image] + text_ids(3, seed=5)
     pixels = torch.from_numpy(np.concatenate([p.pixel_values for p in images]))
-    return Case(model, *_text_model(path), vision, images, template, {"pixel_values": pixels})
+    return Case(model, *_text_model(path), vision, images, template, {"pixel_values": pixels}, path)
 
 
 def save_word_tokenizer(path: Path, special: dict[str, int]) -> None:
@@ -199,7 +200,7 @@ def kimi_case(tmp_path_factory) -> Case:
         "pixel_values": torch.from_numpy(np.concatenate([p.pixel_values for p in images])),
         "image_grid_thw": torch.tensor([p.grid for p in images]),
     }
-    return Case(model, *_text_model(path), vision, images, template, hf_inputs)
+    return Case(model, *_text_model(path), vision, images, template, hf_inputs, path)
 
 
 def as_released_text_names(path: Path) -> None:
