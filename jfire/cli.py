@@ -250,6 +250,71 @@ def engine_config(args, *, single: bool):
     )
 
 
+def _add_image_args(p: argparse.ArgumentParser) -> None:
+    """The limits on chat requests' images (jfire.vision.images.ImageLimits; these defaults are its)."""
+    p.add_argument("--max-images", type=int, default=8, help="images one chat request may carry")
+    p.add_argument(
+        "--max-image-mb",
+        type=float,
+        default=20.0,
+        help="MiB of one image file; an image sent inline also counts against --max-body-mb, as base64 (4/3 larger)",
+    )
+    p.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=50_000_000,
+        help="pixels of one image, read from its header before it is decoded",
+    )
+    p.add_argument(
+        "--image-fetch-timeout",
+        type=float,
+        default=10.0,
+        help="seconds to fetch one http(s) image URL: connecting, redirects and the whole body",
+    )
+    p.add_argument(
+        "--no-image-urls",
+        dest="image_urls",
+        action="store_false",
+        help="refuse http(s) image URLs, so that the server never reaches the network (data: URLs still work)",
+    )
+
+
+def _image_flags(args) -> tuple[str, ...]:
+    """The image flags given to `launch`, to pass on to its frontend process."""
+    flags = [
+        f"{flag}={value}"
+        for flag, value, default in (
+            ("--max-images", args.max_images, 8),
+            ("--max-image-mb", args.max_image_mb, 20.0),
+            ("--max-image-pixels", args.max_image_pixels, 50_000_000),
+            ("--image-fetch-timeout", args.image_fetch_timeout, 10.0),
+        )
+        if value != default
+    ]
+    return tuple(flags + ([] if args.image_urls else ["--no-image-urls"]))
+
+
+def image_limits(args):
+    """The ImageLimits the serve flags ask for."""
+    from jfire.vision.images import ImageLimits
+
+    for flag, value in (
+        ("--max-images", args.max_images),
+        ("--max-image-mb", args.max_image_mb),
+        ("--max-image-pixels", args.max_image_pixels),
+        ("--image-fetch-timeout", args.image_fetch_timeout),
+    ):
+        if not value > 0:
+            raise JfireError(f"{flag} must be > 0, got {value}")
+    return ImageLimits(
+        max_bytes=max(1, int(args.max_image_mb * (1 << 20))),
+        max_pixels=args.max_image_pixels,
+        fetch_timeout_s=args.image_fetch_timeout,
+        max_images=args.max_images,
+        fetch_urls=args.image_urls,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="jfire", description="jfire: an LLM inference engine on JAX/XLA")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -262,6 +327,14 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3 (works without a tokenizer)")
     source.add_argument("--chat", help="a user message, rendered with the model's chat template")
     g.add_argument("--system", help="system message for --chat")
+    g.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="an image file (PNG, JPEG, WebP, GIF) for a model that takes images (repeatable): the prompt "
+        "(--prompt or --chat) becomes one user message, the images first, rendered with the chat template",
+    )
     g.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
     g.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1 is off)")
@@ -354,10 +427,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="no line on stderr per request (method, path, status, tokens, TTFT, time, request id)",
     )
+    _add_image_args(v)
     _add_group_args(v)
 
     n = sub.add_parser("launch", help="start a disaggregated deployment (frontend, prefill and decode groups)")
     n.add_argument("deployment", help="a deployment .toml file or a name in meshes/ (e.g. local-1p1d)")
+    _add_image_args(n)
     n.add_argument("--model", default="default", help="as for serve (every group loads the same model)")
     n.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of weights and activations"
@@ -530,6 +605,52 @@ def _prompt_ids(args, tokenizer) -> list[int]:
     return tokenizer.encode(args.prompt)
 
 
+def _load_image_files(args) -> list:
+    """The --image files, decoded (jfire.vision.images.LoadedImage), under the server's default limits."""
+    if not args.image:
+        return []
+    if args.prompt is None and args.chat is None:
+        raise JfireError("--image goes with --prompt or --chat (the text that follows the images)")
+    from jfire.errors import RequestError
+    from jfire.vision.images import ImageLimits, load_image_file
+
+    limits = ImageLimits()
+    if len(args.image) > limits.max_images:
+        raise JfireError(f"--image: {len(args.image)} images; at most {limits.max_images} go in one prompt")
+    loaded = []
+    for path in args.image:
+        try:
+            loaded.append(load_image_file(path, limits))
+        except RequestError as e:
+            raise JfireError(f"--image {path}: {e}") from None
+    return loaded
+
+
+def _image_prompt(args, engine, tokenizer, loaded: list) -> tuple[list[int], list]:
+    """(prompt ids, jfire.vision.encoder.RequestImage per image) of a prompt with images: one user
+    message, the images first and then the text (--prompt or --chat), rendered with the chat
+    template, each image's one template token expanded into its placeholder ids."""
+    from jfire.vision.encoder import RequestImage
+
+    if engine.vision is None:
+        raise JfireError(
+            "--image: this model takes no images (a text-only model, or a checkpoint without its vision "
+            "tower); give a multimodal model's HF directory (Llama 4, Kimi K2.5) with --model"
+        )
+    if tokenizer is None:
+        raise JfireError("--image needs the model's tokenizer and chat template; this model has no tokenizer")
+    images = [RequestImage(content_hash=i.content_hash, pixels=engine.vision.preprocess(i.image)) for i in loaded]
+    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": _prompt_text(args)}]
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    messages.append({"role": "user", "content": content})
+    template_ids = tokenizer.encode_chat(messages, add_generation_prompt=True)
+    return engine.vision.expand_prompt(template_ids, [i.pixels for i in images]), images
+
+
+def _prompt_text(args) -> str:
+    return args.chat if args.chat is not None else args.prompt
+
+
 def cmd_generate(args) -> int:
     from jfire.checkpoint.load import load_model
     from jfire.engine import Engine
@@ -546,6 +667,8 @@ def cmd_generate(args) -> int:
     )
     if args.output and not args.prompts_file:
         raise JfireError("--output goes with --prompts-file")
+    # Read before the model loads: a missing or broken file costs nothing.
+    loaded_images = _load_image_files(args)
     t0 = time.perf_counter()
     model = load_model(args.model, args.dtype, mesh_spec=_mesh_spec(args), keep_compressed=args.keep_compressed)
     load_s = time.perf_counter() - t0
@@ -555,10 +678,13 @@ def cmd_generate(args) -> int:
     status = _lead_or_follow(args, engine)
     if status is not None:
         return status
-    prompt_ids = _prompt_ids(args, model.tokenizer)
+    if loaded_images:
+        prompt_ids, images = _image_prompt(args, engine, model.tokenizer, loaded_images)
+    else:
+        prompt_ids, images = _prompt_ids(args, model.tokenizer), []
     with engine:
         compile_s = engine.compile_for(len(prompt_ids), sampling.max_tokens) if args.json else 0.0
-        handle = engine.submit(prompt_ids, sampling)
+        handle = engine.submit(prompt_ids, sampling, images=images)
         if args.json or model.tokenizer is None:
             result = handle.result()
         else:
@@ -761,6 +887,7 @@ def cmd_serve(args) -> int:
     if args.host_kv_gb and args.coordinator is not None:
         raise JfireError("--host-kv-gb serves one process; leave it out for a group spanning processes")
     _check_min_uses(args)
+    limits = image_limits(args)
     size = device_memory.PoolSize.of(args)
     spec = _mesh_spec(args)
 
@@ -797,6 +924,7 @@ def cmd_serve(args) -> int:
         max_body_bytes=int(args.max_body_mb * (1 << 20)),
         shutdown_grace_s=args.shutdown_grace,
         model_name=args.served_model_name or server.served_name(args.model),
+        image_limits=limits,
     )
 
 
@@ -882,6 +1010,8 @@ def cmd_launch(args) -> int:
         host_kv_bytes=int(args.host_kv_gb * (1 << 30)),
         host_kv_min_uses=args.host_kv_min_uses,
         route_by_prefix=args.prefix_routing,
+        image_flags=_image_flags(args),
+        image_limits=image_limits(args),
     )
     if args.process_id is None:
         if args.coordinator:

@@ -21,6 +21,7 @@ class EngineClient(Protocol):
     tokenizer: Tokenizer | None  # None for a model served by token ids
     vocab_size: int
     model_type: str | None  # the checkpoint's model_type (chooses chat and tool-call formats)
+    vision: object | None  # its image preprocessing and placeholders (jfire.vision.model); None: text only
     max_model_len: int  # tokens a request may span
     error: BaseException | None  # why the engine stopped serving, once it has
     # Called once the engine has failed for good, after ending every request it held.
@@ -47,9 +48,11 @@ class EngineClient(Protocol):
         on_output: Callable | None = None,
         affinity: str | None = None,
         after: str | None = None,
+        images=(),
     ):
         """Queues a request; returns its RequestHandle. Outputs (RequestOutput) go to
-        `on_output`, called on an engine thread, or to the handle."""
+        `on_output`, called on an engine thread, or to the handle. `images`: the prompt's
+        (jfire.vision.encoder.RequestImage, in order), their placeholder ids in prompt_ids."""
         ...
 
     def cancel(self, request_id: str) -> None: ...

@@ -14,6 +14,7 @@ import re
 import secrets
 import time
 import uuid
+from collections.abc import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -25,8 +26,10 @@ from jfire.errors import EngineStopped, JfireError, QueueFull, RequestError
 from jfire.request_checks import TextLimit
 from jfire.requests import RequestOutput
 from jfire.sampling import SamplingParams
+from jfire.vision.encoder import RequestImage
+from jfire.vision.images import ImageLimits
 from serve.access_log import AccessLog
-from serve.chat import OutputPlan, PromptError, render_chat, response_grammar
+from serve.chat import OutputPlan, PromptError, expand_images, render_chat, request_images, response_grammar
 from serve.metrics import ServerMetrics
 from serve.responses import Responder
 from serve.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -68,6 +71,7 @@ class ServerState:
     draining: bool = False  # shutting down: no new requests, in-flight ones finish
     drained: bool = False  # draining, and no request is in flight any more
     access_log: bool = True  # one line on stderr per request (serve/access_log.py)
+    image_limits: ImageLimits = dataclasses.field(default_factory=ImageLimits)  # chat image parts
 
     def __post_init__(self):
         if self.metrics is None:
@@ -155,14 +159,15 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         try:
-            prompt_ids, plan = await asyncio.to_thread(_chat_prompt, body, state.engine, text_limit)
+            images = await request_images(state.engine, body, state.image_limits)
+            prompt_ids, plan = await asyncio.to_thread(_chat_prompt, body, state.engine, text_limit, images)
         except PromptError as e:
             raise APIError(400, str(e), param=e.param, code="invalid_value") from None
         except RequestError as e:
             raise _request_error(e, body, chat=True) from None
         except JfireError as e:
             raise APIError(400, str(e), param="messages") from None
-        return await _serve(state, request, body, prompt_ids, chat=True, plan=plan)
+        return await _serve(state, request, body, prompt_ids, chat=True, plan=plan, images=images)
 
     return app
 
@@ -195,15 +200,18 @@ def _completion_prompt(body: CompletionRequest, engine: EngineClient, text_limit
 
 
 def _chat_prompt(
-    body: ChatCompletionRequest, engine: EngineClient, text_limit: TextLimit | None
+    body: ChatCompletionRequest, engine: EngineClient, text_limit: TextLimit | None, images: list[RequestImage]
 ) -> tuple[list[int], OutputPlan]:
-    """The chat's prompt ids and output plan; a rendered prompt too long for the context is
-    refused before it is tokenized."""
+    """The chat's prompt ids (each image's placeholder ids in its place) and output plan; a
+    rendered prompt too long for the context is refused before it is tokenized."""
     tokenizer = _require_tokenizer(engine)
     for i, m in enumerate(body.messages):  # names are not in the prompt, but must be text all the same
         _valid_text(m.text(), "messages")
         _valid_text(m.name or "", f"messages.{i}.name")
-    return render_chat(tokenizer, engine.model_type, body, text_limit)
+    prompt_ids, plan = render_chat(tokenizer, engine.model_type, body, text_limit)
+    if images:
+        prompt_ids = expand_images(engine, prompt_ids, images)
+    return prompt_ids, plan
 
 
 def _valid_text(text: str, param: str) -> str:
@@ -284,6 +292,7 @@ async def _serve(
     chat: bool,
     plan: OutputPlan,
     echo: str = "",
+    images: list[RequestImage] | None = None,
 ):
     engine = state.engine
     if state.draining:
@@ -329,6 +338,8 @@ async def _serve(
     choice_ids = [request_id] if body.n == 1 else [f"{request_id}-{i}" for i in range(body.n)]
     first_seed = body.seed if body.seed is not None else SamplingParams().resolved_seed()
     submitted: list[str] = []
+    # Only a request with images names them: an engine client that takes none keeps its signature.
+    image_args = {"images": images} if images else {}
     try:
         for i, choice_id in enumerate(choice_ids):
             sampling = _sampling(body, max_tokens, plan, logprobs, (first_seed + i) % 2**32, chat)
@@ -339,6 +350,7 @@ async def _serve(
                 on_output=on_output,
                 affinity=request.headers.get("x-session-affinity"),
                 after=submitted[0] if i else None,
+                **image_args,
             )
             submitted.append(choice_id)
     except BaseException as e:
@@ -415,6 +427,9 @@ def _install_error_handlers(app: FastAPI) -> None:
         first = errors[0] if errors else {}
         if first.get("type") == "json_invalid":
             return APIError(400, "the request body is not valid JSON", code="invalid_json").response()
+        part = _content_part_error(errors)
+        if part is not None:
+            return APIError(400, part[1], param=part[0], code="invalid_value").response()
         param = _param_of(first.get("loc", ()))
         if first.get("type") == "missing" and param is None:
             message = "the request body is empty; send a JSON object with the request's fields"
@@ -498,7 +513,9 @@ class _BodyLimit(_ASGIMiddleware):
             ).response()
         if length is not None and length.isdigit() and int(length) > limit:
             return APIError(
-                413, f"the request body is larger than {limit} bytes; send a shorter prompt", code="body_too_large"
+                413,
+                f"the request body is larger than {limit} bytes; send a shorter prompt or smaller images",
+                code="body_too_large",
             ).response()
         return None
 
@@ -556,6 +573,40 @@ def _is_union_error(loc) -> bool:
 def _param_of(loc) -> str | None:
     parts = [str(p) for p in loc if p != "body" and not _is_type_tag(p)]
     return ".".join(parts) or None
+
+
+def _content_part_error(errors: Sequence[dict]) -> tuple[str, str] | None:
+    """(param, message) of an error inside a chat message's content part, or None. pydantic
+    reports content's string form failing first; once content is a list, the error inside its
+    part says what is wrong. The part's "type" picks its model and sits in the error's location
+    after the part's index (`messages, 0, content, list[tagged-union[...]], 1, image_url, ...`)."""
+    first = [p for p in (errors[0].get("loc", ()) if errors else ()) if p != "body"]
+    for error in errors:
+        loc = [p for p in error.get("loc", ()) if p != "body"]
+        at = next((k for k, p in enumerate(loc) if isinstance(p, str) and p.startswith("list[tagged-union[")), None)
+        if at is None or at + 1 >= len(loc) or first[:at] != loc[:at]:  # only the first error's field
+            continue
+        param = ".".join(str(p) for p in [*loc[:at], loc[at + 1], *loc[at + 3 :]])
+        kind = error.get("type")
+        if kind == "union_tag_invalid":
+            tag = (error.get("ctx") or {}).get("tag")
+            return param, f"{param}: content parts of type {tag!r} are not taken; {CONTENT_PARTS}"
+        if kind == "union_tag_not_found":
+            return param, f'{param}: a content part names its "type"; {CONTENT_PARTS}'
+        if kind == "model_attributes_type":
+            return param, f"{param}: a content part is a JSON object; {CONTENT_PARTS}"
+        if kind == "missing":
+            return param, f"missing required field '{param}'"
+        if kind == "extra_forbidden":
+            return param, f"unknown field '{param}': this endpoint does not take it (see /openapi.json)"
+        return param, f"{param}: {error.get('msg', 'invalid value').removeprefix('Value error, ')}"
+    return None
+
+
+CONTENT_PARTS = (
+    'send {"type": "text", "text": ...} parts, and {"type": "image_url", "image_url": {"url": ...}} parts '
+    "in user messages to a model that takes images"
+)
 
 
 def _field_description(request: Request, param: str | None) -> str | None:

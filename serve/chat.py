@@ -1,18 +1,23 @@
 """From an OpenAI request to what the engine runs: the chat prompt (tools and tool-call turns
 rendered through the model's chat template, or through jfire's documented default tool
-prompt when the template takes no tools) and the grammar that constrains the output
+prompt when the template takes no tools), its images (fetched, decoded, preprocessed, and
+their placeholder ids put into the prompt) and the grammar that constrains the output
 (`response_format`, and `tool_choice` "required" or a named function).
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 from jfire import grammar as grammars
 from jfire import tool_calls
-from jfire.errors import JfireError
+from jfire.errors import JfireError, RequestError
 from jfire.request_checks import TextLimit
-from serve.schemas import ChatCompletionRequest, NamedToolChoice, SamplingFields
+from jfire.vision.encoder import RequestImage
+from jfire.vision.images import ImageLimits, LoadedImage, load_images
+from jfire.vision.model import VisionModel
+from serve.schemas import ChatCompletionRequest, ChatMessage, ImagePart, NamedToolChoice, SamplingFields, TextPart
 
 
 @dataclasses.dataclass
@@ -36,7 +41,7 @@ def chat_messages(body: ChatCompletionRequest) -> list[dict]:
     """The request's messages as the plain dicts chat templates read."""
     out = []
     for m in body.messages:
-        message = {"role": m.role, "content": m.text() if m.content is not None else None}
+        message = {"role": m.role, "content": template_content(m)}
         if m.name is not None:
             message["name"] = m.name
         if m.tool_calls:
@@ -45,6 +50,101 @@ def chat_messages(body: ChatCompletionRequest) -> list[dict]:
             message["tool_call_id"] = m.tool_call_id
         out.append(message)
     return out
+
+
+def template_content(m: ChatMessage) -> str | list[dict] | None:
+    """A message's content as chat templates take it: text as one string (what every template
+    reads), and a message with images as HF's multimodal templates expect, its parts in order
+    with each image as {"type": "image"}, where the template writes the image's token."""
+    if m.content is None:
+        return None
+    if not isinstance(m.content, list) or not m.images():
+        return m.text()
+    out: list[dict] = []
+    for part in m.content:
+        if isinstance(part, ImagePart):
+            out.append({"type": "image"})
+        elif isinstance(part, TextPart):
+            out.append({"type": "text", "text": part.text})
+    return out
+
+
+# -- images --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageRef:
+    """One image part of a chat request, and the name of the part as the client sent it."""
+
+    url: str
+    part: str  # e.g. "messages.1.content.0", as the server names every field
+
+    @property
+    def param(self) -> str:
+        """The field errors about the image itself (its bytes, its URL) name."""
+        return f"{self.part}.image_url.url"
+
+
+def image_refs(body: ChatCompletionRequest) -> list[ImageRef]:
+    """The request's image parts in prompt order (the order the template writes them)."""
+    return [
+        ImageRef(part.image_url.url, f"messages.{i}.content.{j}")
+        for i, m in enumerate(body.messages)
+        for j, part in m.images()
+    ]
+
+
+def require_vision(engine, refs: list[ImageRef]) -> VisionModel:
+    """The engine's vision model, or a RequestError naming the first image part."""
+    if engine.vision is None:
+        raise RequestError(
+            "image content parts are not supported by this model: it takes no images (a text-only model, or "
+            "a checkpoint without its vision tower); send text parts",
+            param=refs[0].part,
+            code="images_not_supported",
+        )
+    return engine.vision
+
+
+async def request_images(engine, body: ChatCompletionRequest, limits: ImageLimits) -> list[RequestImage]:
+    """The chat's images, fetched or decoded and preprocessed, in prompt order; [] for a chat
+    without any. Every refusal is a RequestError naming the part or its URL; the count is
+    checked before anything is fetched."""
+    refs = image_refs(body)
+    if not refs:
+        return []
+    vision = require_vision(engine, refs)
+    loaded = await load_images([r.url for r in refs], limits, [r.param for r in refs])
+    # Resizing and normalising is CPU work: off the event loop, which serves everyone.
+    return await asyncio.to_thread(preprocess_images, vision, loaded, refs)
+
+
+def preprocess_images(vision: VisionModel, loaded: list[LoadedImage], refs: list[ImageRef]) -> list[RequestImage]:
+    out = []
+    for image, ref in zip(loaded, refs):
+        try:
+            pixels = vision.preprocess(image.image)
+        except (JfireError, ValueError) as e:  # a degenerate picture the processor cannot resize
+            raise RequestError(
+                f"the image cannot be preprocessed: {e}", param=ref.param, code="invalid_image"
+            ) from None
+        out.append(RequestImage(content_hash=image.content_hash, pixels=pixels))
+    return out
+
+
+def expand_images(engine, prompt_ids: list[int], images: list[RequestImage]) -> list[int]:
+    """The rendered prompt's ids with each image's placeholder ids in place of the one token
+    the template wrote for it. The counts differ when a text part holds that token itself or
+    a template leaves an image part out: refused, as the images would land in the wrong place."""
+    vision: VisionModel = engine.vision  # the images were preprocessed by it (request_images)
+    slots = sum(1 for i in prompt_ids if i == vision.template_token_id)
+    if slots != len(images):
+        raise PromptError(
+            f"the rendered prompt holds {slots} image placeholder tokens for the request's {len(images)} images: "
+            "a text part holds the model's image token itself, or the chat template leaves an image part out",
+            "messages",
+        )
+    return vision.expand_prompt(prompt_ids, [i.pixels for i in images])
 
 
 def tool_dicts(body: ChatCompletionRequest) -> list[dict] | None:

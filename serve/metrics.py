@@ -68,6 +68,13 @@ class EngineCollector:
             "Evicted prefix blocks not kept in host memory: they served fewer prompts than --host-kv-min-uses",
         ),
         "host_load_s": ("jfire_host_kv_load_seconds", "Time spent loading prefix blocks back from host memory"),
+        # Images in prompts (a model with a vision encoder).
+        "images": ("jfire_images", "Images in admitted prompts: encoded, or served from the encoder cache"),
+        "encoder_seconds": ("jfire_encoder_seconds", "Time spent running the vision encoder"),
+        "encoder_cache_hits": (
+            "jfire_encoder_cache_hits",
+            "Images whose encoder rows came from the encoder cache (the same pixels seen before)",
+        ),
         # The prefix store shared by prefill groups (jfire.disagg.prefix_store) and routing by prefix.
         "shared_blocks_received": (
             "jfire_shared_kv_blocks_received",

@@ -32,6 +32,7 @@ UNSUPPORTED_FIELDS = ("functions", "function_call", "logit_bias")
 MAX_CHOICES = 16  # n
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (OpenAI's limit)
 MAX_COMPLETION_LOGPROBS = 5  # completions' logprobs (OpenAI's limit)
+DATA_URL_EXAMPLE = "data:image/png;base64,..."
 
 
 class StrictObject(BaseModel):
@@ -178,11 +179,38 @@ class TextPart(StrictObject):
     text: StrictStr
 
 
-class ImagePart(BaseModel):
-    """Accepted by the schema only to be refused with a clear message: jfire serves text."""
+class ImageURL(StrictObject):
+    url: StrictStr = Field(description="a data: URL (data:image/png;base64,...) or an http(s) URL")
+    # Accepted for OpenAI's clients; each model's own image processor decides the resolution
+    # (Llama 4's tiles, Kimi K2.5's patch budget), so it changes nothing here.
+    detail: Literal["auto", "low", "high"] = "auto"
+
+
+class ImagePart(StrictObject):
+    """OpenAI's image content part: {"type": "image_url", "image_url": {"url", "detail"}}."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class OtherImagePart(BaseModel):
+    """Image parts in other APIs' shapes, accepted by the schema only to be refused with the
+    shape this endpoint takes (a client mixing up OpenAI's APIs learns what to send)."""
 
     model_config = ConfigDict(extra="ignore")
-    type: Literal["image_url", "input_image", "image"]
+    type: Literal["input_image", "image"]
+
+    @model_validator(mode="after")
+    def _refused(self):
+        what = {
+            "input_image": 'the Responses API\'s "input_image" parts are not taken by chat completions',
+            "image": '"image" parts (the form chat templates read) are not taken by the API',
+        }[self.type]
+        raise ValueError(f'{what}; send {{"type": "image_url", "image_url": {{"url": "{DATA_URL_EXAMPLE}"}}}}')
+
+
+# The part's "type" picks its model, so a bad part is reported against its own shape only.
+ContentPart = Annotated[TextPart | ImagePart | OtherImagePart, Field(discriminator="type")]
 
 
 class FunctionCall(StrictObject):
@@ -199,18 +227,15 @@ class ToolCallMessage(StrictObject):
 class ChatMessage(StrictObject):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     # Required, as OpenAI has it, unless an assistant message carries tool calls.
-    content: StrictStr | list[TextPart | ImagePart] | None = None
+    content: StrictStr | list[ContentPart] | None = None
     name: StrictStr | None = None
     tool_calls: list[ToolCallMessage] | None = None
     tool_call_id: StrictStr | None = None  # a tool message: the call it answers
 
     @model_validator(mode="after")
-    def _text_only(self):
-        if isinstance(self.content, list) and any(isinstance(p, ImagePart) for p in self.content):
-            raise ValueError(
-                "image content parts are not supported: jfire serves the text model only "
-                "(a multimodal checkpoint's vision tower is not loaded); send text parts"
-            )
+    def _combinations(self):
+        if self.images() and self.role != "user":  # as OpenAI: only users send images
+            raise ValueError(f"content: image parts go in user messages only (this message's role is {self.role!r})")
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError("content: required (it may be null only in an assistant message with tool_calls)")
         if self.tool_calls is not None and self.role != "assistant":
@@ -226,7 +251,13 @@ class ChatMessage(StrictObject):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
+
+    def images(self) -> list[tuple[int, ImagePart]]:
+        """(index in content, part) of each image part, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [(j, part) for j, part in enumerate(self.content) if isinstance(part, ImagePart)]
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -234,7 +265,8 @@ class ChatCompletionRequest(SamplingFields):
         min_length=1,
         description=(
             'a list of {"role", "content", "name"} messages; content is a string or a list of '
-            '{"type": "text", "text"} parts'
+            '{"type": "text", "text"} parts and, in user messages to a model that takes images, '
+            '{"type": "image_url", "image_url": {"url"}} parts'
         ),
     )
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)

@@ -81,18 +81,22 @@ def run(
     lead=None,
     access_log: bool = True,
     connector=None,
+    image_limits=None,
 ) -> int:
     """Serves on `sock` (bound to host, serve/listen.py) until SIGTERM/SIGINT (exit status 0) or
     until the engine fails for good (1: its requests have ended with an error, /health says so,
     and a supervisor should restart it). `lead(engine)`, in a group spanning processes,
     connects the engine to its followers; `connector` is the engine's KV connector (a host
-    tier), None for the colocated engine's own."""
+    tier), None for the colocated engine's own. `image_limits` (jfire.vision.images.ImageLimits)
+    bound chat requests' images; None: the defaults."""
     engine = Engine(model, config, connector)
     if lead is not None:
         lead(engine)
     state = ServerState(
         engine=engine, model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes, access_log=access_log
     )
+    if image_limits is not None:
+        state.image_limits = image_limits
     app = create_app(state)
 
     def compile_then_start():

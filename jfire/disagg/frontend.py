@@ -36,6 +36,7 @@ from jfire.grammar import Grammars
 from jfire.request_checks import RequestChecks, context_limit
 from jfire.requests import RequestHandle, RequestOutput
 from jfire.sampling import SamplingParams
+from jfire.vision.encoder import place_images
 
 HEALTH_POLL_S = 0.5
 # Routing by prefix weighs the blocks a group would have to compute against its queue: each
@@ -89,8 +90,12 @@ class RemoteEngine:
         max_model_len: int | None = None,
         max_waiting: int = 1024,
         route_by_prefix: bool = True,
+        vision=None,
     ):
         self.deployment = deployment
+        # The model's image preprocessing and placeholders (jfire.vision.model, loaded without
+        # its encoder: the prefill groups encode), or None for a text-only model.
+        self.vision = vision
         self.store = store
         self.tokenizer = tokenizer
         self.vocab_size = config.vocab_size
@@ -259,13 +264,16 @@ class RemoteEngine:
         on_output=None,
         affinity: str | None = None,
         after: str | None = None,
+        images=(),
     ):
         """`after` (n > 1 sharing a prompt) only matters inside one engine; each choice here
-        goes its own way (with `affinity`, to the same prefill group, whose cache it may hit)."""
+        goes its own way (with `affinity`, to the same prefill group, whose cache it may hit).
+        `images` as Engine.submit's: they go to the prefill group with the prompt."""
         if self.error is not None:
             raise EngineStopped(f"the deployment failed to start: {self.error}")
         prompt_ids = [int(i) for i in prompt_ids]
         self.validate(prompt_ids, sampling)
+        placed = place_images(self.vision, prompt_ids, images)
         if sum(s.in_flight for s in self.groups.values() if s.role == "prefill") >= self.max_waiting:
             raise QueueFull(f"{self.max_waiting} requests are waiting for prefill; retry later")
         request_id = request_id or f"req-{next(self._ids)}"
@@ -277,7 +285,7 @@ class RemoteEngine:
             self._active[request_id] = stream
         threading.Thread(
             target=self._run,
-            args=(request_id, prompt_ids, sampling, stream.emit, affinity),
+            args=(request_id, prompt_ids, sampling, stream.emit, affinity, placed),
             name=f"jfire-{request_id}",
             daemon=True,
         ).start()
@@ -368,7 +376,7 @@ class RemoteEngine:
         self._counts["prefix_fetches"] += 1
         return {"control": control, "first": have, "blocks": held}
 
-    def _run(self, request_id, prompt_ids, sampling, emit, affinity) -> None:
+    def _run(self, request_id, prompt_ids, sampling, emit, affinity, placed=None) -> None:
         def fail(message: str) -> None:
             emit(
                 RequestOutput(
@@ -382,7 +390,8 @@ class RemoteEngine:
                 )
             )
 
-        hashes = self.prefix_index.hashes(prompt_ids) if self.prefix_index is not None else None
+        extra_keys = placed.extra_keys if placed is not None else None
+        hashes = self.prefix_index.hashes(prompt_ids, extra_keys) if self.prefix_index is not None else None
         try:
             with self._lock:
                 prefill, decode = self._pick("prefill", affinity, hashes), self._pick("decode")
@@ -396,7 +405,7 @@ class RemoteEngine:
             with self._lock:
                 self._prefilling[request_id] = prefill
             try:
-                first = self._prefill(prefill, decode, request_id, prompt_ids, sampling, prefix_from)
+                first = self._prefill(prefill, decode, request_id, prompt_ids, sampling, prefix_from, placed)
             finally:
                 with self._lock:
                     self._prefilling.pop(request_id, None)
@@ -426,16 +435,18 @@ class RemoteEngine:
             return request_id in self._cancelled
 
     def _prefill(
-        self, group: _GroupState, decode: _GroupState, request_id, prompt_ids, sampling, prefix_from=None
+        self, group: _GroupState, decode: _GroupState, request_id, prompt_ids, sampling, prefix_from=None, placed=None
     ) -> dict | str:
         """The prefill group's answer, or an error message. `prefix_from`: another prefill
-        group to fetch the prompt's leading blocks from first (`_prefix_source`)."""
+        group to fetch the prompt's leading blocks from first (`_prefix_source`); `placed`:
+        the prompt's images (jfire.vision.encoder.RequestImages)."""
         body = {
             "request_id": request_id,
             "prompt_ids": prompt_ids,
             "sampling": sampling.to_json(),
             "shards": decode.info.get("kv_shards", 1),
             "prefix_from": prefix_from,
+            "images": [image.to_json() for image in placed.images] if placed is not None else [],
         }
         if max(group.info.get("processes", 1), decode.info.get("processes", 1)) > 1:
             # A group spanning processes: each process sends or pulls its own blocks of the

@@ -46,6 +46,8 @@ class Options:
     host_kv_bytes: int = 0  # each prefill group's host-memory tier (jfire.host_tier); 0: none
     host_kv_min_uses: int = 1  # its reuse gating: prompts a block served before it is kept
     route_by_prefix: bool = True  # the frontend's choice of prefill group (jfire.disagg.prefix_index)
+    image_flags: tuple[str, ...] = ()  # the frontend's limits on images (--max-images etc.), as given
+    image_limits: object = None  # those limits (jfire.vision.images.ImageLimits; None: its defaults)
 
     def argv(self) -> list[str]:
         out = [
@@ -64,7 +66,7 @@ class Options:
             out += ["--no-access-log"]
         if not self.route_by_prefix:
             out += ["--no-prefix-routing"]
-        return out + list(self.engine_args)
+        return out + list(self.image_flags) + list(self.engine_args)
 
 
 def process_argv(deployment_arg: str, process_id: int, coordinator: str, options: Options) -> list[str]:
@@ -348,9 +350,12 @@ def _run_frontend(deployment: Deployment, coordinator: str, options: Options, en
         max_model_len=engine_config.max_model_len,
         max_waiting=engine_config.max_waiting,
         route_by_prefix=options.route_by_prefix,
+        vision=_frontend_vision(options.model, tokenizer),
     )
     engine.start()
     state = ServerState(engine=engine, model_name=served_name, api_key=api_key, access_log=options.access_log)
+    if options.image_limits is not None:
+        state.image_limits = options.image_limits
     app = create_app(state)
 
     def start_draining(*_):  # the launcher's signal that the deployment is stopping
@@ -375,3 +380,13 @@ def _run_frontend(deployment: Deployment, coordinator: str, options: Options, en
         uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=3)).run(sockets=[sock])
     finally:
         engine.shutdown()
+
+
+def _frontend_vision(model: str, tokenizer):
+    """The model's image preprocessing and placeholders, without the encoder (the prefill
+    groups run it), or None for a text-only model or a jfire checkpoint."""
+    from jfire.checkpoint.load import resolve_model_path
+    from jfire.vision.model import load_vision_model
+
+    path, _ = resolve_model_path(model)
+    return load_vision_model(path, tokenizer=tokenizer, weights=False) if path.is_dir() else None

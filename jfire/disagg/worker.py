@@ -42,6 +42,7 @@ from jfire.kv_cache import block_hashes, page_bytes
 from jfire.kv_connector import ConnectorStack, KVConnector
 from jfire.requests import RequestOutput
 from jfire.sampling import SamplingParams
+from jfire.vision.encoder import RequestImage
 
 CANCELLED_KEPT = 1024
 
@@ -148,6 +149,8 @@ def create_control_app(engine, process: Process, shared: SharedPrefixes | None =
                 request_id=request_id,
                 on_output=on_output,
                 kv_params={"shards": int(body.get("shards", 1)), "receiver": body.get("receiver")},
+                # The prompt's images: this group encodes them; the decode group never sees pixels.
+                images=[RequestImage.from_json(image) for image in body.get("images") or ()],
             )
         except (JfireError, TypeError, ValueError) as e:
             return error(400, str(e))

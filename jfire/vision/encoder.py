@@ -15,6 +15,7 @@ again finds its pages, and another image with the same placeholder count does no
 
 from __future__ import annotations
 
+import base64
 import collections
 import dataclasses
 import time
@@ -32,6 +33,25 @@ class RequestImage:
 
     content_hash: bytes
     pixels: ImagePixels
+
+    def to_json(self) -> dict:
+        """As a split deployment's frontend sends it to a prefill group: the pixels' float32
+        bytes in base64 (an image's tiles or patches, a few MB: local traffic)."""
+        p = self.pixels
+        values = np.ascontiguousarray(p.pixel_values, np.float32)
+        return {
+            "hash": self.content_hash.hex(),
+            "shape": list(values.shape),
+            "pixels": base64.b64encode(values.tobytes()).decode(),
+            "grid": list(p.grid),
+            "num_tokens": p.num_tokens,
+        }
+
+    @classmethod
+    def from_json(cls, body: dict) -> RequestImage:
+        values = np.frombuffer(base64.b64decode(body["pixels"]), np.float32).reshape(body["shape"])
+        pixels = ImagePixels(values, tuple(int(g) for g in body["grid"]), int(body["num_tokens"]))
+        return cls(bytes.fromhex(body["hash"]), pixels)
 
 
 @dataclasses.dataclass
@@ -54,6 +74,27 @@ class RequestImages:
         return self.positions[lo:hi], np.arange(lo, hi)
 
 
+def place_images(vision: VisionModel | None, prompt_ids: Sequence[int], images: Sequence[RequestImage]):
+    """Where each image's rows go in this prompt (None: no images); a RequestError where they
+    cannot go. `vision` None: a text-only model."""
+    if not images:
+        return None
+    if vision is None:
+        raise RequestError("this model takes no images (it has no vision encoder); send text only", param="messages")
+    positions = np.flatnonzero(np.asarray(prompt_ids) == vision.image_token_id)
+    counts = [i.pixels.num_tokens for i in images]
+    if len(positions) != sum(counts):
+        raise RequestError(
+            f"the prompt holds {len(positions)} image placeholder tokens, but its {len(images)} images take "
+            f"{sum(counts)}: expand the prompt with each image's placeholder ids, in order",
+            param="messages",
+        )
+    image_of_row = np.repeat(np.arange(len(images)), counts)
+    ends = np.cumsum(counts)
+    spans = [(int(positions[e - n]), int(positions[e - 1]) + 1) for n, e in zip(counts, ends)]
+    return RequestImages(list(images), positions, image_of_row, spans)
+
+
 class ImageEncoder:
     """`vision` None: a text-only model (a request with images is refused)."""
 
@@ -69,25 +110,9 @@ class ImageEncoder:
 
     def for_request(self, prompt_ids: Sequence[int], images: Sequence[RequestImage]) -> RequestImages | None:
         """Where each image's rows go in this prompt; a RequestError where they cannot go."""
-        if not images:
-            return None
-        if self.vision is None:
-            raise RequestError(
-                "this model takes no images (it has no vision encoder); send text only", param="messages"
-            )
-        positions = np.flatnonzero(np.asarray(prompt_ids) == self.vision.image_token_id)
-        counts = [i.pixels.num_tokens for i in images]
-        if len(positions) != sum(counts):
-            raise RequestError(
-                f"the prompt holds {len(positions)} image placeholder tokens, but its {len(images)} images take "
-                f"{sum(counts)}: expand the prompt with each image's placeholder ids, in order",
-                param="messages",
-            )
+        placed = place_images(self.vision, prompt_ids, images)
         self.images += len(images)
-        image_of_row = np.repeat(np.arange(len(images)), counts)
-        ends = np.cumsum(counts)
-        spans = [(int(positions[e - n]), int(positions[e - 1]) + 1) for n, e in zip(counts, ends)]
-        return RequestImages(list(images), positions, image_of_row, spans)
+        return placed
 
     def chunk_embeds(self, chunks, rows: int, t: int, width: int):
         """The prefill call's `embeds` for chunks (jfire.scheduler.Chunk: seq, start, length):

@@ -169,22 +169,25 @@ class KimiK25Vision(VisionModel):
 # -- loading -------------------------------------------------------------------------------------
 
 
-def load_vision_model(path, dtype=jnp.float32, tokenizer: Tokenizer | None = None) -> VisionModel | None:
+def load_vision_model(
+    path, dtype=jnp.float32, tokenizer: Tokenizer | None = None, *, weights: bool = True
+) -> VisionModel | None:
     """The vision side of the HF directory `path`, its weights cast to `dtype` and placed on
     the default device; None when the model has none (a text-only model, or a jfire
     checkpoint, whose conversion keeps the text model alone). Llama 4's prompt ids come from
-    its tokenizer: `tokenizer`, else the directory's own."""
+    its tokenizer: `tokenizer`, else the directory's own. `weights=False`: preprocessing and
+    placeholders only, no encoder (a split deployment's frontend: its prefill groups encode)."""
     path = Path(path)
     config = _read_json(path / "config.json")
     model_type = config.get("model_type")
     if model_type == "llama4" and config.get("vision_config"):
-        return _load_llama4(path, config, dtype, tokenizer)
+        return _load_llama4(path, config, dtype, tokenizer, weights)
     if model_type == "kimi_k25":
-        return _load_kimi_k25(path, config, dtype)
+        return _load_kimi_k25(path, config, dtype, weights)
     return None
 
 
-def _load_llama4(path: Path, config: dict, dtype, tokenizer: Tokenizer | None) -> Llama4Vision:
+def _load_llama4(path: Path, config: dict, dtype, tokenizer: Tokenizer | None, weights: bool) -> Llama4Vision:
     cfg = llama4.Llama4VisionConfig.from_hf(config["vision_config"], int(config["text_config"]["hidden_size"]))
     processing = llama4_preprocess.Llama4ImageProcessing.from_hf(_read_json(path / "preprocessor_config.json"))
     if processing.tile_size != cfg.image_size:
@@ -203,7 +206,7 @@ def _load_llama4(path: Path, config: dict, dtype, tokenizer: Tokenizer | None) -
             "eoi_token_index": (config.get("eoi_token_index"), token_ids.end),
         },
     )
-    params = llama4.load_params(path, cfg, dtype)
+    params = llama4.load_params(path, cfg, dtype) if weights else {}
     return Llama4Vision(cfg, params, processing, token_ids)
 
 
@@ -214,7 +217,7 @@ def _check_same_ids(path: Path, pairs: dict[str, tuple[Any, int]]) -> None:
         raise JfireError(f"{path}: config.json has " + "; ".join(wrong))
 
 
-def _load_kimi_k25(path: Path, config: dict, dtype) -> KimiK25Vision:
+def _load_kimi_k25(path: Path, config: dict, dtype, weights: bool) -> KimiK25Vision:
     cfg = kimi_k25.KimiK25VisionConfig.from_hf(config)
     processing = kimi_k25_preprocess.PreprocessConfig.from_hf(_read_json(path / "preprocessor_config.json"))
     if (processing.patch_size, processing.merge_size) != (cfg.patch_size, cfg.merge_size):
@@ -222,7 +225,7 @@ def _load_kimi_k25(path: Path, config: dict, dtype) -> KimiK25Vision:
             f"{path}: the image processor's patches ({processing.patch_size}, merged {processing.merge_size}x) "
             f"differ from the vision tower's ({cfg.patch_size}, merged {cfg.merge_size}x)"
         )
-    params = jax.device_put(kimi_k25.load_params(path, cfg, dtype))
+    params = jax.device_put(kimi_k25.load_params(path, cfg, dtype)) if weights else {}
     return KimiK25Vision(cfg, params, processing)
 
 
