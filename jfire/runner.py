@@ -287,6 +287,8 @@ class ModelRunner:
         if config.aot:
             model_progress = progress and (lambda done, _: progress(num_side + done, total))
             self.programs.compile_all(workers=config.compile_workers, progress=model_progress, shapes=shapes)
+            if not background:
+                self.images.warm_up()
         self.compile_penalty_update()
 
     def compile_rest(self, workers: int, stop, before_loading) -> bool:
@@ -300,6 +302,7 @@ class ModelRunner:
             pass
         try:
             self.programs.compile_rest(workers=workers, stop=stop, before_loading=before_loading)
+            self.images.warm_up(stop)
         except Exception as e:
             print(
                 f"jfire: compiling the remaining programs failed ({e}); serving with "

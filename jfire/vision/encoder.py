@@ -107,6 +107,7 @@ class ImageEncoder:
         self.encoded = 0  # images the encoder ran on
         self.cache_hits = 0  # images a prefill took from the cache (each request's once)
         self.seconds = 0.0  # spent encoding
+        self.compile_seconds = 0.0  # compiling its programs ahead of time (warm_up)
 
     def for_request(self, prompt_ids: Sequence[int], images: Sequence[RequestImage]) -> RequestImages | None:
         """Where each image's rows go in this prompt; a RequestError where they cannot go."""
@@ -166,6 +167,18 @@ class ImageEncoder:
         while self._cached_bytes > self.budget_bytes and len(self._cache) > 1:
             _, dropped = self._cache.popitem(last=False)
             self._cached_bytes -= dropped.nbytes
+
+    def warm_up(self, stop=None) -> None:
+        """Compiles the encoder's programs ahead of time, one input of each bucket, until done
+        or `stop` (a threading.Event) is set; a text-only model has none."""
+        if self.vision is None:
+            return
+        t0 = time.perf_counter()
+        for example in self.vision.warm_up_examples():
+            if stop is not None and stop.is_set():
+                return
+            np.asarray(self.vision.encode(example))
+        self.compile_seconds = time.perf_counter() - t0
 
     def stats(self) -> dict:
         if self.vision is None:

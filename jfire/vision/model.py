@@ -76,6 +76,10 @@ class VisionModel:
         """[sum of num_tokens, text width]: the images' rows, in prompt order."""
         raise NotImplementedError
 
+    def warm_up_examples(self) -> list[list[ImagePixels]]:
+        """One `encode` input for each of its programs (buckets) to compile ahead of time."""
+        raise NotImplementedError
+
     def expand_prompt(self, ids: Sequence[int], images: Sequence[ImagePixels]) -> list[int]:
         """`ids` (the chat template's, one `template_token_id` per image) with each image's
         placeholder ids in place of its template token, images taken in order."""
@@ -98,6 +102,13 @@ class VisionModel:
         values = np.zeros((mask.shape[0], rows.shape[1]), rows.dtype)
         values[mask] = rows
         return values, mask
+
+
+TILE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # Llama 4's tiles an encoder call pads to (more: a multiple of 64)
+
+
+def _tile_bucket(n: int) -> int:
+    return next((b for b in TILE_BUCKETS if b >= n), -(-n // TILE_BUCKETS[-1]) * TILE_BUCKETS[-1])
 
 
 def _as_list(images: ImagePixels | Sequence[ImagePixels]) -> list[ImagePixels]:
@@ -131,8 +142,22 @@ class Llama4Vision(VisionModel):
         return llama4_preprocess.image_placeholder_ids((rows, cols), self.config.tokens_per_tile, self.token_ids)
 
     def encode(self, images: ImagePixels | Sequence[ImagePixels]) -> jax.Array:
+        # Padded to a power of two of tiles (each tile is encoded on its own, so the padding's
+        # rows are dropped unseen): few programs for any mix of images, compiled ahead of time.
         tiles = np.concatenate([p.pixel_values for p in _as_list(images)])
-        return llama4.encode(self.params, self.config, jnp.asarray(tiles))
+        n = len(tiles)
+        padded = np.zeros((_tile_bucket(n), *tiles.shape[1:]), tiles.dtype)
+        padded[:n] = tiles
+        return llama4.encode(self.params, self.config, jnp.asarray(padded))[: n * self.config.tokens_per_tile]
+
+    def warm_up_examples(self) -> list[list[ImagePixels]]:
+        """An input of each tile bucket up to two largest images' (1 + 16 tiles each)."""
+        size = self.config.image_size
+        out = []
+        for n in TILE_BUCKETS:
+            pixels = np.zeros((n, 3, size, size), np.float32)
+            out.append([ImagePixels(pixels, (1, n), n * self.config.tokens_per_tile)])
+        return out
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -164,6 +189,18 @@ class KimiK25Vision(VisionModel):
         patches = np.concatenate([p.pixel_values for p in images])
         grids = np.asarray([p.grid for p in images], np.int64)
         return kimi_k25.encode(self.params, self.config, patches, grids)
+
+    def warm_up_examples(self) -> list[list[ImagePixels]]:
+        """An input of each patch bucket up to the largest image's (the processor's limit)."""
+        p, m = self.config.patch_size, self.processing.merge_size
+        out = []
+        for bucket in kimi_k25.PATCH_BUCKETS:
+            if bucket > kimi_k25.patch_bucket(self.processing.max_patches):
+                break
+            grid = (1, bucket // 16, 16)  # whole merges, filling the bucket
+            count = bucket
+            out.append([ImagePixels(np.zeros((count, 3, p, p), np.float32), grid, count // m**2)])
+        return out
 
 
 # -- loading -------------------------------------------------------------------------------------

@@ -121,3 +121,17 @@ def test_bad_image_requests_are_refused(mm, engine):
         engine.submit(ids, GREEDY, images=images[:1])
     with pytest.raises(RequestError, match="placeholder tokens"):
         engine.submit(mm.template_ids, GREEDY, images=images)
+
+
+def test_the_encoders_programs_compile_ahead_of_time(mm):
+    """After `warm_up`, encoding images of any size the buckets hold compiles nothing more."""
+    from jfire.vision import kimi_k25, llama4
+    from jfire.vision.encoder import ImageEncoder
+
+    ImageEncoder(mm.vision).warm_up()
+    program = llama4.encode if mm.vision.family == "llama4" else kimi_k25.encode_padded
+    compiled = program._cache_size()
+    images = [i.pixels for i in request_images(mm, (3, 4))]
+    for batch in (images[:1], images[1:], images):
+        mm.vision.encode(batch)
+    assert program._cache_size() == compiled
