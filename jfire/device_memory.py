@@ -136,13 +136,14 @@ def device_memory(devices) -> tuple[float, str]:
     return least / GIB, f"JAX's allocator limit on {here[limits.index(least)]}"
 
 
-def size_pool(config, size: PoolSize, *, model: str, dtype: str, spec, devices):
+def size_pool(config, size: PoolSize, *, model: str, dtype: str, spec, devices, vision: bool = True):
     """`config` (a jfire.engine.EngineConfig) with its page pools sized as `size` asks on
     `devices` (the engine's, the mesh's first): by the plan where auto applies (the bytes of
     the plan's pools, from which the engine sizes the same pools; not `num_pages`, which would
     give every group of an engine keeping one pool the full-attention group's pages; a
     JfireError with the plan's figures when one full context does not fit), else as given
-    (1 GiB where --kv-cache-gb was left out)."""
+    (1 GiB where --kv-cache-gb was left out). `vision`: whether the engine loads the model's vision
+    tower (a decode group does not)."""
     platform = devices[0].platform
     if not size.auto(platform):
         return config
@@ -165,6 +166,7 @@ def size_pool(config, size: PoolSize, *, model: str, dtype: str, spec, devices):
         device_memory_gib=gib,
         device_memory_source=source,
         devices=devices,
+        vision=vision,
     )
     if not p["fits"]:
         raise JfireError(f"--kv-cache-gb auto: {plan.format_refusal(p)}")

@@ -11,8 +11,11 @@ repeated for a wide tp cost memory, and are counted), and adds up, for each devi
               the fullest prefill bucket), from XLA's `memory_analysis()` of programs lowered
               from ShapeDtypeStructs on fake CPU devices (nothing is allocated), or, with
               `compile=False`, `estimate_workspace`'s stated formula
+  vision      a multimodal model's vision tower and projector, whole on each process's first
+              device, where the engine loads it (jfire/plan_vision.py); that device's
+              workspace is the larger of the programs' and the image encoder's
   reserve     RESERVE_BYTES, a stated constant: CUDA context, library workspaces, allocator slack
-  free        device memory - weights - workspace - reserve: the room for the KV cache
+  free        device memory - weights - vision - workspace - reserve: the room for the KV cache
 
 and sizes the KV page pools in what is free on the device with the least room exactly as the
 engine does (`kv_pools`: `jfire.runner.pool_size` itself, over each cache group's bytes of a page
@@ -45,8 +48,9 @@ shipped meshes, kept equal to the code by its tests, and they are copied nowhere
 
 The files: this one reads the inputs and puts the plan together (`plan`); jfire/plan_bytes.py
 counts the bytes of weights and cache on each device and what a step reads (`step_passes`);
-jfire/plan_workspace.py measures or estimates the workspace; jfire/plan_pools.py sizes the KV
-pools and gives their fields; jfire/plan_format.py prints a plan, its pools and its refusal. Their
+jfire/plan_workspace.py measures or estimates the workspace; jfire/plan_vision.py counts the
+vision tower and its encoder's workspace; jfire/plan_pools.py sizes the KV pools and gives their
+fields; jfire/plan_format.py prints a plan, its pools and its refusal. Their
 public names are importable from here.
 """
 
@@ -78,6 +82,13 @@ from jfire.plan_bytes import (
 )
 from jfire.plan_format import format_plan, format_pool, format_refusal
 from jfire.plan_pools import group_page_bytes, kv_pool_fields, kv_pools, pool_bytes
+from jfire.plan_vision import (
+    VisionTower,
+    estimate_encoder_workspace,
+    holders,
+    measure_encoder_workspace,
+    read_vision_tower,
+)
 from jfire.plan_workspace import (
     ACTIVATION_VALUES_PER_TOKEN,
     FP8_AS_BYTES,
@@ -98,7 +109,9 @@ __all__ = [
     "WORKSPACE_DTYPE",
     "Limits",
     "Program",
+    "VisionTower",
     "device_memory",
+    "estimate_encoder_workspace",
     "estimate_workspace",
     "format_plan",
     "format_pool",
@@ -110,11 +123,13 @@ __all__ = [
     "kv_values_per_layer",
     "largest_programs",
     "layer_bytes",
+    "measure_encoder_workspace",
     "measure_workspace",
     "parameter_counts",
     "plan",
     "pool_bytes",
     "read_model_config",
+    "read_vision_tower",
     "shard_bytes",
     "step_passes",
     "weight_bytes",
@@ -212,12 +227,15 @@ def plan(
     devices=None,
     usd_per_device_hour: float | None = None,
     kv_dtype: str | None = None,
+    vision: bool = True,
 ) -> dict:
     """The memory plan of `model` on `spec` as a JSON-ready dict (see `format_plan`), with its
     throughput and cost on paper where the mesh gives the device's peaks. `kv_dtype`: the KV
     cache's dtype where it is not the weights' (bfloat16 weights on one CPU device keep a
     float32 cache: `LoadedModel.kv_dtype`); `device_memory_source` names where a given
-    `device_memory_gib` came from (serve and launch: the device's allocator, jfire.device_memory)."""
+    `device_memory_gib` came from (serve and launch: the device's allocator, jfire.device_memory).
+    `vision`: whether the engine holds the model's image encoder, if it has one (an engine that
+    prefills does; a disaggregated decode group does not): jfire/plan_vision.py."""
     from jfire.engine import EngineConfig
     from jfire.programs import Buckets
     from jfire.request_checks import context_limit
@@ -238,6 +256,7 @@ def plan(
     if limits.max_context is not None and limits.max_context < 2:
         raise JfireError(f"--max-context must be >= 2 (a prompt token and a generated one), got {limits.max_context}")
     cfg = read_model_config(model)
+    tower = read_vision_tower(model) if vision else None
     devices = list(devices if devices is not None else jax.devices())
     meshes.check_fits(spec, cfg, len(devices))
     mesh = meshes.build(spec, devices) if spec.size > 1 else None
@@ -281,18 +300,34 @@ def plan(
             }
         )
     workspace = max(d["workspace_bytes"] if compile else d["estimate_bytes"] for d in details)
+    # The image encoder (jfire/plan_vision.py): whole on each process's first device; the first
+    # of them runs it, between the programs, so that device needs the larger workspace of the two.
+    held, encoder, encoder_bytes = [], None, 0
+    if tower is not None:
+        held = holders(spec, [device for _, device in order])
+        encoder = {
+            "estimate_bytes": estimate_encoder_workspace(tower),
+            **(measure_encoder_workspace(tower) if compile else {}),
+        }
+        encoder_bytes = encoder["workspace_bytes"] if compile else encoder["estimate_bytes"]
+    vision_bytes = tower.param_bytes(DTYPES[dtype]) if tower is not None else 0
 
     memory = int(round(memory_gib * GIB))
     per_device = []
     for i, (coords, device) in enumerate(order):
-        free = memory - weights[device] - workspace - RESERVE_BYTES
+        tower_bytes = vision_bytes if device in held else 0
+        encodes = encoder_bytes if held and device == held[0] else 0
+        counted = max(workspace, encodes)
+        free = memory - weights[device] - tower_bytes - counted - RESERVE_BYTES
         per_device.append(
             {
                 "index": i,
                 "mesh_coords": coords,
                 "memory_bytes": memory,
                 "weight_bytes": weights[device],
-                "workspace_bytes": workspace,
+                "vision_param_bytes": tower_bytes,
+                "workspace_bytes": counted,
+                "encoder_workspace_bytes": encodes,
                 "reserve_bytes": RESERVE_BYTES,
                 "kv_bytes_free": free,
                 "kv_bytes_per_token": kv[device],
@@ -319,7 +354,11 @@ def plan(
     kv_model = cfg.kv_bytes_per_token(kv_type)  # the cache declaration's, each layer once
     problems = []
     if min(d["kv_bytes_free"] for d in per_device) <= 0:
-        problems.append("the weights, workspace and reserve leave no memory for the KV cache")
+        problems.append(
+            "the weights, "
+            + ("the vision tower, " if tower is not None else "")
+            + "workspace and reserve leave no memory for the KV cache"
+        )
     elif pools["max_tokens_per_sequence"] < max_model_len:  # whole pages: a row takes its last page whole
         several = len(pools["kv_groups"]) > 1
         problems.append(
@@ -372,6 +411,10 @@ def plan(
                 else ""
             )
         ),
+        "vision_parameters": tower.parameters() if tower is not None else 0,
+        "vision_param_bytes": vision_bytes,
+        "encoder_workspace_bytes": encoder_bytes,
+        "vision": _vision_fields(tower, encoder, held, order, dtype, compile),
         "mesh": {
             "name": spec.name,
             "dp": spec.dp,
@@ -430,6 +473,41 @@ def plan(
         "problems": problems,
         "per_device": per_device,
         "throughput": speed,
+    }
+
+
+def _vision_fields(tower: VisionTower | None, encoder: dict | None, held: list, order: list, dtype: str, compile: bool):
+    """The plan's `vision` object: the tower, where it lives, and its largest encoder call; None
+    for a model without one (or an engine that does not hold it)."""
+    if tower is None:
+        return None
+    index = {device: i for i, (_, device) in enumerate(order)}
+    return {
+        "family": tower.family,
+        "parameters": tower.parameters(),
+        "param_bytes": tower.param_bytes(DTYPES[dtype]),
+        "dtype": dtype,
+        "devices": [index[d] for d in held],
+        "encoder_device": index[held[0]],
+        "placement_note": (
+            "the vision tower and projector, whole, on each process's first device (the engine's default "
+            "device: jfire.runner.load_vision), not split or replicated over the mesh; the first of them "
+            "runs the encoder"
+        ),
+        "encoder_call": tower.call,
+        "encoder_workspace_source": "measured" if compile else "estimate",
+        **(encoder or {}),
+        "encoder_note": (
+            "temporaries + outputs + pixel inputs of the largest call for one image"
+            + (
+                f", from XLA:CPU's memory_analysis() of the encode compiled with {np.dtype(WORKSPACE_DTYPE).name} "
+                "weights (an upper bound for a GPU)"
+                if compile
+                else ", a stated formula in 4-byte values (jfire/plan_vision.py)"
+            )
+            + "; it runs between the programs, never beside one, so its device counts the larger of the two "
+            "workspaces; a step's new images are encoded in one call, counted here as one image"
+        ),
     }
 
 

@@ -100,9 +100,15 @@ def _tightest(p: dict) -> dict:
 
 def _memory_sum(p: dict, d: dict) -> str:
     """Device d's memory, less what the plan takes from it, in words and figures."""
+    tower = f" - vision tower {_gib(d['vision_param_bytes'])}" if d.get("vision_param_bytes") else ""
+    encoder = (
+        "the image encoder's, the larger: "
+        if d.get("encoder_workspace_bytes", 0) > p["workspace_bytes_per_device"]
+        else ""
+    )
     return (
         f"device memory {_gib(d['memory_bytes'])} (from {p['device_memory_source']}) - weights "
-        f"{_gib(d['weight_bytes'])} - workspace {_gib(d['workspace_bytes'])} ({p['workspace_source']}: "
+        f"{_gib(d['weight_bytes'])}{tower} - workspace {_gib(d['workspace_bytes'])} ({encoder}{p['workspace_source']}: "
         f"--max-batch {p['max_batch']}, --prefill-budget {p['prefill_budget']}) - reserve "
         f"{_gib(d['reserve_bytes'])} leaves {_gib(d['kv_bytes_free'])} for the KV cache"
     )
@@ -195,6 +201,33 @@ def _group_line(p: dict, name: str, g: dict) -> str:
     )
 
 
+def _devices(indices: list[int]) -> str:
+    return ("device " if len(indices) == 1 else "devices ") + ", ".join(map(str, indices))
+
+
+def _vision_line(v: dict) -> str:
+    """The image encoder's params and where the engine keeps them."""
+    return (
+        f"vision      {v['parameters']:,} ({_count(v['parameters'])}) more in the vision tower and projector, "
+        f"{_gib(v['param_bytes'])}: {v['dtype']}, whole on {_devices(v['devices'])} "
+        f"(each process's first device, as the engine loads it; not split over the mesh)"
+    )
+
+
+def _encoder_line(p: dict, v: dict) -> str:
+    """The image encoder's largest call, and how its device counts it."""
+    measured = (
+        f"measured {_gib(v['workspace_bytes'])} (temp {_gib(v['temp_bytes'])} + outputs "
+        f"{_gib(v['output_bytes'])} + pixels {_gib(v['input_bytes'])}), "
+        if "workspace_bytes" in v
+        else ""
+    )
+    return (
+        f"encoder     {v['encoder_call']}: {measured}estimate {_gib(v['estimate_bytes'])}; "
+        f"it runs between the programs, so device {v['encoder_device']} counts the larger workspace"
+    )
+
+
 def format_plan(p: dict) -> str:
     mesh = p["mesh"]
     axes = " ".join(f"{a}={mesh[a]}" for a in ("dp", "pp", "tp", "ep"))
@@ -206,15 +239,20 @@ def format_plan(p: dict) -> str:
         f"mesh        {mesh['name']} ({axes}): {devices}, {p['device_memory_gib']:g} GiB each "
         f"(from {p['device_memory_source']})",
     ]
+    vision = p.get("vision")
+    if vision:
+        lines.append(_vision_line(vision))
     if p["kv_head_replication"] > 1:
         lines.append(f"kv heads    repeated {p['kv_head_replication']}x so each tp shard owns one (counted below)")
+    tower = f"{'vision':>12}" if vision else ""
     lines += [
         "",
-        f"{'device':<8}{'memory':>12}{'weights':>13}{'workspace':>13}{'reserve':>12}{'KV free':>12}{'KV/token':>11}",
+        f"{'device':<8}{'memory':>12}{'weights':>13}{tower}{'workspace':>13}{'reserve':>12}{'KV free':>12}{'KV/token':>11}",
     ]
     for d in p["per_device"]:
+        tower = f"{_gib(d['vision_param_bytes']) if d['vision_param_bytes'] else '-':>12}" if vision else ""
         lines.append(
-            f"{d['index']:<8}{_gib(d['memory_bytes']):>12}{_gib(d['weight_bytes']):>13}"
+            f"{d['index']:<8}{_gib(d['memory_bytes']):>12}{_gib(d['weight_bytes']):>13}{tower}"
             f"{_gib(d['workspace_bytes']):>13}{_gib(d['reserve_bytes']):>12}{_gib(d['kv_bytes_free']):>12}"
             f"{_kib(d['kv_bytes_per_token']):>11}"
         )
@@ -230,6 +268,8 @@ def format_plan(p: dict) -> str:
             else ""
         )
         lines.append(f"              {shape}: {measured}estimate {_gib(d['estimate_bytes'])}")
+    if vision:
+        lines.append(_encoder_line(p, vision))
     lines.append(f"reserve     {_gib(p['reserve_bytes_per_device'])} per device, {p['reserve_note']}")
     groups = _groups(p)
     lines += [

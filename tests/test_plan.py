@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from jfire import mesh as meshes
-from jfire import plan
+from jfire import plan, plan_vision
 from jfire.errors import JfireError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -156,9 +156,31 @@ def test_scout_holds_a_million_token_context_in_a_pool_per_kind_of_layer(scout_m
         assert fragment in text, fragment
 
 
+# Kimi K2.5's released `vision_config` (moonshotai/Kimi-K2.5's config.json, remote-code `vt_*` names).
+# tests/data/kimi-k2.5/config.json holds a shortened one that jfire's vision config cannot read
+# (no head count), which the engine would refuse as well; the plans use the released one.
+RELEASED_KIMI_VISION_CONFIG = {
+    "init_pos_emb_height": 64, "init_pos_emb_time": 4, "init_pos_emb_width": 64, "merge_kernel_size": [2, 2],
+    "merge_type": "sd2_tpool", "mm_hidden_size": 1152, "mm_projector_type": "patchmerger", "model_type": "",
+    "patch_size": 14, "pos_emb_type": "divided_fixed", "projector_hidden_act": "gelu", "projector_ln_eps": 1e-05,
+    "text_hidden_size": 7168, "video_attn_type": "spatial_temporal", "vt_hidden_size": 1152,
+    "vt_intermediate_size": 4304, "vt_num_attention_heads": 16, "vt_num_hidden_layers": 27,
+}
+
+
 @pytest.fixture(scope="module")
-def kimi():
-    return plan_json("--model", str(KIMI), "--mesh", "h100x8-kimi-k2")
+def kimi_dir(tmp_path_factory):
+    """tests/data/kimi-k2.5 with the released vision config."""
+    config = json.loads((KIMI / "config.json").read_text())
+    config["vision_config"] = RELEASED_KIMI_VISION_CONFIG
+    path = tmp_path_factory.mktemp("kimi-k2.5")
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def kimi(kimi_dir):
+    return plan_json("--model", str(kimi_dir), "--mesh", "h100x8-kimi-k2")
 
 
 def kimi_hand_count(pp: int = 2, tp: int = 4) -> tuple[int, int]:
@@ -257,11 +279,13 @@ def test_kimi_kv_room_on_eight_h100s(kimi):
     layer_experts = 3 * 384 * 7168 * 2048 // 4 // 2 + 3 * 384 * 7168 * 2048 // 4 // 32 * 4
     assert layer_experts <= workspace <= layer_experts + GIB
     free = round(79.6 * GIB) - weights - workspace - GIB
-    assert kimi["kv_bytes_free_total"] == 8 * free
+    # Device 0 also holds the vision tower (its encoder's workspace is below the programs').
+    tower = kimi["vision_param_bytes"]
+    assert kimi["kv_bytes_free_total"] == 8 * free - tower
     # Pages of 16 tokens, each device holding a quarter of a page (its stage's 31 layers x 576
     # values in bf16, the pages split 4 ways), in whole multiples of the split.
     page = 16 * (30 + 1) * 576 * 2 // 4
-    assert kimi["kv_pages"] == free // page // 4 * 4 and kimi["kv_capacity_tokens"] == 16 * kimi["kv_pages"]
+    assert kimi["kv_pages"] == (free - tower) // page // 4 * 4 and kimi["kv_capacity_tokens"] == 16 * kimi["kv_pages"]
     # Infire publishes "over 30 GiB" of KV cache on 8 H100s; jfire leaves over 50 GiB even with
     # its upper-bound workspace (float32 scales, one layer's experts copied per step).
     assert kimi["kv_bytes_free_total"] >= 50 * GIB
@@ -316,8 +340,22 @@ def check_consistent(p: dict) -> None:
         assert key in p
     assert len(p["per_device"]) == p["devices"]
     for d in p["per_device"]:
-        assert d["kv_bytes_free"] == d["memory_bytes"] - d["weight_bytes"] - d["workspace_bytes"] - d["reserve_bytes"]
+        assert d["kv_bytes_free"] == (d["memory_bytes"] - d["weight_bytes"] - d["vision_param_bytes"]
+                                      - d["workspace_bytes"] - d["reserve_bytes"])
         assert d["memory_bytes"] == round(p["device_memory_gib"] * GIB)
+        # The encoder runs between the programs: its device counts the larger workspace.
+        assert d["workspace_bytes"] == max(p["workspace_bytes_per_device"], d["encoder_workspace_bytes"])
+    vision = p["vision"]
+    held = [d["index"] for d in p["per_device"] if d["vision_param_bytes"]]
+    if vision is None:
+        assert p["vision_parameters"] == p["vision_param_bytes"] == p["encoder_workspace_bytes"] == 0 and not held
+        assert all(d["encoder_workspace_bytes"] == 0 for d in p["per_device"])
+    else:
+        assert held == vision["devices"] and vision["encoder_device"] == held[0]
+        assert all(d["vision_param_bytes"] == p["vision_param_bytes"] == vision["param_bytes"]
+                   for d in p["per_device"] if d["index"] in held)
+        encoder = [d["encoder_workspace_bytes"] for d in p["per_device"]]
+        assert encoder[held[0]] == p["encoder_workspace_bytes"] > 0 and sum(encoder) == encoder[held[0]]
     assert p["weight_bytes_per_device"] == max(d["weight_bytes"] for d in p["per_device"])
     assert p["kv_bytes_free_total"] == sum(d["kv_bytes_free"] for d in p["per_device"])
     assert p["kv_bytes_per_token"] == sum(d["kv_bytes_per_token"] for d in p["per_device"])
@@ -364,6 +402,9 @@ def test_single_device_estimate_in_process(tmp_path):
     assert p["weight_bytes_per_device"] == p["parameter_bytes"]  # one device holds everything
     assert p["kv_bytes_per_token"] == 4 * 2 * 16 * 2 * 2
     assert p["max_context"] == 64 and p["workspace_programs"][0]["pages_per_row"] == 4
+    # A text-only model: no vision tower, nothing of it anywhere.
+    assert p["vision"] is None and p["vision_parameters"] == 0 and "vision" not in plan.format_plan(p)
+    assert all(d["workspace_bytes"] == p["workspace_bytes_per_device"] for d in p["per_device"])
 
 
 def test_a_mesh_the_model_cannot_take_is_refused():
@@ -479,3 +520,146 @@ def test_the_readme_figures_beside_the_plans_are_the_code_s(deepseek_v3):
     experts = re.search(r"one layer's local experts dequantized in float32 \(([\d.]+) GiB; ([\d.]+) in bf16", text)
     assert experts and experts[1] == f"{layer_experts / GIB:.2f}" and experts[2] == f"{layer_experts / 2 / GIB:.1f}"
     assert layer_experts <= deepseek_v3["workspace_bytes_per_device"]
+
+
+# -- the vision towers ---------------------------------------------------------------------------
+# Counted from jfire's declarations (jfire/vision/llama4.py, kimi_k25.py), checked here against
+# counts that do not read them: transformers' own Llama 4 vision modules built on the meta
+# device, and the released Kimi K2.5 checkpoint's tensor list.
+
+
+def hf_llama4_vision_parameters(config: dict) -> int:
+    """Llama4VisionModel + Llama4MultiModalProjector with the released config's dims, built by
+    transformers on the meta device (nothing allocated): their parameter count."""
+    import torch
+    from transformers import Llama4Config
+    from transformers.models.llama4.modeling_llama4 import Llama4MultiModalProjector, Llama4VisionModel
+
+    hf = Llama4Config(vision_config=config["vision_config"], text_config=config["text_config"])
+    with torch.device("meta"):
+        modules = [Llama4VisionModel(hf.vision_config), Llama4MultiModalProjector(hf)]
+    return sum(p.numel() for m in modules for p in m.parameters())
+
+
+# The vision tensors of moonshotai/Kimi-K2.5's safetensors (model-00063/64-of-000064): name,
+# shape, how many (per encoder block: 27).
+KIMI_RELEASED_VISION_TENSORS = [
+    ("mm_projector.pre_norm.bias", [1152], 1), ("mm_projector.pre_norm.weight", [1152], 1),
+    ("mm_projector.proj.0.bias", [4608], 1), ("mm_projector.proj.0.weight", [4608, 4608], 1),
+    ("mm_projector.proj.2.bias", [7168], 1), ("mm_projector.proj.2.weight", [7168, 4608], 1),
+    ("vision_tower.encoder.blocks.{i}.mlp.fc0.bias", [4304], 27),
+    ("vision_tower.encoder.blocks.{i}.mlp.fc0.weight", [4304, 1152], 27),
+    ("vision_tower.encoder.blocks.{i}.mlp.fc1.bias", [1152], 27),
+    ("vision_tower.encoder.blocks.{i}.mlp.fc1.weight", [1152, 4304], 27),
+    ("vision_tower.encoder.blocks.{i}.norm0.bias", [1152], 27),
+    ("vision_tower.encoder.blocks.{i}.norm0.weight", [1152], 27),
+    ("vision_tower.encoder.blocks.{i}.norm1.bias", [1152], 27),
+    ("vision_tower.encoder.blocks.{i}.norm1.weight", [1152], 27),
+    ("vision_tower.encoder.blocks.{i}.wo.bias", [1152], 27),
+    ("vision_tower.encoder.blocks.{i}.wo.weight", [1152, 1152], 27),
+    ("vision_tower.encoder.blocks.{i}.wqkv.bias", [3456], 27),
+    ("vision_tower.encoder.blocks.{i}.wqkv.weight", [3456, 1152], 27),
+    ("vision_tower.encoder.final_layernorm.bias", [1152], 1),
+    ("vision_tower.encoder.final_layernorm.weight", [1152], 1),
+    ("vision_tower.patch_embed.pos_emb.weight", [64, 64, 1152], 1),
+    ("vision_tower.patch_embed.proj.bias", [1152], 1),
+    ("vision_tower.patch_embed.proj.weight", [1152, 3, 14, 14], 1),
+]
+
+
+def test_scout_counts_its_vision_tower_on_the_first_device(scout):
+    import math
+
+    config = json.loads((SCOUT / "config.json").read_text())
+    count = hf_llama4_vision_parameters(config)
+    assert count == 871_932_416  # with the text model's 107.77 B: Meta's "109B total parameters"
+    assert scout["vision_parameters"] == count and scout["vision_param_bytes"] == 2 * count  # bf16
+    v = scout["vision"]
+    assert v["family"] == "llama4" and v["devices"] == [0] and v["encoder_device"] == 0
+    assert [d["vision_param_bytes"] for d in scout["per_device"]] == [2 * count, 0]
+    check_consistent(scout)
+    # The largest call: 16 tiles and the global one, 577 positions each; its outputs are the 144
+    # rows a tile gives at the text width, in float32 (the measurement's dtype); its pixels too.
+    vision = config["vision_config"]
+    assert "17 tiles" in v["encoder_call"]
+    assert v["output_bytes"] == 17 * 144 * config["text_config"]["hidden_size"] * 4
+    assert v["input_bytes"] == 17 * 3 * vision["image_size"] ** 2 * 4
+    # At least one tile's attention logits for every head (float32), and the estimate above it.
+    assert 17 * vision["num_attention_heads"] * 577**2 * 4 <= v["temp_bytes"]
+    assert v["workspace_bytes"] <= v["estimate_bytes"] <= 2 * v["workspace_bytes"]
+    # The device holding it has that much less KV room, and the pools are bounded by it.
+    d0, d1 = scout["per_device"]
+    assert d1["kv_bytes_free"] - d0["kv_bytes_free"] == 2 * count
+    assert scout["kv_budget_bytes_per_device"] == d0["kv_bytes_free"]
+    text = plan.format_plan(scout)
+    assert f"vision      {count:,} (871.9 M)" in text and "encoder     17 tiles" in text
+    assert math.isclose(scout["vision_param_bytes"] / GIB, 1.62, abs_tol=0.005)
+
+
+def test_kimi_counts_its_vision_tower_as_released(kimi):
+    import math
+
+    count = sum(math.prod(shape) * n for _, shape, n in KIMI_RELEASED_VISION_TENSORS)
+    assert count == 471_143_920
+    assert kimi["vision_parameters"] == count and kimi["vision_param_bytes"] == 2 * count
+    v = kimi["vision"]
+    assert v["family"] == "kimi_k25" and v["devices"] == [0]  # one host: one copy, on device 0
+    assert [d["vision_param_bytes"] for d in kimi["per_device"]] == [2 * count] + [0] * 7
+    check_consistent(kimi)
+    # One image padded to the 32,768-patch bucket: 8,192 merged rows at the text width out.
+    assert "32,768-patch bucket" in v["encoder_call"]
+    assert v["output_bytes"] == 32768 // 4 * 7168 * 4
+    assert 16 * 256 * 32768 * 4 <= v["temp_bytes"]  # a block of 256 queries' logits, every head
+    assert v["workspace_bytes"] <= v["estimate_bytes"] <= 2 * v["workspace_bytes"]
+    assert kimi["kv_budget_bytes_per_device"] == kimi["per_device"][0]["kv_bytes_free"]
+
+
+def test_kimi_images_pad_to_the_bucket_the_plan_measures():
+    """No image the processor makes has more than twice max_patches once padded to whole 2x2
+    groups (the plan's bound), and some have more than max_patches (so that bucket is reached)."""
+    from jfire.vision import kimi_k25
+    from jfire.vision.kimi_k25_preprocess import PreprocessConfig, patch_grid
+
+    cfg = PreprocessConfig()
+    most = 0
+    for h in [*range(14, 9000, 37), 1800, 7168, 7181, 60000]:
+        for w in [*range(14, 9000, 41), 27, 28, 1800]:
+            _, gh, gw = patch_grid(h, w, cfg)
+            most = max(most, gh * gw)
+    assert patch_grid(1800, 1800, cfg) == (1, 130, 130)
+    assert cfg.max_patches < most <= 2 * cfg.max_patches
+    assert kimi_k25.patch_bucket(most) == kimi_k25.patch_bucket(2 * cfg.max_patches) == 32768
+
+
+def test_scout_on_one_device_estimates_its_encoder_and_a_decode_group_holds_no_tower():
+    """--no-compile (serve's auto): the encoder's stated estimate; an engine that only decodes
+    (a disaggregated decode group) does not hold the tower, and its plan counts none."""
+    spec = meshes.resolve("single")
+    p = plan.plan(SCOUT, spec, compile=False, device_memory_gib=300.0)
+    check_consistent(p)
+    (d,) = p["per_device"]
+    assert p["vision"]["encoder_workspace_source"] == "estimate" and "workspace_bytes" not in p["vision"]
+    assert d["encoder_workspace_bytes"] == p["encoder_workspace_bytes"] == p["vision"]["estimate_bytes"]
+    assert d["vision_param_bytes"] == p["vision_param_bytes"] > 0
+    decode = plan.plan(SCOUT, spec, compile=False, device_memory_gib=300.0, vision=False)
+    check_consistent(decode)
+    assert decode["vision"] is None and decode["vision_param_bytes"] == 0
+    assert decode["per_device"][0]["kv_bytes_free"] - d["kv_bytes_free"] == p["vision_param_bytes"] + (
+        d["workspace_bytes"] - decode["per_device"][0]["workspace_bytes"])
+
+
+def test_a_group_spanning_hosts_holds_a_tower_per_process():
+    spec = meshes.resolve("h100x16-deepseek-v3-fp8")
+    devices = list(range(16))
+    assert spec.hosts == 2 and plan_vision.holders(spec, devices) == [0, 8]
+    assert plan_vision.holders(meshes.resolve("h100x8-kimi-k2"), devices[:8]) == [0]
+
+
+def test_an_unreadable_vision_config_is_refused(tmp_path):
+    config = json.loads((KIMI / "config.json").read_text())
+    # A shortened vision config, as some copies of the release carry: no head count.
+    config["vision_config"] = {"model_type": "kimi_k25_vision", "patch_size": 14, "hidden_size": 1152,
+                               "num_hidden_layers": 27}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(JfireError, match="vision config lacks the key 'vt_num_attention_heads'"):
+        plan.read_vision_tower(tmp_path)

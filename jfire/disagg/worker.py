@@ -272,7 +272,9 @@ def run(
     try:
         spec = group.mesh
         if pool_size is not None:  # before the weights: a group that does not fit says so at once
-            config = size_pool(config, pool_size, model=model, dtype=dtype, spec=spec, devices=devices)
+            config = size_pool(
+                config, pool_size, model=model, dtype=dtype, spec=spec, devices=devices, vision=group.role != "decode"
+            )
         loaded = load_model(model, dtype, mesh_spec=spec, devices=devices)
     except JfireError as e:  # the frontend reports it on /health instead of waiting for ever
         cluster.publish_group(store, group.name, {"error": str(e)})

@@ -3,8 +3,9 @@ that needs them, and the encoder cache.
 
 A request's prompt holds each image's placeholder ids (`VisionModel.expand_prompt`); the
 encoder's rows for it replace the embeddings of its `image_token_id` positions, in order. The
-engine encodes an image when a prefill chunk first reaches one of those positions (all the
-step's new images in one call), keeps the rows by the image's content hash under a byte budget
+engine encodes an image when a prefill chunk first reaches one of those positions (the step's
+new images batched into calls of at most one largest image's tiles or patches, so a call's
+workspace is one largest image's, as `jfire plan` counts it), keeps the rows by the image's content hash under a byte budget
 (least recently used out first), and hands each chunk its slice of rows as the prefill
 program's `embeds`.
 
@@ -154,13 +155,27 @@ class ImageEncoder:
         if not missing:
             return
         t0 = time.perf_counter()
-        todo = list(missing.values())
-        self.encoded += len(todo)
-        rows = np.asarray(self.vision.encode([i.pixels for i in todo]), np.float32)  # type: ignore[union-attr]
+        for call in self._calls(list(missing.values())):
+            rows = np.asarray(self.vision.encode([i.pixels for i in call]), np.float32)  # type: ignore[union-attr]
+            for image, part in zip(call, np.split(rows, np.cumsum([i.pixels.num_tokens for i in call])[:-1])):
+                self._cache[image.content_hash] = part
+                self._cached_bytes += part.nbytes
+        self.encoded += len(missing)
         self.seconds += time.perf_counter() - t0
-        for image, part in zip(todo, np.split(rows, np.cumsum([i.pixels.num_tokens for i in todo])[:-1])):
-            self._cache[image.content_hash] = part
-            self._cached_bytes += part.nbytes
+
+    def _calls(self, images: list[RequestImage]) -> list[list[RequestImage]]:
+        """The images in encoder calls of at most one largest image's tiles or patches each."""
+        vision = self.vision
+        calls: list[list[RequestImage]] = []
+        held = 0
+        for image in images:
+            units = vision.call_units(image.pixels)  # type: ignore[union-attr]
+            if not calls or held + units > vision.call_capacity:  # type: ignore[union-attr]
+                calls.append([])
+                held = 0
+            calls[-1].append(image)
+            held += units
+        return calls
 
     def _evict(self) -> None:
         """Down to the byte budget, the least recently used first (the last image stays)."""

@@ -80,6 +80,16 @@ class VisionModel:
         """One `encode` input for each of its programs (buckets) to compile ahead of time."""
         raise NotImplementedError
 
+    def call_units(self, pixels: ImagePixels) -> int:
+        """What an image adds to an encoder call (tiles, patches): calls hold at most
+        `call_capacity` of them, a largest image's, so one call's workspace is bounded by one
+        largest image's (what `jfire plan` counts); a larger image runs alone."""
+        return len(pixels.pixel_values)
+
+    @property
+    def call_capacity(self) -> int:
+        raise NotImplementedError
+
     def expand_prompt(self, ids: Sequence[int], images: Sequence[ImagePixels]) -> list[int]:
         """`ids` (the chat template's, one `template_token_id` per image) with each image's
         placeholder ids in place of its template token, images taken in order."""
@@ -104,7 +114,9 @@ class VisionModel:
         return values, mask
 
 
-TILE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # Llama 4's tiles an encoder call pads to (more: a multiple of 64)
+# Llama 4's tiles an encoder call pads to: one image has 1 tile, or a canvas of 2..16 and the
+# global one; a call holds at most 17 (VisionModel.call_capacity).
+TILE_BUCKETS = (1, 3, 5, 9, 17)
 
 
 def _tile_bucket(n: int) -> int:
@@ -142,16 +154,20 @@ class Llama4Vision(VisionModel):
         return llama4_preprocess.image_placeholder_ids((rows, cols), self.config.tokens_per_tile, self.token_ids)
 
     def encode(self, images: ImagePixels | Sequence[ImagePixels]) -> jax.Array:
-        # Padded to a power of two of tiles (each tile is encoded on its own, so the padding's
-        # rows are dropped unseen): few programs for any mix of images, compiled ahead of time.
+        # Padded to a bucket of tiles (each tile is encoded on its own, so the padding's rows are
+        # dropped unseen): few programs for any mix of images, compiled ahead of time.
         tiles = np.concatenate([p.pixel_values for p in _as_list(images)])
         n = len(tiles)
         padded = np.zeros((_tile_bucket(n), *tiles.shape[1:]), tiles.dtype)
         padded[:n] = tiles
         return llama4.encode(self.params, self.config, jnp.asarray(padded))[: n * self.config.tokens_per_tile]
 
+    @property
+    def call_capacity(self) -> int:
+        return self.processing.max_tiles + 1  # the canvas's tiles and the global one
+
     def warm_up_examples(self) -> list[list[ImagePixels]]:
-        """An input of each tile bucket up to two largest images' (1 + 16 tiles each)."""
+        """An input of each tile bucket."""
         size = self.config.image_size
         out = []
         for n in TILE_BUCKETS:
@@ -190,12 +206,16 @@ class KimiK25Vision(VisionModel):
         grids = np.asarray([p.grid for p in images], np.int64)
         return kimi_k25.encode(self.params, self.config, patches, grids)
 
+    @property
+    def call_capacity(self) -> int:
+        return self.processing.max_patches
+
     def warm_up_examples(self) -> list[list[ImagePixels]]:
-        """An input of each patch bucket up to the largest image's (the processor's limit)."""
+        """An input of each patch bucket up to the largest image's, padded (under twice the limit)."""
         p, m = self.config.patch_size, self.processing.merge_size
         out = []
         for bucket in kimi_k25.PATCH_BUCKETS:
-            if bucket > kimi_k25.patch_bucket(self.processing.max_patches):
+            if bucket > kimi_k25.patch_bucket(2 * self.processing.max_patches):  # padding to whole merges
                 break
             grid = (1, bucket // 16, 16)  # whole merges, filling the bucket
             count = bucket
