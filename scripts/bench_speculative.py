@@ -45,15 +45,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-CODE_CLASS = 'class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n    def __repr__(self):\n        return f"Point({self.x}, {self.y})"\n'  # noqa: E501
-CONFIG = '{\n  "name": "web",\n  "host": "localhost",\n  "port": 8000,\n  "debug": true,\n  "workers": 4,\n  "log_level": "info"\n}'  # noqa: E501
-HTML = "<ul>\n  <li>Apples</li>\n  <li>Bananas</li>\n  <li>Cherries</li>\n  <li>Dates</li>\n</ul>"
-COPY = [
-    f"Change the port to 8080 in this JSON config and output the whole config:\n\n```json\n{CONFIG}\n```",
-    f"Add <li>Elderberries</li> to the end of this list and output the full HTML:\n\n```html\n{HTML}\n```",
-    f"Add a docstring to this class. Output the whole class.\n\n```python\n{CODE_CLASS}```",
-    f"Rename the class Point to Vector in this code and output the full code:\n\n```python\n{CODE_CLASS}```",
-]
+from jfire.bench_compare import COPY_REQUESTS, LOOKUP  # noqa: E402  (the same requests and settings)
+
+COPY = list(COPY_REQUESTS)
 CHAT = [
     "Tell me about the history of Rome in a few paragraphs.",
     "Write a short story about a robot who learns to paint.",
@@ -62,7 +56,6 @@ CHAT = [
 ]
 CONC_VARIANTS = ["", " Please be detailed.", " Keep it simple.", " Use plain words."]
 MAX_TOKENS = 128
-LOOKUP = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3", "--spec-ngram-simple-size-m", "8"]
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:

@@ -80,6 +80,36 @@ def test_the_table_names_every_engine_the_roofline_and_the_agreement():
     assert "50.0 tokens/s at 27.0 GB/s" in text and "40%" in text
 
 
+def test_the_prompt_lookup_rows_and_their_ratios():
+    figures = dict(startup_s=1.0, ttft_s=0.5, decode_tps=20.0, conc16_tps=90.0, peak_rss_gb=1.5, agree_tokens=128)
+    median = {
+        "jfire": {**figures, "copy_tps": 40.0},
+        "jfire suffix": {**figures, "copy_tps": 100.0},  # held to jfire's greedy tokens: speculation is exact
+        "llama.cpp F32": {**figures, "copy_tps": 50.0},
+        "llama.cpp F32 lookup": {**figures, "copy_tps": 80.0},
+        "llama.cpp Q4_1": dict(figures),  # no copy figure: a dash
+    }
+    text = format_compare({"median": median, "roofline_decode_tps": 50.0, "bandwidth_gbs": 27.0, "rounds": 1,
+                           "machine": "2 cores"})
+    rows = {line.split("  ")[0]: line for line in text.splitlines()}
+    assert "100.0 t/s" in rows["jfire suffix"] and rows["jfire suffix"].endswith("agree 128/128")
+    assert "80.0 t/s" in rows["llama.cpp F32 lookup"]
+    assert "jfire suffix 2.50x jfire, llama.cpp lookup 1.60x llama.cpp F32; jfire suffix 1.25x llama.cpp lookup" in text
+    assert bc.SPECULATIVE_ROWS == {"jfire suffix": "suffix", "llama.cpp F32 lookup": "lookup"}
+
+
+def test_the_copy_requests_are_the_chat_template_s_and_rated_per_request():
+    from jfire.checkpoint.load import load_config_and_tokenizer
+
+    tokenizer = load_config_and_tokenizer("default")[1]
+    ids = bc.copy_prompts()
+    assert len(ids) == len(bc.COPY_REQUESTS) == 4
+    for text, prompt in zip(bc.COPY_REQUESTS, ids):  # the request as the user's turn, the answer to come
+        assert text in tokenizer.decode(prompt) and tokenizer.decode(prompt).endswith("assistant\n")
+    # Two requests of 5 and 3 tokens, 1.0 s and 0.5 s from their first token to their last.
+    assert bc.batch1_rate([[0.0, 0.25, 0.5, 0.75, 1.0], [5.0, 5.25, 5.5]]) == (4 + 2) / 1.5
+
+
 def test_leading_agreement_counts_the_shared_prefix():
     assert bc.leading_agreement([1, 2, 3, 4], [1, 2, 3, 4]) == 4
     assert bc.leading_agreement([1, 2, 3, 4], [1, 2, 9, 4]) == 2  # what follows a difference is not counted
