@@ -26,6 +26,7 @@ import numpy as np
 from jfire import faults, sharding
 from jfire.checkpoint.load import LoadedModel
 from jfire.engine_config import MODEL_DRAFTERS
+from jfire.errors import JfireError
 from jfire.grammar import ban, fill_mask
 from jfire.kernels import cpu_matmul
 from jfire.kv_cache import KVPools, init_pages, page_bytes, pool_pages
@@ -51,7 +52,11 @@ def load_vision(model: LoadedModel):
     path, _ = resolve_model_path(model.name)
     if not path.is_dir():
         return None
-    return load_vision_model(path, model.dtype_of_params, model.tokenizer)
+    try:
+        return load_vision_model(path, model.dtype_of_params, model.tokenizer)
+    except JfireError as e:  # the text model still serves; a request with images is refused
+        print(f"jfire: {model.name}: images off, its vision side cannot be used: {e}", file=sys.stderr, flush=True)
+        return None
 
 
 def uses_cpu_kernels(model: LoadedModel, wanted: bool) -> bool:

@@ -246,7 +246,10 @@ def load_vision_model(
 
 def _load_llama4(path: Path, config: dict, dtype, tokenizer: Tokenizer | None, weights: bool) -> Llama4Vision:
     cfg = llama4.Llama4VisionConfig.from_hf(config["vision_config"], int(config["text_config"]["hidden_size"]))
-    processing = llama4_preprocess.Llama4ImageProcessing.from_hf(_read_json(path / "preprocessor_config.json"))
+    settings = _read_json(path / "preprocessor_config.json")
+    # Without the processor's settings its defaults apply, but for the tile size: the tower's.
+    settings.setdefault("size", {"height": cfg.image_size, "width": cfg.image_size})
+    processing = llama4_preprocess.Llama4ImageProcessing.from_hf(settings)
     if processing.tile_size != cfg.image_size:
         raise JfireError(
             f"{path}: the image processor makes {processing.tile_size}-pixel tiles, the vision tower takes {cfg.image_size}"
