@@ -139,8 +139,8 @@ def test_the_engine_programs_call_the_kernels_only_where_they_apply(default_chec
 
 @pytest.mark.parametrize("k,n", [(576, 1536), (1536, 576), (130, 70)])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(k, n, kernel_build):
-    """Every path (few rows, register blocks, the columns left over) sums in the same order,
-    bit for bit: a sequence decodes the same alone or batched."""
+    """Every path (register panels of any row count, the columns left over, the nt blocks)
+    sums in the same order, bit for bit: a sequence decodes the same alone or batched."""
     rng = np.random.default_rng(k + n)
     stack = rng.standard_normal((2, k, n), dtype=np.float32)
     w = rng.standard_normal((n, k), dtype=np.float32)
@@ -150,3 +150,30 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(k, n, kernel_build)
     for m in (1, 2, 3, 5, 6, 7, 13, 16, 33):
         np.testing.assert_array_equal(np.asarray(stacked(x[:m], stack, jnp.int32(1))), all_stacked[:m])
         np.testing.assert_array_equal(np.asarray(nt(x[:m], w)), all_nt[:m])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("k,n", [(576, 200), (100, 77), (1536, 49)])
+def test_every_row_count_up_to_40_gives_each_rows_lone_bits(dtype, k, n, kernel_build):
+    """Rows 1..40 in one call (one register panel, several, the last ones short; the nt blocks
+    and the rows past the last whole block) equal each row multiplied alone, bit for bit, for
+    float32 and bfloat16 weights, stacked and nt, with the tails: n not a multiple of a panel's
+    or a vector's columns, k not a multiple of 8 or of the dot products' step. Speculative
+    decoding's verify rows must equal decode's rows exactly."""
+    rng = np.random.default_rng(k * 7 + n)
+    stack = jnp.asarray(rng.standard_normal((2, k, n), dtype=np.float32), dtype)
+    w = jnp.asarray(rng.standard_normal((n, k), dtype=np.float32), dtype)
+    x = rng.standard_normal((40, k), dtype=np.float32)
+    # Zeros and negative zeros in x: a sum must start from +0 on every path alike.
+    x[3, :5] = 0.0
+    x[7, :5] = -0.0
+    stacked, nt = jax.jit(cpu_matmul.stacked_matmul), jax.jit(cpu_matmul.matmul_nt)
+    alone_stacked = np.concatenate([np.asarray(stacked(x[r : r + 1], stack, jnp.int32(1))) for r in range(40)])
+    alone_nt = np.concatenate([np.asarray(nt(x[r : r + 1], w)) for r in range(40)])
+    for m in range(1, 41):
+        np.testing.assert_array_equal(
+            np.asarray(stacked(x[:m], stack, jnp.int32(1))), alone_stacked[:m], err_msg=f"{m} rows"
+        )
+        np.testing.assert_array_equal(np.asarray(nt(x[:m], w)), alone_nt[:m], err_msg=f"{m} rows, nt")
+    within_float32_rounding(alone_stacked, x, np.asarray(stack[1], np.float32))
+    within_float32_rounding(alone_nt, x, np.asarray(w, np.float32).T)
