@@ -38,7 +38,7 @@ MOE = LlamaConfig(architecture="MixtralForCausalLM", vocab_size=512, hidden_size
 ENGINE_ARGS = ["--max-batch", "4", "--prefill-budget", "32", "--max-context", "128", "--quick-compile",
                "--kv-cache-gb", "0.01"]
 # The first repeats itself, and the dense model's answer does too: a speculating group's drafts hold.
-PROMPTS = [{"prompt_ids": [7] * 12, "max_tokens": 8},
+PROMPTS = [{"prompt_ids": [7] * 8, "max_tokens": 8},
            {"prompt_ids": [7, 7, 7], "max_tokens": 6},
            {"prompt_ids": [3, 100, 400, 2, 9, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28,
                            29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40], "max_tokens": 10}]
