@@ -254,7 +254,7 @@ def _jfire(cache_dir: str, dtype: str, speculative: str | None = None) -> dict:
         greedy = SamplingParams(temperature=0.0, max_tokens=DECODE_TOKENS, ignore_eos=True)
         tokens = engine.generate([(one, greedy)])[0].token_ids
         copying = SamplingParams(temperature=0.0, max_tokens=COPY_TOKENS, ignore_eos=True)
-        stamps = []
+        stamps: list[list[float]] = []
         for ids in copy_prompts():
             stamps.append([])
             for out in engine.submit(ids, copying):

@@ -64,6 +64,10 @@ class DraftModel:
     def cache_arrays(self, num_pages: int, page_size: int, dtype) -> dict:
         raise NotImplementedError
 
+    def kv_bytes_per_token(self, dtype) -> int:
+        """Bytes its cache takes per token (the engine's pools are sized with them)."""
+        raise NotImplementedError
+
     def target_hidden(self, params, hidden, captured: dict):
         """The first draft step's hidden input at each position, from the target's."""
         return hidden
@@ -191,8 +195,8 @@ def load_draft(model, config) -> tuple[DraftModel, dict]:
             f"--speculative {config.speculative} does not run on pipeline stages (pp > 1); use ngram or suffix"
         )
     if config.speculative == "mtp":
-        cfg, params = mtp.load_mtp(model)
-        return MtpDrafts(cfg, config.num_draft_tokens), params
+        mtp_cfg, mtp_params = mtp.load_mtp(model)
+        return MtpDrafts(mtp_cfg, config.num_draft_tokens), mtp_params
     if not config.draft_model:
         raise JfireError("--speculative eagle3 needs the head's directory: --draft-model PATH")
     from jfire.checkpoint.eagle3_load import load_eagle3

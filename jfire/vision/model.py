@@ -239,7 +239,7 @@ def load_vision_model(
     model_type = config.get("model_type")
     if model_type == "llama4" and config.get("vision_config"):
         return _load_llama4(path, config, dtype, tokenizer, weights)
-    if model_type == "kimi_k25":
+    if model_type == "kimi_k25" and config.get("vision_config"):
         return _load_kimi_k25(path, config, dtype, weights)
     return None
 
