@@ -25,7 +25,6 @@ not their sum (jfire/plan.py). The engine encodes all of a step's new images in 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -109,36 +108,24 @@ def _nbytes(s) -> int:
     return math.prod(s.shape) * np.dtype(s.dtype).itemsize
 
 
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        value = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise JfireError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise JfireError(f"{path} must hold a JSON object")
-    return value
-
-
 def read_vision_tower(model: str | Path) -> VisionTower | None:
     """The image encoder the engine loads for `model` (jfire.vision.model.load_vision_model's
     choice: a HF directory whose config.json is Llama 4 with a vision_config, or Kimi K2.5;
     None for anything else: a text-only model, a jfire checkpoint, a .gguf), with the largest
     call its image processor (preprocessor_config.json, else the released defaults) allows."""
     from jfire.vision import kimi_k25, kimi_k25_preprocess, llama4, llama4_preprocess
+    from jfire.vision.model import llama4_processing, read_json, vision_family
 
     path = Path(model).expanduser()
     if not path.is_dir():
         return None
     config_file = path / "config.json"
-    hf = _read_json(config_file)
-    processor = _read_json(path / "preprocessor_config.json")
-    model_type = hf.get("model_type")
+    hf = read_json(config_file)
+    family = vision_family(hf)
     try:
-        if model_type == "llama4" and hf.get("vision_config"):
+        if family == "llama4":
             cfg = llama4.Llama4VisionConfig.from_hf(hf["vision_config"], int(hf["text_config"]["hidden_size"]))
-            processing = llama4_preprocess.Llama4ImageProcessing.from_hf(processor)
+            processing = llama4_processing(path, cfg)
             tile = processing.tile_size
             most = max(
                 (h // tile) * (w // tile) for h, w in llama4_preprocess.supported_canvases(processing.max_tiles, tile)
@@ -151,9 +138,9 @@ def read_vision_tower(model: str | Path) -> VisionTower | None:
                 tiles,
                 f"{tiles} tiles ({most} + the global one) of {positions} positions, attention per tile",
             )
-        if model_type == "kimi_k25":
+        if family == "kimi_k25":
             kimi = kimi_k25.KimiK25VisionConfig.from_hf(hf)
-            limits = kimi_k25_preprocess.PreprocessConfig.from_hf(processor)
+            limits = kimi_k25_preprocess.PreprocessConfig.from_hf(read_json(path / "preprocessor_config.json"))
             # Padding each side to whole 2x2 groups can take an image past max_patches (1800 x 1800
             # pixels: 128 x 128 patches, padded to 130 x 130), never past twice it (tests/test_plan.py
             # sweeps image sizes): the largest bucket an image is padded to is that of 2 x max_patches.

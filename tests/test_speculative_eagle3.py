@@ -27,19 +27,9 @@ from jfire.engine import Engine, EngineConfig
 from jfire.models import eagle3, family
 from jfire.sampling import SamplingParams
 from tests.models.test_eagle3 import GQA_CONFIG, MLA_CONFIG, default_names, random_tensors, write_head
-from tests.test_speculative_mtp import LONGEST, Recording, generate
+from tests.test_speculative_mtp import CONFIG, LONGEST, K, Recording, generate
 from tests.tiny_models import ALL_FAMILIES, tiny_hf_config
 
-K = 3
-CONFIG = dict(
-    max_batch=4,
-    max_prefill_rows=4,
-    prefill_budget=8,
-    page_size=4,
-    max_model_len=LONGEST - K - 1,
-    aot=False,
-    quick_compile=True,
-)
 # target family -> (its layers, the head's config: aux ids are layer outputs, so indices id + 1)
 TARGETS = {
     "llama3": (6, {**GQA_CONFIG, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 2, 4]}}),

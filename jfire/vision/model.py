@@ -235,21 +235,34 @@ def load_vision_model(
     its tokenizer: `tokenizer`, else the directory's own. `weights=False`: preprocessing and
     placeholders only, no encoder (a split deployment's frontend: its prefill groups encode)."""
     path = Path(path)
-    config = _read_json(path / "config.json")
-    model_type = config.get("model_type")
-    if model_type == "llama4" and config.get("vision_config"):
+    config = read_json(path / "config.json")
+    family = vision_family(config)
+    if family == "llama4":
         return _load_llama4(path, config, dtype, tokenizer, weights)
-    if model_type == "kimi_k25" and config.get("vision_config"):
+    if family == "kimi_k25":
         return _load_kimi_k25(path, config, dtype, weights)
     return None
 
 
+def vision_family(config: dict) -> str | None:
+    """Which vision tower a model's config.json declares ("llama4", "kimi_k25"), or None: the
+    one choice the engine (`load_vision_model`) and `jfire plan` both make."""
+    if config.get("vision_config") and config.get("model_type") in ("llama4", "kimi_k25"):
+        return config["model_type"]
+    return None
+
+
+def llama4_processing(path: Path, cfg: llama4.Llama4VisionConfig) -> llama4_preprocess.Llama4ImageProcessing:
+    """Llama 4's processor settings in directory `path` (preprocessor_config.json): its defaults
+    where the file is absent, but for the tile size, the tower's."""
+    settings = read_json(path / "preprocessor_config.json")
+    settings.setdefault("size", {"height": cfg.image_size, "width": cfg.image_size})
+    return llama4_preprocess.Llama4ImageProcessing.from_hf(settings)
+
+
 def _load_llama4(path: Path, config: dict, dtype, tokenizer: Tokenizer | None, weights: bool) -> Llama4Vision:
     cfg = llama4.Llama4VisionConfig.from_hf(config["vision_config"], int(config["text_config"]["hidden_size"]))
-    settings = _read_json(path / "preprocessor_config.json")
-    # Without the processor's settings its defaults apply, but for the tile size: the tower's.
-    settings.setdefault("size", {"height": cfg.image_size, "width": cfg.image_size})
-    processing = llama4_preprocess.Llama4ImageProcessing.from_hf(settings)
+    processing = llama4_processing(path, cfg)
     if processing.tile_size != cfg.image_size:
         raise JfireError(
             f"{path}: the image processor makes {processing.tile_size}-pixel tiles, the vision tower takes {cfg.image_size}"
@@ -279,7 +292,7 @@ def _check_same_ids(path: Path, pairs: dict[str, tuple[Any, int]]) -> None:
 
 def _load_kimi_k25(path: Path, config: dict, dtype, weights: bool) -> KimiK25Vision:
     cfg = kimi_k25.KimiK25VisionConfig.from_hf(config)
-    processing = kimi_k25_preprocess.PreprocessConfig.from_hf(_read_json(path / "preprocessor_config.json"))
+    processing = kimi_k25_preprocess.PreprocessConfig.from_hf(read_json(path / "preprocessor_config.json"))
     if (processing.patch_size, processing.merge_size) != (cfg.patch_size, cfg.merge_size):
         raise JfireError(
             f"{path}: the image processor's patches ({processing.patch_size}, merged {processing.merge_size}x) "
@@ -289,7 +302,7 @@ def _load_kimi_k25(path: Path, config: dict, dtype, weights: bool) -> KimiK25Vis
     return KimiK25Vision(cfg, params, processing)
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
     """A JSON file's object; {} when there is no such file (the processors' defaults apply)."""
     if not path.is_file():
         return {}

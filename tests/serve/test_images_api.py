@@ -42,14 +42,12 @@ from jfire.vision.images import ImageLimits
 from jfire.vision.model import load_vision_model
 from serve.app import ServerState, create_app
 from tests.serve.server_process import start_server
-from tests.tiny_models import COMMON, LLAMA4_TEXT, save_tiny_hf_model
+from tests.tiny_models import COMMON, save_tiny_hf_model
 from tests.vision.test_image_prompts import (
     LLAMA4_PREPROCESSOR,
     LLAMA4_TOKENS,
-    LLAMA4_VISION,
-    eager,
     random_image,
-    randomise,
+    tiny_llama4_with_vision,
 )
 
 TEMPLATE = Path(__file__).parents[1] / "data" / "chat_templates" / "transformers-llama4-processing_llama4.jinja"
@@ -85,18 +83,7 @@ def save_chat_tokenizer(path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    config = transformers.Llama4Config(
-        text_config={**COMMON, **LLAMA4_TEXT},
-        vision_config=LLAMA4_VISION,
-        image_token_index=LLAMA4_TOKENS["<|patch|>"],
-        boi_token_index=LLAMA4_TOKENS["<|image_start|>"],
-        eoi_token_index=LLAMA4_TOKENS["<|image_end|>"],
-    )
-    for sub in (config, config.text_config, config.vision_config):
-        eager(sub)
-    torch.manual_seed(0)
-    model = transformers.Llama4ForConditionalGeneration(config).eval()
-    randomise(model)
+    model = tiny_llama4_with_vision()
     path = tmp_path_factory.mktemp("llama4_images")
     model.save_pretrained(path)
     save_chat_tokenizer(path)

@@ -116,8 +116,9 @@ def eager(config) -> None:
 # -- the two models ------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def llama4_case(tmp_path_factory) -> Case:
+def tiny_llama4_with_vision() -> transformers.Llama4ForConditionalGeneration:
+    """The tiny random Llama 4 with its vision tower (eager attention, randomised biases and
+    norms), as these tests and the image server's (tests/serve/test_images_api.py) use it."""
     config = transformers.Llama4Config(
         text_config={**COMMON, **LLAMA4_TEXT},
         vision_config=LLAMA4_VISION,
@@ -125,12 +126,17 @@ def llama4_case(tmp_path_factory) -> Case:
         boi_token_index=LLAMA4_TOKENS["<|image_start|>"],
         eoi_token_index=LLAMA4_TOKENS["<|image_end|>"],
     )
-    eager(config)
-    for sub in (config.text_config, config.vision_config):
+    for sub in (config, config.text_config, config.vision_config):
         eager(sub)
     torch.manual_seed(0)
     model = transformers.Llama4ForConditionalGeneration(config).eval()
     randomise(model)
+    return model
+
+
+@pytest.fixture(scope="module")
+def llama4_case(tmp_path_factory) -> Case:
+    model = tiny_llama4_with_vision()
     path = tmp_path_factory.mktemp("llama4_mm")
     model.save_pretrained(path)
     save_word_tokenizer(path, LLAMA4_TOKENS)
