@@ -33,6 +33,7 @@ import os
 import pickle
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import jax
@@ -42,6 +43,13 @@ import jfire
 
 SUBDIR = "jfire-processes"
 PROGRAMS = "jfire-programs"
+
+# One executable serialized or loaded at a time in a process. Twice in full runs of the test
+# suite a process died of a segfault inside XLA:CPU's executable serialization (once storing,
+# once loading a program) while other threads of it compiled; it did not recur alone or under
+# a stress of engines starting in threads, and the cause is not known. Loading takes ~50 ms a
+# program and storing less, so one at a time costs start-ups nothing measurable.
+_SERIALIZATION = threading.Lock()
 
 
 def program(fn, args: tuple, static: dict, devices, options: dict | None = None) -> jax.stages.Compiled:
@@ -113,7 +121,8 @@ def _compiled_afresh(lowered: jax.stages.Lowered, options: dict | None = None) -
 def _serialize(exe: jax.stages.Compiled):
     from jax.experimental.serialize_executable import serialize
 
-    return serialize(exe)
+    with _SERIALIZATION:
+        return serialize(exe)
 
 
 def _load(path: Path, devices: list) -> jax.stages.Compiled | None:
@@ -122,7 +131,10 @@ def _load(path: Path, devices: list) -> jax.stages.Compiled | None:
 
     try:
         serialized, in_tree, out_tree = pickle.loads(path.read_bytes())
-        return deserialize_and_load(serialized, in_tree, out_tree, backend=devices[0].client, execution_devices=devices)
+        with _SERIALIZATION:
+            return deserialize_and_load(
+                serialized, in_tree, out_tree, backend=devices[0].client, execution_devices=devices
+            )
     except FileNotFoundError:
         return None
     except Exception:  # noqa: BLE001 - a truncated or stale entry: compile anew and replace it

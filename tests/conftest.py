@@ -105,6 +105,16 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 @pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Loadscope scheduling that finishes the run after a worker crashes (tests/xdist_recovery.py)."""
+    if config.getvalue("dist") == "loadscope":
+        from tests.xdist_recovery import RecoveringLoadScopeScheduling
+
+        return RecoveringLoadScopeScheduling(config, log)
+    return None
+
+
+@pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error):
     TALLY.add(getattr(node, "workeroutput", {}).get("fault_tally", {}))
 
