@@ -68,8 +68,8 @@ def requests(vocab: int) -> list[tuple[list[int], SamplingParams]]:
     return [([int(x) for x in rng.randint(3, vocab, size=n)], greedy) for n in (13, 6)]
 
 
-def captured_states(target, cfg: eagle3.Eagle3Config, indices, tokens: np.ndarray):
-    """jfire's target over tokens [1, n] (padded to LONGEST): (final hidden, {index: [n, e]})."""
+def states_program(target, indices):
+    """jfire's target over tokens [1, LONGEST], jitted: (final hidden, {index: hidden state})."""
     tcfg = target.config
 
     def run(params, tokens, positions):
@@ -79,11 +79,16 @@ def captured_states(target, cfg: eagle3.Eagle3Config, indices, tokens: np.ndarra
             hidden, _ = tcfg.decoder(params, tokens, positions, cache, table)
         return hidden, dict(found)
 
+    return jax.jit(run)
+
+
+def captured_states(target, program, tokens: np.ndarray):
+    """`states_program`'s result for tokens [1, n] (padded to LONGEST), cut to n."""
     n = tokens.shape[1]
     padded = np.zeros((1, LONGEST), np.int32)
     padded[:, :n] = tokens
     positions = np.where(np.arange(LONGEST) < n, np.arange(LONGEST), -1)[None].astype(np.int32)
-    hidden, found = jax.jit(run)(target.params, padded, positions)
+    hidden, found = program(target.params, padded, positions)
     return np.asarray(hidden)[0, :n], {i: np.asarray(v)[0, :n] for i, v in found.items()}
 
 
@@ -92,7 +97,7 @@ def test_captured_states_equal_transformers_hidden_states(setup):
     cfg, _ = eagle3_head(head)
     indices = cfg.target_hidden_indices(TARGETS[name][0])
     tokens = np.random.RandomState(1).randint(3, target.config.vocab_size, size=(1, 11)).astype(np.int32)
-    _, found = captured_states(target, cfg, indices, tokens)
+    _, found = captured_states(target, states_program(target, indices), tokens)
     with torch.no_grad():
         want = hf(torch.from_numpy(tokens.astype(np.int64)), output_hidden_states=True).hidden_states
     assert set(found) == set(indices)
@@ -118,6 +123,7 @@ class Recompute:
         self.cfg, params = eagle3_head(head)
         self.params = jax.device_put(params)
         self.indices = self.cfg.target_hidden_indices(layers)
+        self._states = states_program(target, self.indices)  # traced once, not once a step
         embed = eagle3.draft_embedding(self.params, target.params["embed"])
         cfg = self.cfg
 
@@ -131,7 +137,7 @@ class Recompute:
 
     def drafts(self, tokens: list[int], k: int) -> list[int]:
         n = len(tokens) - 1
-        _, found = captured_states(self.target, self.cfg, self.indices, np.asarray([tokens[:n]], np.int32))
+        _, found = captured_states(self.target, self._states, np.asarray([tokens[:n]], np.int32))
         aux = np.concatenate([found[i] for i in self.indices], axis=-1)
         hidden = np.zeros((LONGEST, self.cfg.hidden_size), np.float32)
         hidden[:n] = np.asarray(eagle3.fuse(self.cfg, self.params, jnp.asarray(aux)))

@@ -52,6 +52,9 @@ LLAMA4_VISION = dict(
     initializer_range=0.2,
 )  # fmt: skip
 LLAMA4_PREPROCESSOR = {"size": {"height": 56, "width": 56}, "max_patches": 4, "resample": 2}
+# The tiny Kimi K2.5's images hold at most 1,024 patches (the release: 16,384), so that its
+# encoder compiles 4 patch buckets (256 .. 2,048) rather than 8 (up to 32,768).
+KIMI_PREPROCESSOR = {"media_proc_cfg": {"in_patch_limit": 1024}}
 
 # Kimi K2.5's: `<|media_pad|>` and the chat template's frame around it.
 KIMI_PAD, KIMI_BEGIN, KIMI_CONTENT, KIMI_END, KIMI_WORD_IMAGE = 250, 251, 252, 253, 100
@@ -193,6 +196,7 @@ def kimi_case(tmp_path_factory) -> Case:
                     p.normal_(0, 0.2)
     path = tmp_path_factory.mktemp("kimi_k25")
     model.save_pretrained(path)
+    (path / "preprocessor_config.json").write_text(json.dumps(KIMI_PREPROCESSOR))
     as_released_text_names(path)
 
     vision = load_vision_model(path)
