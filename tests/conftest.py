@@ -115,6 +115,20 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 @pytest.hookimpl(optionalhook=True)
+def pytest_handlecrashitem(crashitem, report, sched):
+    """The test a worker died in runs once more on a new worker (tests/xdist_recovery.py)."""
+    from tests.xdist_recovery import retry_crash
+
+    retry_crash(crashitem, report, sched)
+
+
+def pytest_report_teststatus(report, config):
+    from tests.xdist_recovery import rerun_status
+
+    return rerun_status(report)
+
+
+@pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error):
     TALLY.add(getattr(node, "workeroutput", {}).get("fault_tally", {}))
 
