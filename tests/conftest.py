@@ -14,6 +14,7 @@ import pytest
 
 from tests.reliability.tally import TALLY
 from tests.tiny_models import save_tiny_hf_model
+from tests.xdist_recovery import RecoveringLoadScopeScheduling, rerun_status, retry_crash
 
 # Tests run on the CPU; keep XLA from grabbing every core for one tiny matmul.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -108,8 +109,6 @@ def pytest_sessionfinish(session, exitstatus):
 def pytest_xdist_make_scheduler(config, log):
     """Loadscope scheduling that finishes the run after a worker crashes (tests/xdist_recovery.py)."""
     if config.getvalue("dist") == "loadscope":
-        from tests.xdist_recovery import RecoveringLoadScopeScheduling
-
         return RecoveringLoadScopeScheduling(config, log)
     return None
 
@@ -117,14 +116,10 @@ def pytest_xdist_make_scheduler(config, log):
 @pytest.hookimpl(optionalhook=True)
 def pytest_handlecrashitem(crashitem, report, sched):
     """The test a worker died in runs once more on a new worker (tests/xdist_recovery.py)."""
-    from tests.xdist_recovery import retry_crash
-
     retry_crash(crashitem, report, sched)
 
 
 def pytest_report_teststatus(report, config):
-    from tests.xdist_recovery import rerun_status
-
     return rerun_status(report)
 
 
