@@ -19,6 +19,9 @@ over the rounds. A program that prints figures, not a test.
   keeps the activations and the KV cache in float32 and widens each weight in registers as it
   reads it (docs/compression.md); llama.cpp rounds the activations to bfloat16 for its
   products. Their greedy tokens are held to jfire bf16's.
+- jfire bf16 coded: jfire bf16 with its layer weights kept palette-coded in memory
+  (`--keep-compressed`, jfire.kernels.cpu_palette): 0.75 of their bytes, multiplied coded. Its
+  greedy tokens are held to jfire bf16's too.
 - transformers loads the same weights in float32 from safetensors: the parent converts the
   GGUF once (transformers' GGUF reader, outside every timed region: it parses the metadata in
   Python for many seconds, which no serving deployment pays) and `save_pretrained`s it.
@@ -64,6 +67,7 @@ ENGINES = (
     "jfire",
     "jfire suffix",
     "jfire bf16",
+    "jfire bf16 coded",
     "llama.cpp F32",
     "llama.cpp F32 lookup",
     "llama.cpp F32 flash-attn",
@@ -91,7 +95,9 @@ COPY_REQUESTS = (
 COPY_TOKENS = 128
 # Rows whose weights are the float32 values rounded to bfloat16: their greedy tokens are held to
 # jfire bf16's, their roofline is twice float32's (half the bytes a token).
-BF16_ROWS = ("jfire bf16", "llama.cpp BF16")
+BF16_ROWS = ("jfire bf16", "jfire bf16 coded", "llama.cpp BF16")
+# Rows whose bfloat16 layer weights stay palette-coded in memory (--keep-compressed on the CPU).
+CODED_ROWS = ("jfire bf16 coded",)
 # Rows that round the activations before a product (llama.cpp's Q4_1 and BF16 products): their
 # greedy tokens may differ by design.
 ROUNDED_ACTIVATIONS = {"llama.cpp Q4_1": "8-bit activations", "llama.cpp BF16": "bfloat16 activations"}
@@ -234,13 +240,13 @@ def write_hf_safetensors(dst: Path) -> Path:
 # -- the engines, each measured in its own process ------------------------------------------------
 
 
-def _jfire(cache_dir: str, dtype: str, speculative: str | None = None) -> dict:
+def _jfire(cache_dir: str, dtype: str, speculative: str | None = None, coded: bool = False) -> dict:
     from jfire.bench import run_wave
     from jfire.checkpoint.load import load_model
     from jfire.engine import Engine, EngineConfig
     from jfire.sampling import SamplingParams
 
-    model = load_model("default", dtype)
+    model = load_model("default", dtype, keep_compressed=coded)
     config = EngineConfig(
         max_batch=CONC, max_model_len=SLOT_CTX, compilation_cache_dir=cache_dir, speculative=speculative
     )
@@ -431,7 +437,8 @@ def measure_engine(engine: str, arg: str) -> dict:
     """Runs in the child: one engine's figures, with this process's peak RSS (llama.cpp: its
     server's)."""
     if engine.startswith("jfire"):
-        out = _jfire(arg, "bfloat16" if engine in BF16_ROWS else "float32", SPECULATIVE_ROWS.get(engine))
+        dtype = "bfloat16" if engine in BF16_ROWS else "float32"
+        out = _jfire(arg, dtype, SPECULATIVE_ROWS.get(engine), coded=engine in CODED_ROWS)
     elif engine.startswith("llama.cpp"):
         out = _llama_server(arg, flash_attn=engine.endswith("flash-attn"), lookup=engine in SPECULATIVE_ROWS)
     else:
@@ -497,6 +504,7 @@ def _compare(rounds: int, output: str | None, chart: str | None, engines, q4: Pa
         "jfire": cache,
         "jfire suffix": cache,
         "jfire bf16": cache,
+        "jfire bf16 coded": cache,
         "llama.cpp F32": str(f32),
         "llama.cpp F32 lookup": str(f32),
         "llama.cpp F32 flash-attn": str(f32),

@@ -13,7 +13,7 @@ from pathlib import Path
 import jax
 
 from jfire import sharding
-from jfire.checkpoint import compressed, hub, store
+from jfire.checkpoint import compressed, cpu_coded, hub, store
 from jfire.checkpoint.read import DTYPES, open_source, parse_dtype, read_params, tokenizer_of
 from jfire.errors import JfireError
 from jfire.models.family import Family, Parallel
@@ -99,10 +99,15 @@ def load_model(
     """Loads `model` with its weights placed on the device, or on a mesh built from
     `mesh_spec` (a jfire.mesh.MeshSpec): there each device receives only its own shards.
     `keep_compressed` leaves a compressed checkpoint's layer weights compressed on the device,
-    decoded layer by layer as the model runs."""
+    decoded layer by layer as the model runs. In bfloat16 on one CPU device it keeps any
+    source's layer weights palette-coded in memory instead, multiplied coded
+    (jfire.kernels.cpu_palette)."""
     target = parse_dtype(dtype)
     path, name = resolve_model_path(model, checkpoints_dir)
     mesh, replication = None, 1
+    coded_on_cpu = keep_compressed and dtype == "bfloat16" and mesh_spec is None and jax.default_backend() == "cpu"
+    if coded_on_cpu:
+        keep_compressed = False  # the weights load decoded, then take the CPU's coded form
     if store.is_checkpoint(path):
         config = store.read_config(path)
         mesh = _mesh_for(mesh_spec, config, devices)
@@ -133,6 +138,8 @@ def load_model(
         tokenizer = tokenizer_of(source)
     if mesh is not None:
         config, params, replication = sharding.adapt_to_mesh(config, params, mesh)
+    if coded_on_cpu:
+        params = cpu_coded.code_params(params, config)
     return LoadedModel(
         config=config,
         params=params,

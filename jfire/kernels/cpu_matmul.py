@@ -39,8 +39,8 @@ import jax.numpy as jnp
 log = logging.getLogger("jfire.kernels")
 
 KERNELS_DIR = Path(__file__).parent
-SOURCES = tuple(KERNELS_DIR / name for name in ("cpu_matmul.cc", "cpu_attention.cc"))
-HEADERS = (KERNELS_DIR / "cpu_kernels.h",)
+SOURCES = tuple(KERNELS_DIR / name for name in ("cpu_matmul.cc", "cpu_attention.cc", "cpu_palette.cc"))
+HEADERS = (KERNELS_DIR / "cpu_kernels.h", KERNELS_DIR / "cpu_panels.h")
 BUILD_DIR = Path(__file__).with_name("_build")
 COMPILERS = ("g++", "clang++", "c++")  # looked for on PATH, in this order, where $CXX names none
 # With -march=native (`build`'s default) the library is built on, and keyed by, the CPU that runs
@@ -51,7 +51,10 @@ COMPILERS = ("g++", "clang++", "c++")  # looked for on PATH, in this order, wher
 FLAGS = ("-O3", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd", "-Wall", "-Wextra")
 MATMUL_TARGETS = ("jfire_stacked_matmul", "jfire_matmul_nt")
 ATTENTION_TARGETS = ("jfire_paged_attention",)  # cpu_attention.py
-TARGETS = MATMUL_TARGETS + ATTENTION_TARGETS
+TARGETS = MATMUL_TARGETS + ATTENTION_TARGETS  # what a model's programs call
+# cpu_palette.py's: called only by models whose weights are kept palette-coded, which refuse to
+# load where the library is unavailable.
+PALETTE_TARGETS = ("jfire_palette_matmul", "jfire_palette_decode", "jfire_palette_matmul_nt", "jfire_palette_rows")
 UNAVAILABLE = (  # the one warning where the library cannot be had; %s: why
     "jfire: the CPU matmul kernels ("
     + ", ".join(MATMUL_TARGETS)
@@ -189,7 +192,7 @@ def load(path: Path, suffix: str = "") -> None:
     """Loads the library at `path` and registers its FFI targets, each as its name + `suffix`,
     once per process. Raises OSError or AttributeError where it cannot."""
     lib = ctypes.cdll.LoadLibrary(str(path))
-    for name in TARGETS:
+    for name in TARGETS + PALETTE_TARGETS:
         jax.ffi.register_ffi_target(name + suffix, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
 
 

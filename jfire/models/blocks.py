@@ -180,20 +180,27 @@ def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Arra
 def layer_matmul(x: jax.Array, p, name: str, n_in: int = 1) -> jax.Array:
     """x [..., in...] through the layer weight p[name] [in..., out...], whose first n_in dims
     contract with x's last n_in (`flat_matmul`). Where `p` is a `StackedLayer` and the CPU
-    kernels apply, the product reads the layer straight from the stack (jfire.kernels.cpu_matmul)."""
+    kernels apply, the product reads the layer straight from the stack (jfire.kernels.cpu_matmul),
+    or from its palette-coded form (jfire.kernels.cpu_palette)."""
     return layer_matmuls(x, p, (name,), n_in)[0]
 
 
 def layer_matmuls(x: jax.Array, p, names, n_in: int = 1) -> tuple[jax.Array, ...]:
     """`layer_matmul` of one input by several weights (a layer's q, k and v, or its gate and
     up): on the CPU kernels, one call for all of them."""
-    from jfire.kernels import cpu_matmul
+    from jfire.kernels import cpu_matmul, cpu_palette
     from jfire.models.family import StackedLayer
 
     if isinstance(p, StackedLayer):
         stacks = [p.stack[name] for name in names]
         lead, k = x.shape[: x.ndim - n_in], math.prod(x.shape[x.ndim - n_in :])
-        if cpu_matmul.applies(math.prod(lead), x, *stacks):
+        coded = [isinstance(s, cpu_palette.CpuPalette) for s in stacks]
+        if any(coded) and not all(coded):
+            return tuple(layer_matmuls(x, p, (name,), n_in)[0] for name in names)
+        if all(coded):
+            if cpu_matmul.applies(math.prod(lead), x, *stacks):
+                return cpu_palette.stacked_matmuls(x.reshape(*lead, k), stacks, p.index)
+        elif cpu_matmul.applies(math.prod(lead), x, *stacks):
             flat = [s.reshape(s.shape[0], k, math.prod(s.shape[1 + n_in :])) for s in stacks]
             outs = cpu_matmul.stacked_matmuls(x.reshape(*lead, k), flat, p.index)
             return tuple(y.reshape(*lead, *s.shape[1 + n_in :]) for y, s in zip(outs, stacks))
@@ -235,7 +242,7 @@ def lm_head(x: jax.Array, params: dict, tied: bool) -> jax.Array:
     step (`cpu_matmul.decode_rows`: x [t, b, e]) the product takes the path a decode step of b
     rows takes: the kernel over every row where it serves b rows (a row's sums do not depend on
     the rows beside it), else XLA's dot of b rows once per position."""
-    from jfire.kernels import cpu_matmul
+    from jfire.kernels import cpu_matmul, cpu_palette
 
     step_rows = cpu_matmul.decode_rows_now()
     with jax.named_scope("lm_head"):
@@ -243,7 +250,11 @@ def lm_head(x: jax.Array, params: dict, tied: bool) -> jax.Array:
             embed = params["embed"]
             rows = step_rows or math.prod(x.shape[:-1])
             if cpu_matmul.applies(rows, x, embed, max_rows=cpu_matmul.head_max_rows(embed)):
-                return cpu_matmul.matmul_nt(x, params["embed"])
+                if isinstance(embed, cpu_palette.CpuPaletteTable):
+                    return cpu_palette.matmul_nt(x, embed)
+                return cpu_matmul.matmul_nt(x, embed)
+            if isinstance(embed, cpu_palette.CpuPaletteTable):
+                embed = embed.decoded()
 
             def head(x):
                 return jnp.einsum("...e,ve->...v", x, embed, preferred_element_type=jnp.float32)

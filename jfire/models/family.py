@@ -33,6 +33,8 @@ from typing import Any, ClassVar
 import jax
 import numpy as np
 
+from jfire.kernels.cpu_palette import CpuPalette
+
 # Cache axes whose size the engine chooses: how many pages, and tokens per page. A pages axis
 # that the mesh splits (sequence-sharded pages, for caches with no head axis) is named
 # LATENT_PAGES; it is a pages axis all the same.
@@ -464,7 +466,7 @@ def scan_layers(layer: Callable, stack, carry, dtype, *, in_place: bool = False,
     `in_place`: the layer reads its weights through `jfire.models.blocks.layer_matmul`, which
     can take them from the whole stack; where the program enables that
     (`jfire.kernels.cpu_matmul.in_place`), `p` is a `StackedLayer` view instead of slices."""
-    from jfire.kernels import cpu_matmul
+    from jfire.kernels import cpu_matmul, cpu_palette
     from jfire.kernels.layer_weights import has_compressed, layer_slice
 
     if _captures and first is not None:  # `first`: the model layer of the stack's first entry
@@ -480,7 +482,8 @@ def scan_layers(layer: Callable, stack, carry, dtype, *, in_place: bool = False,
     ids = jax.numpy.arange(stack_depth(stack), dtype=jax.numpy.int32)
     if has_compressed(stack):
         carry, _ = jax.lax.scan(lambda c, j: layer(c, layer_slice(stack, j, dtype=dtype), j), carry, ids)
-    elif in_place and cpu_matmul.in_place_enabled():
+    elif (in_place and cpu_matmul.in_place_enabled()) or cpu_palette.has_coded(stack):
+        # (A coded stack is never scanned over: its arrays are not layer-major values.)
         carry, _ = jax.lax.scan(lambda c, j: layer(c, StackedLayer(stack, j), j), carry, ids)
     else:
         carry, _ = jax.lax.scan(lambda c, xs: layer(c, *xs), carry, (stack, ids))
@@ -532,6 +535,8 @@ class StackedLayer(Mapping):
         value = self.stack[name]
         if isinstance(value, Mapping):  # a periodic segment's stack of one position
             return StackedLayer(value, self.index)
+        if isinstance(value, CpuPalette):  # decoded for a product the coded kernel does not take
+            return value.layer(self.index)
         return jax.lax.dynamic_index_in_dim(value, self.index, keepdims=False)
 
     def __iter__(self):
