@@ -14,6 +14,9 @@ infinities, subnormals and signed zeros planted in every tensor. Then:
   2. layers of stacked tensors decoded one at a time (the keep-compressed mode);
   3. decode GB/s (bf16 out) of both decoders, and of a copy kernel, per tensor and in total;
   4. a sweep of the kernel's tile size and warps on the largest tensor;
+  4b. the fused palette matmul (the weight read coded, rebuilt in bf16 tile by tile before
+     its dot) against XLA's dot on the plain bf16 weight, Llama-3-8B's MLP shapes, batch 1
+     and 64;
   5. one Scout-shaped MoE layer (hidden 5120, 16 experts of width 8192, top-1, bf16): the
      dropless layer with the Pallas grouped matmul (jfire.kernels.grouped_matmul), with XLA's
      `jax.lax.ragged_dot` (a padded dense matmul on CUDA) and every expert computed, at 1, 16,
@@ -37,6 +40,7 @@ Time on one H100 (80 GB, 3.35 TB/s, 989 dense bf16 TF/s), estimated from the siz
 yet run on a GPU; compiles guessed at 1-5 s a program, the engine's at its CPU count):
   1-4 compression: 1.1 GB of bf16 encoded on the host (~20 s), decodes at GB/s (~5 s),
       20 tile configs compiled and timed (~30 s)                                      ~ 1 min
+  4b  palette matmul: 235 MB of bf16 encoded on the host (~3 s), 4 compiles, 8 timings  ~ 0.25 min
   5   Scout MoE: 4 GB of experts; 4 token counts x 3 paths compiled (~40 s; the largest
       call, dense at 2,048 tokens, 8 TFLOP: ~15 ms), 12 tile variants (~30 s), the scan
       over 8 GB (~10 s)                                                               ~ 1.5 min
@@ -47,7 +51,7 @@ yet run on a GPU; compiles guessed at 1-5 s a program, the engine's at its CPU c
       ~0.1 s a call) and MLA prefill at 2k                                            ~ 0.75 min
   7   engine: 16 GB drawn (~5 s), start-up with every program compiled (~1-2 min),
       8 decode waves of up to 64 x 128 tokens (~15 s), 4 TTFTs (~5 s)                  ~ 2.5 min
-  in all about 6.5 minutes, under the 8 the prepared call has (--repeats 10 throughout;
+  in all about 6.75 minutes, under the 8 the prepared call has (--repeats 10 throughout;
   `--repeats 3` takes ~20 s off); an H200 is a little faster.
 """
 
@@ -131,6 +135,42 @@ def sweep(name, bits, c, configs, interpret: bool, repeats: int) -> list[dict]:
         seconds = median_seconds(lambda: run(c).block_until_ready(), repeats)
         rows.append({"name": name, "block_lanes": block_lanes, "num_warps": num_warps, "exact": exact,
                      "gbps": bits.nbytes / seconds / 1e9})
+    return rows
+
+
+def palette_matmul_check(smoke: bool, repeats: int) -> list[dict]:
+    """The fused palette matmul (jfire.kernels.palette_matmul: the weight read in its
+    palette-coded form, each 64 x 64 tile rebuilt in bf16 just before its dot) against XLA's
+    dot on the plain bf16 weight, at Llama-3-8B's MLP shapes (gate 4096 x 14336, down 14336 x
+    4096), batch 1 and 64, bf16 inputs, float32 out: ms of each, bytes read over the time
+    (coded for the kernel, bf16 for XLA), and agreement with the plain product (to bf16
+    rounding: the two sum in different orders). In the smoke run (interpret mode) the kernel
+    must equal its reference bit for bit."""
+    from jfire.checkpoint import palette
+    from jfire.kernels.palette_matmul import palette_matmul, palette_matmul_reference
+
+    shapes = [(128, 256), (256, 128)] if smoke else [(4096, 14336), (14336, 4096)]
+    rows = []
+    for i, shape in enumerate(shapes):
+        key = jax.random.fold_in(jax.random.key(29), i)
+        w = (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(jnp.bfloat16)
+        p = jax.device_put(palette.encode(np.asarray(w), palette.make_layout(shape)))
+        coded_bytes = sum(a.nbytes for a in jax.tree.leaves(p))
+        plain = jit(smoke)(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32))
+        fused = jit(smoke)(lambda x, p: palette_matmul(x, p, interpret=smoke, out_dtype=jnp.float32))
+        for m in (1, 16) if smoke else (1, 64):
+            x = jax.random.normal(jax.random.fold_in(key, 100 + m), (m, shape[0]), jnp.float32).astype(jnp.bfloat16)
+            got, want = np.asarray(fused(x, p)), np.asarray(plain(x, w))
+            scale = float(np.abs(want).max())
+            agree = bool(np.allclose(got, want, rtol=1e-2, atol=1e-2 * scale))
+            if smoke:
+                agree = agree and bool(np.array_equal(got, np.asarray(palette_matmul_reference(x, p, out_dtype=jnp.float32))))
+            t_fused = median_seconds(lambda: fused(x, p).block_until_ready(), repeats)  # noqa: B023 (called here)
+            t_plain = median_seconds(lambda: plain(x, w).block_until_ready(), repeats)  # noqa: B023
+            rows.append({"shape": list(shape), "batch": m, "k": p.layout.k, "ratio": coded_bytes / w.nbytes,
+                         "fused_ms": 1e3 * t_fused, "bf16_dot_ms": 1e3 * t_plain, "fused_over_bf16": t_fused / t_plain,
+                         "fused_read_gbps": coded_bytes / t_fused / 1e9, "bf16_read_gbps": w.nbytes / t_plain / 1e9,
+                         "agree": agree})
     return rows
 
 
@@ -445,6 +485,7 @@ def main(argv=None) -> int:
     result["units"] = check_units(tensors, encoded, kernel)
     name, bits, _ = max(tensors, key=lambda t: t[1].size)
     result["sweep"] = sweep(name, bits, encoded[name], configs, interpret=args.smoke, repeats=repeats)
+    result["palette_matmul"] = palette_matmul_check(args.smoke, repeats)
     result["moe"] = moe_check(args.smoke, repeats)
     result["moe_tiles"] = moe_tiles_check(args.smoke, repeats)
     result["moe_scan"] = moe_scan_check(args.smoke, repeats)
@@ -457,7 +498,7 @@ def main(argv=None) -> int:
     t = result["total"]
     exact = t["exact"] and all(r["exact"] for r in result["units"] + result["sweep"])
     exact = exact and all(r["agree"] for r in result["moe"] + result["kimi_kernels"] + [result["engine"]["kernel"]])
-    exact = exact and all(r["agree"] for r in result["moe_tiles"])
+    exact = exact and all(r["agree"] for r in result["moe_tiles"] + result["palette_matmul"])
     exact = exact and all(r["agree"] for r in result["prefill_attention"] + result["kimi_layer"])
     best = max(result["sweep"], key=lambda r: r["gbps"])
     print(f"compression ratio {t['ratio']:.4f}; encode {t['encode_gbps']:.3f} GB/s (host)")
@@ -466,6 +507,10 @@ def main(argv=None) -> int:
     print(f"device copy             {t['copy_gbps']:8.4g} GB/s")
     print(f"best tile on {best['name']}: block_lanes={best['block_lanes']} num_warps={best['num_warps']} "
           f"{best['gbps']:.4g} GB/s")
+    for r in result["palette_matmul"]:
+        print(f"palette matmul {r['shape'][0]}x{r['shape'][1]} (k={r['k']}, {r['ratio']:.3f} of bf16), batch {r['batch']:>2}: "
+              f"fused {r['fused_ms']:8.3f} ms ({r['fused_read_gbps']:.0f} GB/s coded), bf16 dot {r['bf16_dot_ms']:8.3f} ms "
+              f"({r['bf16_read_gbps']:.0f} GB/s), fused/bf16 {r['fused_over_bf16']:.2f}, agree: {'yes' if r['agree'] else 'NO'}")
     for r in result["moe"]:
         print(f"MoE layer, {r['tokens']:>4} tokens: Pallas grouped {r['kernel_ms']:8.3f} ms "
               f"({r['kernel_weight_gbps']:.0f} GB/s of used experts), XLA ragged_dot {r['xla_ragged_dot_ms']:8.3f} ms, "
