@@ -209,6 +209,15 @@ def available() -> bool:
     return True
 
 
+@functools.cache
+def native_library():
+    """This machine's kernels library as a ctypes handle, for its plain C functions (the
+    palette encoder), or None where it cannot be had."""
+    if not available():
+        return None
+    return ctypes.cdll.LoadLibrary(str(build(quiet=True)))
+
+
 @contextlib.contextmanager
 def library(path: Path):
     """Kernels traced inside it are those of the library at `path` (a `build` with another

@@ -440,6 +440,51 @@ ffi::Error PaletteRows(ffi::Buffer<ffi::S32> ids, ffi::AnyBuffer blocks, ffi::An
 
 }  // namespace
 
+// The coded form of one layer [k, n] of bfloat16 bits (encode in cpu_palette.py; its numpy
+// form is the reference the tests hold this to): writes blocks (k/32 * n/64 * kBlockBytes
+// bytes), exc_start (blocks + 1) and the exceptions (at most k * n), and returns how many.
+// A block's palette: its 16 commonest exponents, ties to the smaller exponent.
+extern "C" int64_t jfire_palette_encode(const uint16_t* bits, int64_t k, int64_t n, uint8_t* blocks,
+                                        uint32_t* exc_start, uint32_t* exc) {
+  const int64_t row_blocks = k / kBlockRows, col_blocks = n / kBlockCols;
+  int64_t count = 0;
+  exc_start[0] = 0;
+  for (int64_t rb = 0; rb < row_blocks; ++rb) {
+    for (int64_t cb = 0; cb < col_blocks; ++cb) {
+      const int64_t b = rb * col_blocks + cb;
+      uint8_t* block = blocks + b * kBlockBytes;
+      const uint16_t* w = bits + rb * kBlockRows * n + cb * kBlockCols;
+      uint32_t hist[256] = {};
+      for (int64_t j = 0; j < kBlockRows; ++j)
+        for (int64_t c = 0; c < kBlockCols; ++c) ++hist[(w[j * n + c] >> 7) & 0xff];
+      uint8_t order[256];
+      for (int i = 0; i < 256; ++i) order[i] = static_cast<uint8_t>(i);
+      std::stable_sort(order, order + 256, [&](uint8_t a, uint8_t b2) { return hist[a] > hist[b2]; });
+      uint8_t code_of[256];
+      std::memset(code_of, 0xff, sizeof code_of);
+      for (int i = 0; i < 16; ++i) code_of[order[i]] = static_cast<uint8_t>(i), block[i] = order[i];
+      uint32_t words[4][kBlockCols] = {};
+      uint8_t* raw = block + kPaletteBytes + kCodeBytes;
+      for (int64_t j = 0; j < kBlockRows; ++j) {
+        for (int64_t c = 0; c < kBlockCols; ++c) {
+          const uint16_t v = w[j * n + c];
+          const uint32_t exponent = (v >> 7) & 0xff;
+          uint32_t code = code_of[exponent];
+          if (code == 0xff) {
+            exc[count++] = static_cast<uint32_t>(j * kBlockCols + c) << 8 | exponent;
+            code = 0;
+          }
+          words[j / 8][c] |= code << (4 * (j % 8));
+          raw[j * kBlockCols + c] = static_cast<uint8_t>(((v >> 8) & 0x80) | (v & 0x7f));
+        }
+      }
+      std::memcpy(block + kPaletteBytes, words, sizeof words);
+      exc_start[b + 1] = static_cast<uint32_t>(count);
+    }
+  }
+  return count;
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jfire_palette_matmul, PaletteMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()

@@ -19,6 +19,7 @@ while 16 exponents a block leave almost none).
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import math
 
@@ -126,7 +127,43 @@ def fits(shape: tuple[int, ...], n_in: int) -> bool:
 
 
 def encode(stack: np.ndarray, n_in: int) -> CpuPalette:
-    """The coded form of a bfloat16 stack [layers, in..., out...] (as numpy, on the host)."""
+    """The coded form of a bfloat16 stack [layers, in..., out...] (on the host), by the kernels'
+    library (`jfire_palette_encode`, one pass a layer: the default model's weights in about
+    0.5 s against 7 s in numpy), else by `encode_reference`."""
+    lib = cpu_matmul.native_library()
+    if lib is None:
+        return encode_reference(stack, n_in)
+    shape = tuple(int(d) for d in stack.shape)
+    if not fits(shape, n_in):
+        raise ValueError(f"a stack of shape {shape} does not split into blocks of {BLOCK_ROWS} x {BLOCK_COLS}")
+    layers, k, n = shape[0], math.prod(shape[1 : 1 + n_in]), math.prod(shape[1 + n_in :])
+    bits = np.ascontiguousarray(np.asarray(stack).view(np.uint16)).reshape(layers, k, n)
+    count = (k // BLOCK_ROWS) * (n // BLOCK_COLS)
+    blocks = np.empty((layers, count * BLOCK_BYTES), np.uint8)
+    exc_start = np.empty((layers, count + 1), np.uint32)
+    scratch = np.empty(k * n, np.uint32)
+    fn = lib.jfire_palette_encode
+    fn.restype = ctypes.c_int64
+    found = []
+    for layer in range(layers):
+        got = fn(
+            bits[layer].ctypes.data_as(ctypes.c_void_p),
+            ctypes.c_int64(k),
+            ctypes.c_int64(n),
+            blocks[layer].ctypes.data_as(ctypes.c_void_p),
+            exc_start[layer].ctypes.data_as(ctypes.c_void_p),
+            scratch.ctypes.data_as(ctypes.c_void_p),
+        )
+        found.append(scratch[:got].copy())
+    exc = np.zeros((layers, max(len(f) for f in found) + 1), np.uint32)
+    for layer, f in enumerate(found):
+        exc[layer, : len(f)] = f
+    return CpuPalette(jnp.asarray(blocks), jnp.asarray(exc_start), jnp.asarray(exc), shape, n_in)
+
+
+def encode_reference(stack: np.ndarray, n_in: int) -> CpuPalette:
+    """`encode` in vectorised numpy: what the native encoder is held to (and the encoder where
+    the library is unavailable)."""
     shape = tuple(int(d) for d in stack.shape)
     if not fits(shape, n_in):
         raise ValueError(f"a stack of shape {shape} does not split into blocks of {BLOCK_ROWS} x {BLOCK_COLS}")

@@ -36,6 +36,15 @@ def test_the_coded_form_decodes_to_the_source_bits(wide):
         np.testing.assert_array_equal(np.asarray(decode(layer)).view(np.uint16), stack[layer].view(np.uint16))
 
 
+@pytest.mark.parametrize("wide", [False, True])
+def test_the_native_encoder_writes_the_numpy_encoders_bytes(wide):
+    rng = np.random.default_rng(10 + wide)
+    stack = bf16_stack(rng, (2, 96, 3, 64), wide)  # n_in 1: k = 96, n = 192
+    native, reference = cpu_palette.encode(stack, 1), cpu_palette.encode_reference(stack, 1)
+    for a, b in zip(jax.tree.leaves(native), jax.tree.leaves(reference)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 # k = 160 splits over two threads at row 80, inside a block; k = 576, 1536: the default model's.
 @pytest.mark.parametrize("k,n", [(576, 192), (1536, 128), (160, 64)])
 def test_products_equal_the_bfloat16_kernels_bits(k, n, kernel_build):
