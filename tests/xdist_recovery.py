@@ -43,6 +43,13 @@ class RecoveringLoadScopeScheduling(LoadScopeScheduling):
         scope = self._split_scope(item)
         self.workqueue.setdefault(scope, {})[item] = False
 
+    def _reschedule(self, node):
+        # A node still collecting, or whose collection xdist refused (it differs from the
+        # others': a test file changed under a running suite), has nothing to be given work by
+        # (stock xdist then fails the whole run on a KeyError).
+        if node in self.registered_collections:
+            super()._reschedule(node)
+
     def _assign_work_unit(self, node):
         super()._assign_work_unit(node)
         if not self.workqueue:
