@@ -27,7 +27,6 @@ Process 0, and a process outside any cluster, leave it to JAX.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import os
@@ -46,55 +45,15 @@ SUBDIR = "jfire-processes"
 PROGRAMS = "jfire-programs"
 
 
-class _Gate:
-    """Compilations of a process run side by side; an executable is serialized or loaded only
-    while none runs, one at a time (new compilations wait for it, so it waits at most for those
-    already running).
-
-    Three times in full runs of the test suite a process died of a segfault inside XLA:CPU's
-    executable serialization: once storing and once loading a program while other threads of
-    the process compiled, then (with serializations already one at a time) once loading a
-    prefill program with no other thread of the process in Python's compile calls. It never
-    happened alone, nor in stresses of engines starting in threads or of loads beside loads
-    and compiles. The cause inside XLA is not known; keeping compiles and serializations apart
-    removes one suspect, at little cost: loading takes ~50 ms a program and storing less."""
-
-    def __init__(self):
-        self._state = threading.Condition()
-        self._compiling = 0
-        self._exclusive = False
-        self._waiting = 0  # serializations waiting: new compilations let them go first
-
-    @contextlib.contextmanager
-    def compiling(self):
-        with self._state:
-            while self._exclusive or self._waiting:
-                self._state.wait()
-            self._compiling += 1
-        try:
-            yield
-        finally:
-            with self._state:
-                self._compiling -= 1
-                self._state.notify_all()
-
-    @contextlib.contextmanager
-    def serializing(self):
-        with self._state:
-            self._waiting += 1
-            while self._exclusive or self._compiling:
-                self._state.wait()
-            self._waiting -= 1
-            self._exclusive = True
-        try:
-            yield
-        finally:
-            with self._state:
-                self._exclusive = False
-                self._state.notify_all()
-
-
-_GATE = _Gate()
+# One executable serialized or loaded at a time in a process. Three times in full runs of the
+# test suite a process died of a segfault inside XLA:CPU's executable serialization: once
+# storing and once loading a program while other threads of the process compiled, then (with
+# this lock in place) once loading a prefill program with no other thread of the process in
+# Python's compile calls. It never happened alone, nor in stresses of engines starting in
+# threads or of loads beside loads and compiles; the cause inside XLA is not known, and the
+# suite survives it (tests/xdist_recovery.py reruns the test on a new worker). Loading takes
+# ~50 ms a program and storing less, so one at a time costs start-ups nothing measurable.
+_SERIALIZATION = threading.Lock()
 
 
 def program(fn, args: tuple, static: dict, devices, options: dict | None = None) -> jax.stages.Compiled:
@@ -159,14 +118,14 @@ def _compiled_afresh(lowered: jax.stages.Lowered, options: dict | None = None) -
     # JAX also keeps compiled executables in memory, keyed by the lowered module and the compiler
     # options: a program this process already compiled (or loaded from JAX's cache) would come
     # back as that same executable; the options make the key its own there too.
-    with config.persistent_cache_min_compile_time_secs(float("inf")), _GATE.compiling():
+    with config.persistent_cache_min_compile_time_secs(float("inf")):
         return lowered.compile(compiler_options={**_AFRESH, **(options or {})})
 
 
 def _serialize(exe: jax.stages.Compiled):
     from jax.experimental.serialize_executable import serialize
 
-    with _GATE.serializing():
+    with _SERIALIZATION:
         return serialize(exe)
 
 
@@ -176,7 +135,7 @@ def _load(path: Path, devices: list) -> jax.stages.Compiled | None:
 
     try:
         serialized, in_tree, out_tree = pickle.loads(path.read_bytes())
-        with _GATE.serializing():
+        with _SERIALIZATION:
             return deserialize_and_load(
                 serialized, in_tree, out_tree, backend=devices[0].client, execution_devices=devices
             )
@@ -192,8 +151,7 @@ def compiled(lowered: jax.stages.Lowered, devices, options: dict | None = None) 
     mesh's, flattened)."""
     directory = _directory()
     if directory is None:
-        with _GATE.compiling():
-            return lowered.compile(compiler_options=options or None)
+        return lowered.compile(compiler_options=options or None)
     devices = list(devices)
     return _load_or_compile(directory / f"{_key(lowered, devices, options)}.pkl", devices, lambda: lowered, options)
 

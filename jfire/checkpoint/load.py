@@ -13,9 +13,10 @@ from pathlib import Path
 import jax
 
 from jfire import sharding
-from jfire.checkpoint import compressed, cpu_coded, hub, store
+from jfire.checkpoint import compressed, hub, store
 from jfire.checkpoint.read import DTYPES, open_source, parse_dtype, read_params, tokenizer_of
 from jfire.errors import JfireError
+from jfire.models import cpu_coded
 from jfire.models.family import Family, Parallel
 from jfire.tokenizer import Tokenizer
 
