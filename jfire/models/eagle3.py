@@ -38,6 +38,7 @@ import numpy as np
 
 from jfire.errors import JfireError
 from jfire.kernels.cpu_attention import paged_attention
+from jfire.kernels.cpu_palette import CpuPaletteTable
 from jfire.models import mla
 from jfire.models.blocks import (
     RopeScaling,
@@ -366,7 +367,9 @@ def draft_forward(
     with jax.named_scope("eagle3"):
         g = hidden.astype(dtype)
         g_normed = rms_norm(g, p["hidden_norm"], eps)
-        e_normed = rms_norm(jnp.asarray(embed)[tokens].astype(dtype), p["input_norm"], eps)
+        # (A target's embedding kept palette-coded on the CPU looks its rows up itself.)
+        rows = embed[tokens] if isinstance(embed, CpuPaletteTable) else jnp.asarray(embed)[tokens]
+        e_normed = rms_norm(rows.astype(dtype), p["input_norm"], eps)
         x_in = jnp.concatenate([e_normed, g_normed], axis=-1)  # [b, t, 2H]: embedding first
         attend = _mla_attention if cfg.attention == "mla" else _gqa_attention
         with jax.named_scope("attention"):
