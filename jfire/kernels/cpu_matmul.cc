@@ -204,30 +204,9 @@ ffi::Error StackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
     total += m * n;
   }
   const float* xp = x.typed_data();
-  const int64_t chunks = Threads(pool, k);
-  if (chunks == 1) {
-    for (const Product& p : products) MultiplyAny(xp, p.w, p.bf16, p.y, m, k, p.n, 0, k);
-    return ffi::Error::Success();
-  }
-  // Chunks split k, so each reads whole rows of every w; chunk 0 sums into the outputs, the
-  // others into partials.
-  const int64_t per = (k + chunks - 1) / chunks;
-  std::vector<float> partial((chunks - 1) * total);
-  float* parts = partial.data();
-  const Product* ps = products.data();
-  RunChunks(pool, chunks, [=](int64_t c) {
-    const int64_t k0 = c * per, k1 = std::max(k0, std::min(k, k0 + per));
-    for (int64_t i = 0; i < count; ++i) {
-      const Product& p = ps[i];
-      MultiplyAny(xp, p.w, p.bf16, c == 0 ? p.y : parts + (c - 1) * total + p.offset, m, k, p.n, k0, k1);
-    }
+  jfire_cpu::SplitContraction(pool, m, k, products, total, [=](const Product& p, float* out, int64_t k0, int64_t k1) {
+    MultiplyAny(xp, p.w, p.bf16, out, m, k, p.n, k0, k1);
   });
-  for (const Product& p : products) {
-    for (int64_t c = 1; c < chunks; ++c) {
-      const float* part = parts + (c - 1) * total + p.offset;
-      for (int64_t j = 0; j < m * p.n; ++j) p.y[j] += part[j];
-    }
-  }
   return ffi::Error::Success();
 }
 

@@ -113,9 +113,10 @@ struct Rebuild {
 };
 
 template <int64_t... J>
-inline void DecodeRows(const Rebuild& rebuild, const uint8_t* block, float* buf, std::integer_sequence<int64_t, J...>) {
+inline void DecodeRows(const Rebuild& rebuild, const uint8_t* block, float* out, int64_t ld,
+                       std::integer_sequence<int64_t, J...>) {
   auto row = [&](auto j) {
-    for (int64_t v = 0; v < 4; ++v) _mm512_storeu_si512(buf + j * kBlockCols + 16 * v, rebuild.Row<j>(block, v));
+    for (int64_t v = 0; v < 4; ++v) _mm512_storeu_si512(out + j * ld + 16 * v, rebuild.Row<j>(block, v));
   };
   (row(std::integral_constant<int64_t, J>{}), ...);
 }
@@ -139,26 +140,29 @@ inline void MultiplyBlockRow(const Rebuild& rebuild, const uint8_t* block, const
 #endif
 
 
-// Block `block`'s values as float32 into buf [32][64], its exceptions patched in.
-void DecodeBlock(const uint8_t* block, const uint32_t* exc, uint32_t e0, uint32_t e1, float* buf) {
+// Block `block`'s values as float32 into out [32][64] (rows `ld` floats apart), its exceptions
+// patched in.
+void DecodeBlock(const uint8_t* block, const uint32_t* exc, uint32_t e0, uint32_t e1, float* out,
+                 int64_t ld = kBlockCols) {
 #if defined(__AVX512VBMI__)
-  DecodeRows(Rebuild(block), block, buf, std::make_integer_sequence<int64_t, kBlockRows>{});
+  DecodeRows(Rebuild(block), block, out, ld, std::make_integer_sequence<int64_t, kBlockRows>{});
 #else
   const uint8_t* raw = block + kPaletteBytes + kCodeBytes;
   for (int64_t j = 0; j < kBlockRows; ++j) {
     for (int64_t c = 0; c < kBlockCols; ++c) {
       const uint32_t code = (CodeWord(block, j / 8, c) >> (4 * (j % 8))) & 15u;
       const uint32_t bits = ValueBits(raw[j * kBlockCols + c], block[code]);
-      std::memcpy(buf + j * kBlockCols + c, &bits, sizeof bits);
+      std::memcpy(out + j * ld + c, &bits, sizeof bits);
     }
   }
 #endif
   for (uint32_t e = e0; e < e1; ++e) {
     const uint32_t pos = exc[e] >> 8, exponent = exc[e] & 0xffu;
+    float* value = out + (pos / kBlockCols) * ld + pos % kBlockCols;
     uint32_t bits;
-    std::memcpy(&bits, buf + pos, sizeof bits);
+    std::memcpy(&bits, value, sizeof bits);
     bits = (bits & 0x807FFFFFu) | exponent << 23;
-    std::memcpy(buf + pos, &bits, sizeof bits);
+    std::memcpy(value, &bits, sizeof bits);
   }
 }
 
@@ -234,7 +238,7 @@ ffi::Error CodedLayer(ffi::AnyBuffer blocks, ffi::AnyBuffer exc_start, ffi::AnyB
 }
 
 // y_i = x @ w_i[layer] for every coded stack given as (blocks, exc_start, exc), sharing one
-// pass over the pool, with jfire_stacked_matmul's split of k and order of partials.
+// pass over the pool (SplitContraction: jfire_stacked_matmul's split of k and order of partials).
 ffi::Error PaletteMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
                          ffi::RemainingArgs args, ffi::RemainingRets rets) {
   const auto xd = x.dimensions();
@@ -265,23 +269,9 @@ ffi::Error PaletteMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   }
   const float* xp = x.typed_data();
   if (m == 0) return ffi::Error::Success();
-  const int64_t chunks = Threads(pool, k);
-  const int64_t per = (k + chunks - 1) / chunks;
-  std::vector<float> partial((chunks - 1) * total);
-  float* parts = partial.data();
-  const Coded* ps = products.data();
-  RunChunks(pool, chunks, [=](int64_t c) {
-    const int64_t k0 = c * per, k1 = std::max(k0, std::min(k, k0 + per));
-    for (int64_t i = 0; i < count; ++i) {
-      MultiplyCoded(xp, ps[i], c == 0 ? ps[i].y : parts + (c - 1) * total + ps[i].offset, m, k, k0, k1);
-    }
+  jfire_cpu::SplitContraction(pool, m, k, products, total, [=](const Coded& p, float* out, int64_t k0, int64_t k1) {
+    MultiplyCoded(xp, p, out, m, k, k0, k1);
   });
-  for (const Coded& p : products) {
-    for (int64_t c = 1; c < chunks; ++c) {
-      const float* part = parts + (c - 1) * total + p.offset;
-      for (int64_t j = 0; j < m * p.n; ++j) p.y[j] += part[j];
-    }
-  }
   return ffi::Error::Success();
 }
 
@@ -318,7 +308,7 @@ ffi::Error PaletteDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer, ffi:
 }
 
 // y[:, n0:n1] = x @ w[n0:n1, :]^T for a coded table w [n, k] (its rows in blocks of 32): each
-// strip of 32 rows of w decoded into a float32 buffer, then dotted with x by jfire_matmul_nt's
+// strip of 32 rows of w decoded into a float32 buffer [32][k], then dotted with x by jfire_matmul_nt's
 // dot blocks, which sum every y[r, j] in the same order whatever rows of w go with it.
 #if defined(__AVX512VBMI__)
 // One row of x dotted with a whole strip of 32 rows of w whose blocks have no exceptions, the
@@ -352,7 +342,6 @@ void DotCoded(const float* x, const Coded& w, float* y, int64_t m, int64_t k, in
   thread_local std::vector<float> strip;
   strip.resize(kBlockRows * k);
   const int64_t col_blocks = k / kBlockCols;
-  alignas(64) float buf[kBlockRows * kBlockCols];
   LaneSums sums;
   for (int64_t s = n0 / kBlockRows; s * kBlockRows < n1; ++s) {
     const int64_t lo = std::max(n0, s * kBlockRows), hi = std::min(n1, (s + 1) * kBlockRows);
@@ -366,10 +355,7 @@ void DotCoded(const float* x, const Coded& w, float* y, int64_t m, int64_t k, in
 #endif
     for (int64_t cb = 0; cb < col_blocks; ++cb) {
       const int64_t b = s * col_blocks + cb;
-      DecodeBlock(w.blocks + b * kBlockBytes, w.exc, w.exc_start[b], w.exc_start[b + 1], buf);
-      for (int64_t j = 0; j < kBlockRows; ++j) {
-        std::memcpy(strip.data() + j * k + cb * kBlockCols, buf + j * kBlockCols, kBlockCols * sizeof(float));
-      }
+      DecodeBlock(w.blocks + b * kBlockBytes, w.exc, w.exc_start[b], w.exc_start[b + 1], strip.data() + cb * kBlockCols, k);
     }
     auto row = [&](int64_t j) { return strip.data() + (j - s * kBlockRows) * k; };  // row j of w
     int64_t j = lo;

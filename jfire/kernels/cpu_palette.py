@@ -53,11 +53,11 @@ class CpuPalette:
 
     @property
     def k(self) -> int:
-        return math.prod(self.shape[1 : 1 + self.n_in])
+        return matrix_dims(self.shape, self.n_in)[0]
 
     @property
     def n(self) -> int:
-        return math.prod(self.shape[1 + self.n_in :])
+        return matrix_dims(self.shape, self.n_in)[1]
 
     @property
     def nbytes(self) -> int:
@@ -120,10 +120,23 @@ def matmul_nt(x: jax.Array, table: CpuPaletteTable) -> jax.Array:
     return out.reshape(*lead, table.shape[0])
 
 
+def matrix_dims(shape: tuple[int, ...], n_in: int) -> tuple[int, int]:
+    """(k, n) of each layer of a stack [layers, in..., out...]: its inputs and outputs."""
+    return math.prod(shape[1 : 1 + n_in]), math.prod(shape[1 + n_in :])
+
+
 def fits(shape: tuple[int, ...], n_in: int) -> bool:
     """Whether a stack of this shape takes the coded form (whole blocks only)."""
-    k, n = math.prod(shape[1 : 1 + n_in]), math.prod(shape[1 + n_in :])
+    k, n = matrix_dims(shape, n_in)
     return len(shape) >= 3 and k % BLOCK_ROWS == 0 and n % BLOCK_COLS == 0
+
+
+def _layers_k_n(stack: np.ndarray, n_in: int) -> tuple[tuple[int, ...], int, int, int]:
+    """(shape, layers, k, n) of a stack the coded form takes; ValueError for one it does not."""
+    shape = tuple(int(d) for d in stack.shape)
+    if not fits(shape, n_in):
+        raise ValueError(f"a stack of shape {shape} does not split into blocks of {BLOCK_ROWS} x {BLOCK_COLS}")
+    return shape, shape[0], *matrix_dims(shape, n_in)
 
 
 def encode(stack: np.ndarray, n_in: int) -> CpuPalette:
@@ -133,10 +146,7 @@ def encode(stack: np.ndarray, n_in: int) -> CpuPalette:
     lib = cpu_matmul.native_library()
     if lib is None:
         return encode_reference(stack, n_in)
-    shape = tuple(int(d) for d in stack.shape)
-    if not fits(shape, n_in):
-        raise ValueError(f"a stack of shape {shape} does not split into blocks of {BLOCK_ROWS} x {BLOCK_COLS}")
-    layers, k, n = shape[0], math.prod(shape[1 : 1 + n_in]), math.prod(shape[1 + n_in :])
+    shape, layers, k, n = _layers_k_n(stack, n_in)
     bits = np.ascontiguousarray(np.asarray(stack).view(np.uint16)).reshape(layers, k, n)
     count = (k // BLOCK_ROWS) * (n // BLOCK_COLS)
     blocks = np.empty((layers, count * BLOCK_BYTES), np.uint8)
@@ -164,10 +174,7 @@ def encode(stack: np.ndarray, n_in: int) -> CpuPalette:
 def encode_reference(stack: np.ndarray, n_in: int) -> CpuPalette:
     """`encode` in vectorised numpy: what the native encoder is held to (and the encoder where
     the library is unavailable)."""
-    shape = tuple(int(d) for d in stack.shape)
-    if not fits(shape, n_in):
-        raise ValueError(f"a stack of shape {shape} does not split into blocks of {BLOCK_ROWS} x {BLOCK_COLS}")
-    layers, k, n = shape[0], math.prod(shape[1 : 1 + n_in]), math.prod(shape[1 + n_in :])
+    shape, layers, k, n = _layers_k_n(stack, n_in)
     bits = (
         np.ascontiguousarray(stack)
         .view(np.uint16)

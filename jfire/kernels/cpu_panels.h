@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "cpu_kernels.h"
 
@@ -297,6 +298,38 @@ inline void DotRowBlocks(const float* __restrict x, const W* __restrict w, float
 // Threads a product over `work_rows` rows of its weight takes: each at least 64 rows.
 inline int64_t Threads(xla::ffi::ThreadPool& pool, int64_t work_rows) {
   return std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), work_rows / 64));
+}
+
+// Products y = x[m, k] @ w sharing one pass over the pool, their contraction k split into one
+// chunk per thread: `multiply(p, out, k0, k1)` sums rows k0..k1 of product p into out; chunk 0
+// sums into p.y, the others into partials, added to p.y after, chunk by chunk. A product has
+// p.y, its width p.n, and p.offset (where its partials start; `total` floats for all). One
+// split and one order of partials for every kind of weight: jfire_stacked_matmul's and
+// jfire_palette_matmul's products equal each other's bits on the same values.
+template <typename Product, typename Multiply>
+void SplitContraction(xla::ffi::ThreadPool& pool, int64_t m, int64_t k, const std::vector<Product>& products,
+                      int64_t total, Multiply multiply) {
+  const int64_t chunks = Threads(pool, k);
+  if (chunks == 1) {
+    for (const Product& p : products) multiply(p, p.y, 0, k);
+    return;
+  }
+  // Chunks split k, so each reads whole rows of every w.
+  const int64_t per = (k + chunks - 1) / chunks;
+  std::vector<float> partial((chunks - 1) * total);
+  float* parts = partial.data();
+  const Product* ps = products.data();
+  const int64_t count = static_cast<int64_t>(products.size());
+  RunChunks(pool, chunks, [=](int64_t c) {
+    const int64_t k0 = c * per, k1 = std::max(k0, std::min(k, k0 + per));
+    for (int64_t i = 0; i < count; ++i) multiply(ps[i], c == 0 ? ps[i].y : parts + (c - 1) * total + ps[i].offset, k0, k1);
+  });
+  for (const Product& p : products) {
+    for (int64_t c = 1; c < chunks; ++c) {
+      const float* part = parts + (c - 1) * total + p.offset;
+      for (int64_t j = 0; j < m * p.n; ++j) p.y[j] += part[j];
+    }
+  }
 }
 
 }  // namespace jfire_cpu
