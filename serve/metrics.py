@@ -87,6 +87,10 @@ class EngineCollector:
         "routed_by_load": ("jfire_routed_by_load", "Prompts sent to the least loaded prefill group"),
         # Disaggregated serving: KV cache moved from prefill groups to decode groups.
         "kv_transfer_bytes": ("jfire_kv_transfer_bytes", "KV cache bytes pulled from prefill into decode groups"),
+        "kv_transfer_raw_bytes": (
+            "jfire_kv_transfer_raw_bytes",
+            "The same KV caches' bytes before coding (the wire's bytes without [transfer] compress)",
+        ),
         "kv_transfers": ("jfire_kv_transfers", "Requests whose KV cache moved from prefill to decode"),
         "kv_handoffs": ("jfire_kv_handoffs", "Requests whose prefill group published their KV cache to the frontend"),
         "transfers_failed": (

@@ -11,6 +11,9 @@ pool has pages for all of it (prompt + max_tokens, so a decode group never needs
 which would mean recomputing a prompt it has no program for), then its KV is pulled straight
 into those pages, acknowledged, and it joins the running batch with its first token.
 
+With `compress` (a deployment's `[transfer] compress`) the pages travel coded
+(jfire.disagg.kv_codec), decoded by the decode group's insert program.
+
 A group spanning processes sends and pulls in blocks (jfire.disagg.blocks): each process its
 own share, through device calls every process of the group runs ("publish", "release";
 "pull", "insert", "forget").
@@ -27,7 +30,16 @@ import time
 import jax
 
 from jfire.disagg import blocks, cluster
-from jfire.disagg.kv_transfer import Pull, Puller, kv_layout, new_uuid, placeholder, transfer_programs
+from jfire.disagg.kv_transfer import (
+    CODEC,
+    KVLayout,
+    Pull,
+    Puller,
+    kv_layout,
+    new_uuid,
+    placeholder,
+    transfer_programs,
+)
 from jfire.errors import JfireError
 from jfire.kv_connector import Failed, KVConnector, Loaded, Progress, check_prefilled, prompt_only
 from jfire.outputs import LiveRequest
@@ -52,8 +64,9 @@ class PrefillConnector(KVConnector):
     pages_by_id = True
     ends_after_prompt = True
 
-    def __init__(self, *, server, store, group: str, transfer_timeout_s: float):
+    def __init__(self, *, server, store, group: str, transfer_timeout_s: float, compress: bool = False):
         self.server, self.store, self.group = server, store, group
+        self.compress = compress
         self.puller = Puller(server)  # drains only: pulls of our own transfers nobody took
         self.transfer_timeout_s = transfer_timeout_s
         self.transfer_addresses: dict[str, str] = {}  # a group spanning processes: process -> its transfer server
@@ -68,7 +81,7 @@ class PrefillConnector(KVConnector):
         super().bind(engine)
         self.pool, self.runner = engine.pool, engine.runner
         self.layout = kv_layout(engine)
-        self.gather = transfer_programs(engine, self.layout, "gather")
+        self.gather = transfer_programs(engine, self.layout, "gather", coded=_check_codable(self.layout, self.compress))
         self.runner.add_calls({"publish": self._publish_blocks, "release": self._release_blocks})
 
     def side_programs(self) -> list:
@@ -93,7 +106,8 @@ class PrefillConnector(KVConnector):
             "num_pages": len(pages),
             "group": self.group,
             "pages": pages,
-            "bytes": len(pages) * self.layout.page_nbytes,
+            "bytes": len(pages) * self.layout.page_nbytes,  # on the wire
+            "raw_bytes": len(pages) * self.layout.page_nbytes,  # before coding
         }
         deadline = time.monotonic() + self.transfer_timeout_s
         if receiver is not None:  # groups spanning processes: every process sends its own blocks
@@ -105,11 +119,19 @@ class PrefillConnector(KVConnector):
             )
             self._published[uuid] = _Published(pages, None, None, deadline)
         else:
-            gathered, sent_checksum = self.gather.gather(self.runner.pages, pages)
+            coded = False
+            if self.gather.coded:
+                gathered, coded, sent_checksum = self.gather.gather_coded(self.runner.pages, pages)
+                self.transfer_counts["coded" if coded else "sent_raw"] += 1
+            else:
+                gathered, sent_checksum = self.gather.gather(self.runner.pages, pages)
             arrays = self.layout.to_wire(gathered, shards)
             self.server.await_pull(uuid, arrays)
-            self._published[uuid] = _Published(pages, arrays, self.layout.wire_structs(len(pages), shards), deadline)
+            structs = self.layout.wire_structs(len(pages), shards, coded)
+            self._published[uuid] = _Published(pages, arrays, structs, deadline)
             transfer.update(address=self.server.address(), shards=shards, checksum=sent_checksum)
+            if coded:
+                transfer.update(codec=CODEC, bytes=sum(a.nbytes for a in arrays))
         self.transfer_counts["published"] += 1
         return transfer
 
@@ -186,7 +208,8 @@ class PrefillConnector(KVConnector):
             if uuid in self._published or uuid in self._placeholders:
                 continue
             shape = json.loads(value)
-            zeros = placeholder(self.layout, int(shape["num_pages"]), int(shape["shards"]))
+            coded = shape.get("codec") == CODEC
+            zeros = placeholder(self.layout, int(shape["num_pages"]), int(shape["shards"]), coded)
             self.server.await_pull(uuid, zeros)
             # Kept alive while the pull takes them; dropped after a timeout in case it never
             # comes (the pull ended on its own between giving up and this answer).
@@ -205,6 +228,9 @@ class PrefillConnector(KVConnector):
             "transfers_dropped": self.transfer_counts["dropped"],
             "transfers_renewed": self.transfer_counts["renewed"],
             "pulls_abandoned": self.transfer_counts["abandoned"],
+            "transfers_coded": self.transfer_counts["coded"],
+            # Compressed transfers sent raw: some tile of their pages could not be coded.
+            "transfers_sent_raw": self.transfer_counts["sent_raw"],
         }
 
     def stats_now(self) -> dict:
@@ -233,15 +259,17 @@ class DecodeConnector(KVConnector):
     program_kinds = ("decode",)
     pages_by_id = True
 
-    def __init__(self, *, server, store, transfer_timeout_s: float, group: str = "decode"):
+    def __init__(self, *, server, store, transfer_timeout_s: float, group: str = "decode", compress: bool = False):
         self.server, self.store, self.group = server, store, group
+        self.compress = compress
         self.puller = Puller(server)
         self._block_pulls: dict[int, blocks.BlockPulls] = {}  # this process's pulls, per transfer uuid
         self.pulled_bytes = 0  # KV bytes this process pulled (blocks of a group spanning processes)
         self.transfer_timeout_s = transfer_timeout_s
         self._admitting: collections.deque[_Incoming] = collections.deque()  # waiting for pages
         self._pulling: dict[str, _Incoming] = {}
-        self.kv_transfer_bytes = 0
+        self.kv_transfer_bytes = 0  # on the wire
+        self.kv_transfer_raw_bytes = 0  # before coding
         self.transfer_counts: collections.Counter = collections.Counter()
         self.last_transfer_error: str | None = None
 
@@ -249,7 +277,7 @@ class DecodeConnector(KVConnector):
         super().bind(engine)
         self.pool, self.runner = engine.pool, engine.runner
         self.layout = kv_layout(engine)
-        self.insert = transfer_programs(engine, self.layout, "insert")
+        self.insert = transfer_programs(engine, self.layout, "insert", coded=_check_codable(self.layout, self.compress))
         self.runner.add_calls({"pull": self._pull_blocks, "insert": self._insert_blocks, "forget": self._forget_blocks})
 
     def side_programs(self) -> list:
@@ -287,6 +315,10 @@ class DecodeConnector(KVConnector):
                 f"the transfer has {transfer.get('num_pages')} pages but a {len(prompt_ids)}-token "
                 f"prompt fills {expected} pages of {self.engine.config.page_size} tokens"
             )
+        codec = transfer.get("codec")
+        if codec is not None and (codec != CODEC or not self.insert.coded):
+            known = f"{CODEC!r} (with [transfer] compress = true)" if not self.insert.coded else repr(CODEC)
+            raise JfireError(f"the transfer's pages are coded as {codec!r}; this decode group decodes {known}")
         return sampling
 
     def loads(self, live: LiveRequest) -> bool:
@@ -331,7 +363,7 @@ class DecodeConnector(KVConnector):
                 # The pull is still blocked: the sender ends it (see kv_transfer.Pull).
                 self.store.key_value_set(
                     cluster.abandon_key(t["group"], t["uuid"]),
-                    json.dumps({"num_pages": t["num_pages"], "shards": t["shards"]}),
+                    json.dumps({"num_pages": t["num_pages"], "shards": t["shards"], "codec": t.get("codec")}),
                 )
                 self._fail(
                     incoming,
@@ -364,7 +396,7 @@ class DecodeConnector(KVConnector):
                 self.runner.call("pull", t["uuid"], t)
                 incoming.pull = self._block_pulls[t["uuid"]]
             else:
-                structs = self.layout.wire_structs(t["num_pages"], t["shards"])
+                structs = self.layout.wire_structs(t["num_pages"], t["shards"], t.get("codec") == CODEC)
                 incoming.pull = self.puller.pull(t["address"], t["uuid"], structs, self.transfer_timeout_s)
             self._pulling[seq.request_id] = incoming
 
@@ -409,7 +441,9 @@ class DecodeConnector(KVConnector):
                 self._fail(incoming, None, progress)
                 return
             arrays = incoming.pull.arrays
-            self.runner.pages, arrived = self.insert.insert(self.runner.pages, arrays, incoming.pages[: t["num_pages"]])
+            coded = t.get("codec") == CODEC
+            page_ids = incoming.pages[: t["num_pages"]]
+            self.runner.pages, arrived = self.insert.insert(self.runner.pages, arrays, page_ids, coded)
             if "checksum" not in t:
                 arrived = None
             nbytes = sum(a.nbytes for a in arrays)
@@ -417,6 +451,7 @@ class DecodeConnector(KVConnector):
             self._corrupted(incoming, arrived, progress)
             return
         self.kv_transfer_bytes += nbytes
+        self.kv_transfer_raw_bytes += t.get("raw_bytes", nbytes)
         self.transfer_counts["pulled"] += 1
         incoming.live.seq.pages = incoming.pages
         progress.loaded.append(Loaded(incoming.live, incoming.first_token, incoming.first_logprobs))
@@ -468,6 +503,7 @@ class DecodeConnector(KVConnector):
         return {
             "transferring": len(self._pulling),
             "kv_transfer_bytes": self.kv_transfer_bytes,
+            "kv_transfer_raw_bytes": self.kv_transfer_raw_bytes,
             "kv_transfers": self.transfer_counts["pulled"],
             "transfers_failed": self.transfer_counts["failed"],
             "transfers_corrupted": self.transfer_counts["corrupted"],
@@ -479,3 +515,13 @@ class DecodeConnector(KVConnector):
     def stats_now(self) -> dict:
         # Per process of a group spanning processes: the KV bytes each has pulled in blocks.
         return {"kv_bytes_pulled_by_process": blocks.read_bytes(self.store, self.group)}
+
+
+def _check_codable(layout: KVLayout, compress: bool) -> bool:
+    """Whether this side's pages travel coded; JfireError if asked for a cache that cannot."""
+    if compress and not layout.codable:
+        raise JfireError(
+            f"[transfer] compress codes bfloat16 or float32 KV caches, but this group's cache is "
+            f"{jax.numpy.dtype(layout.dtype).name}; set compress = false in the deployment file"
+        )
+    return compress

@@ -55,6 +55,7 @@ class Deployment:
     frontend_port: int = 8000
     coordinator_port: int = DEFAULT_COORDINATOR_PORT
     transfer_timeout_s: float = 30.0  # a published KV cache not pulled and acknowledged by then is released
+    transfer_compress: bool = False  # KV pages coded losslessly on the wire (jfire.disagg.kv_codec)
     path: Path | None = None
 
     def __post_init__(self):
@@ -70,6 +71,13 @@ class Deployment:
         if self.transfer_timeout_s <= 0:
             raise JfireError(
                 f"deployment {self.name!r}: [transfer] timeout_s must be > 0, got {self.transfer_timeout_s}"
+            )
+        spanning = [g.name for g in self.groups if g.processes > 1]
+        if self.transfer_compress and spanning:
+            raise JfireError(
+                f"deployment {self.name!r}: [transfer] compress = true codes the KV cache of groups of one "
+                f"process; group(s) {', '.join(spanning)} span processes and send it in blocks, uncoded: "
+                "set compress = false or run those groups in one process each"
             )
 
     @property
@@ -124,8 +132,16 @@ class Deployment:
                 doc.get("coordinator", {}), "port", DEFAULT_COORDINATOR_PORT, where + " [coordinator]"
             ),
             transfer_timeout_s=float(doc.get("transfer", {}).get("timeout_s", 30.0)),
+            transfer_compress=_bool(doc.get("transfer", {}), "compress", False, where + " [transfer]"),
             path=path,
         )
+
+
+def _bool(table: dict, key: str, default: bool, where: str) -> bool:
+    value = table.get(key, default)
+    if not isinstance(value, bool):
+        raise JfireError(f"{where}: {key} must be true or false, got {value!r}")
+    return value
 
 
 def _int(table: dict, key: str, default: int, where: str) -> int:

@@ -72,6 +72,7 @@ class _GroupState:
             "transfer": info.get("transfer"),
             "mesh": info.get("mesh"),
             "devices": info.get("devices"),
+            "kv_shards": info.get("kv_shards"),  # decode groups: the pieces a KV cache travels in
             "in_flight": self.in_flight,
             "restarts": self.restarts,
             "compiling": bool(self.stats.get("compiling")),
@@ -239,6 +240,7 @@ class RemoteEngine:
                     total[key] += value
         out = dict(total)
         out["kv_transfer_bytes"] = self._counts["kv_transfer_bytes"]
+        out["kv_transfer_raw_bytes"] = self._counts["kv_transfer_raw_bytes"]
         out["kv_transfers"] = self._counts["kv_transfers"]
         out["kv_handoffs"] = self._counts["kv_handoffs"]
         for how in ("prefix", "affinity", "load"):  # how each request's prefill group was chosen
@@ -495,6 +497,8 @@ class RemoteEngine:
                         arrived = True  # the decode group has the KV cache
                         with self._lock:
                             self._counts["kv_transfer_bytes"] += first["transfer"]["bytes"]
+                            raw = first["transfer"].get("raw_bytes", first["transfer"]["bytes"])
+                            self._counts["kv_transfer_raw_bytes"] += raw
                             self._counts["kv_transfers"] += 1
                     out.prefix_hit_tokens = first.get("prefix_hit_tokens", 0)
                     if not emitted_prompt_logprobs:  # the prefill group computed them

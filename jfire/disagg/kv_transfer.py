@@ -12,6 +12,13 @@ the first `shards` devices of each side, so JAX's transfer server moves it shard
 Each side reshards between that layout and its own cache layout on its own devices: the two
 groups may use different meshes.
 
+A deployment may code the pages on the wire (`[transfer] compress`, jfire.disagg.kv_codec):
+each array then travels as uint8 rows of coded tiles, with the same leading axes (so it splits
+over heads the same way). The sender's gather program makes both forms and sends the raw one
+when some tile cannot be coded; the transfer says which (`codec`), and the receiver decodes in
+its insert program. Both sides' page sums are of the raw values, so the checksum also proves
+the coding lossless.
+
 The prefill side publishes with `await_pull` and holds the pages until the decode side
 acknowledges (through the cluster store) or its own timeout passes; the transfer server's
 built-in timeout is not relied on.
@@ -33,10 +40,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from jfire import compile_cache, sharding
+from jfire.disagg import kv_codec
 from jfire.models.family import CacheSpec, Family
 from jfire.programs import powers
 
 HEADS = "kv_heads"  # the cache axis tensor parallelism splits (and may repeat)
+CODEC = "exponents"  # a transfer's `codec` when its pages travel coded (jfire.disagg.kv_codec)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,12 +62,21 @@ class KVLayout:
     def arrays(self) -> tuple[CacheSpec, ...]:
         return self.cfg.cache_specs()
 
-    def wire_shape(self, c: CacheSpec) -> tuple[int, ...]:
-        """One page of one cache array as it travels (the checkpoint's own heads)."""
+    def wire_shape(self, c: CacheSpec, coded: bool = False) -> tuple[int, ...]:
+        """One page of one cache array as it travels (the checkpoint's own heads); coded: its
+        rows of coded tiles."""
         shape = list(c.page_shape(self.page_size))
         if HEADS in c.page_axes():
             shape[c.page_axes().index(HEADS)] //= self.replication
-        return tuple(shape)
+        return kv_codec.coded_shape(tuple(shape), self.dtype) if coded else tuple(shape)
+
+    def wire_dtype(self, coded: bool = False):
+        return jnp.uint8 if coded else self.dtype
+
+    @property
+    def codable(self) -> bool:
+        """Whether this cache's pages can travel coded (bfloat16 or float32 values)."""
+        return kv_codec.supported(self.dtype)
 
     @property
     def page_nbytes(self) -> int:
@@ -89,16 +107,28 @@ class KVLayout:
         spec = PartitionSpec(*("kv" if a == HEADS else None for a in c.page_axes()))
         return NamedSharding(Mesh(np.array(list(tp_devices)[:shards]), ("kv",)), spec)
 
-    def page_sharding(self, c: CacheSpec):
+    def page_sharding(self, c: CacheSpec, coded: bool = False):
         """One page of one array in this side's cache layout (as the cache, less the pages axis)."""
         if self.mesh is None:
             return SingleDeviceSharding(self.devices()[0])
-        return NamedSharding(self.mesh, sharding.partition_spec(c.page_axes(), self.mesh, self.wire_shape(c)))
+        shape = self.wire_shape(c, coded)
+        return NamedSharding(self.mesh, sharding.partition_spec(c.page_axes(), self.mesh, shape))
 
-    def wire_structs(self, num_pages: int, shards: int) -> list[jax.ShapeDtypeStruct]:
+    def page_structs(self, coded: bool = False) -> list[jax.ShapeDtypeStruct]:
+        """One page of each cache array in this side's cache layout."""
+        return [
+            jax.ShapeDtypeStruct(
+                self.wire_shape(c, coded), self.wire_dtype(coded), sharding=self.page_sharding(c, coded)
+            )
+            for c in self.arrays
+        ]
+
+    def wire_structs(self, num_pages: int, shards: int, coded: bool = False) -> list[jax.ShapeDtypeStruct]:
         """What travels for num_pages pages: page-major, one struct per cache array."""
         one = [
-            jax.ShapeDtypeStruct(self.wire_shape(c), self.dtype, sharding=self.wire_sharding(c, shards))
+            jax.ShapeDtypeStruct(
+                self.wire_shape(c, coded), self.wire_dtype(coded), sharding=self.wire_sharding(c, shards)
+            )
             for c in self.arrays
         ]
         return one * num_pages
@@ -152,24 +182,39 @@ def checksum(page_sums, num_pages: int) -> int:
     return int(sharding.to_host(page_sums)[:num_pages].astype(np.uint64).sum() % (1 << 32))
 
 
-def gather_pages(pages, page_ids, *, arrays: tuple[CacheSpec, ...], replication: int):
-    """page_ids [w] -> w * len(arrays) wire arrays, page-major, and the [w] page sums."""
-    stacked = [jnp.take(_heads_every(pages[c.name], c, replication), page_ids, axis=c.pages_axis) for c in arrays]
+def _page_major(stacked: list, arrays: tuple[CacheSpec, ...], num_pages: int) -> tuple:
+    """Each cache array's pages (stacked along its pages axis) as one array per page, page-major."""
     taken = [
-        [jax.lax.index_in_dim(x, i, c.pages_axis, keepdims=False) for i in range(page_ids.shape[0])]
+        [jax.lax.index_in_dim(x, i, c.pages_axis, keepdims=False) for i in range(num_pages)]
         for x, c in zip(stacked, arrays)
     ]
-    wire = tuple(taken[a][i] for i in range(page_ids.shape[0]) for a in range(len(arrays)))
-    return wire + (_page_sums(stacked, [c.pages_axis for c in arrays]),)
+    return tuple(taken[a][i] for i in range(num_pages) for a in range(len(arrays)))
 
 
-def insert_pages(pages, wire, page_ids, *, arrays: tuple[CacheSpec, ...], replication: int):
+def gather_pages(pages, page_ids, *, arrays: tuple[CacheSpec, ...], replication: int, coded: bool = False):
+    """page_ids [w] -> w * len(arrays) wire arrays, page-major, and the [w] page sums.
+    coded: also the same pages coded (w * len(arrays) more, before the sums), and after the
+    sums whether some tile could not be coded."""
+    stacked = [jnp.take(_heads_every(pages[c.name], c, replication), page_ids, axis=c.pages_axis) for c in arrays]
+    wire = _page_major(stacked, arrays, page_ids.shape[0])
+    sums = _page_sums(stacked, [c.pages_axis for c in arrays])
+    if not coded:
+        return wire + (sums,)
+    encoded = [kv_codec.encode(x) for x in stacked]
+    overflow = jnp.any(jnp.stack([over for _, over in encoded]))
+    return wire + _page_major([x for x, _ in encoded], arrays, page_ids.shape[0]) + (sums, overflow)
+
+
+def insert_pages(pages, wire, page_ids, *, arrays: tuple[CacheSpec, ...], replication: int, tiles: tuple | None = None):
     """Writes wire arrays (page-major) into the pages named by page_ids; an id past the pool
     is dropped (padding up to the compiled width). Also returns the [w] page sums of what
-    arrived (padding pages are zeros: they sum to 0)."""
+    arrived (padding pages are zeros: they sum to 0). tiles: the arrays arrive coded, in
+    tiles of these shapes (one per cache array)."""
     out = dict(pages)
     n = len(arrays)
     arrived = [jnp.stack(wire[a::n], axis=c.pages_axis) for a, c in enumerate(arrays)]
+    if tiles is not None:
+        arrived = [kv_codec.decode(x, tile, pages[c.name].dtype) for x, tile, c in zip(arrived, tiles, arrays)]
     for c, stacked in zip(arrays, arrived):
         if replication > 1 and HEADS in c.axes:
             stacked = jnp.repeat(stacked, replication, axis=c.axes.index(HEADS))
@@ -185,54 +230,60 @@ def transfer_widths(pages_per_row: int, page_size: int) -> tuple[int, ...]:
 
 
 class TransferPrograms:
-    """gather (prefill side) or insert (decode side), compiled for each of `widths` pages."""
+    """gather (prefill side) or insert (decode side), compiled for each of `widths` pages.
+    coded: the gather programs also code the pages; the insert side compiles a second program
+    per width that decodes them (raw transfers still arrive: a tile that cannot be coded)."""
 
-    def __init__(self, layout: KVLayout, pages, widths: tuple[int, ...], kind: str):
-        self.layout, self.kind, self.widths = layout, kind, widths
+    def __init__(self, layout: KVLayout, pages, widths: tuple[int, ...], kind: str, coded: bool = False):
+        self.layout, self.kind, self.widths, self.coded = layout, kind, widths, coded
         self._pages = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), pages)
         self._num_pages = next(iter(pages.values())).shape[layout.arrays[0].pages_axis]
-        self._compiled: dict[int, object] = {}
+        self._compiled: dict[tuple[int, bool], jax.stages.Compiled] = {}
         ids = layout.mesh and NamedSharding(layout.mesh, PartitionSpec())
         self._ids_sharding = ids or SingleDeviceSharding(layout.devices()[0])
-        self.padding: list = []  # insert side: zero pages standing in for unused slots (once compiled)
+        self.padding: dict[bool, list] = {}  # insert side: zero pages standing in for unused slots (once compiled)
 
     @property
     def num_compiled(self) -> int:
         return len(self._compiled)
 
+    def _variants(self) -> tuple[bool, ...]:
+        """The programs per width: coded or not (a gather program makes both forms at once)."""
+        return (False, True) if self.coded and self.kind == "insert" else (self.coded,)
+
     def compile_all(self, progress=None) -> None:
         """Compiles (or loads) the program of every width; progress(done) after each."""
         for w in self.widths:
-            self._compiled[w] = compile_cache.compiled(self._lower(w), self.layout.devices())
-            if progress:
-                progress(len(self._compiled))
+            for coded in self._variants():
+                self._compiled[w, coded] = compile_cache.compiled(self._lower(w, coded), self.layout.devices())
+                if progress:
+                    progress(len(self._compiled))
         if self.kind == "insert":
-            self.padding = [
-                jax.device_put(np.zeros(self.layout.wire_shape(c), self.layout.dtype), self.layout.page_sharding(c))
-                for c in self.layout.arrays
-            ]
+            self.padding = {
+                coded: [jax.device_put(np.zeros(s.shape, s.dtype), s.sharding) for s in self.layout.page_structs(coded)]
+                for coded in self._variants()
+            }
 
-    def _page_structs(self, w: int) -> tuple:
-        one = [
-            jax.ShapeDtypeStruct(self.layout.wire_shape(c), self.layout.dtype, sharding=self.layout.page_sharding(c))
-            for c in self.layout.arrays
-        ]
-        return tuple(one * w)
-
-    def _lower(self, w: int):
+    def _lower(self, w: int, coded: bool):
         ids = jax.ShapeDtypeStruct((w,), jnp.int32, sharding=self._ids_sharding)
         static = dict(arrays=self.layout.arrays, replication=self.layout.replication)
         if self.kind == "gather":
-            out = tuple(s.sharding for s in self._page_structs(w)) + (self._ids_sharding,)
-            return jax.jit(gather_pages, static_argnames=("arrays", "replication"), out_shardings=out).lower(
-                self._pages, ids, **static
-            )
-        return jax.jit(insert_pages, static_argnames=("arrays", "replication"), donate_argnames=("pages",)).lower(
-            self._pages, self._page_structs(w), ids, **static
-        )
+            raw = [s.sharding for s in self.layout.page_structs()] * w
+            out = tuple(raw) + ((tuple(s.sharding for s in self.layout.page_structs(True)) * w) if coded else ())
+            out += (self._ids_sharding,) * (2 if coded else 1)
+            fn = jax.jit(gather_pages, static_argnames=("arrays", "replication", "coded"), out_shardings=out)
+            return fn.lower(self._pages, ids, coded=coded, **static)
+        tiles = tuple(self.layout.wire_shape(c)[-2:] for c in self.layout.arrays) if coded else None
+        fn = jax.jit(insert_pages, static_argnames=("arrays", "replication", "tiles"), donate_argnames=("pages",))
+        return fn.lower(self._pages, tuple(self.layout.page_structs(coded)) * w, ids, tiles=tiles, **static)
 
     def width_for(self, n: int) -> int:
         return next(w for w in self.widths if w >= n)
+
+    def _ids(self, page_ids: list[int], fill: int) -> jax.Array:
+        ids = np.full(self.width_for(len(page_ids)), fill, np.int32)
+        ids[: len(page_ids)] = page_ids
+        return jax.device_put(ids, self._ids_sharding)
 
     def gather(self, pages, page_ids: list[int]) -> tuple[list[jax.Array], int]:
         """The pages' wire arrays, and their checksum."""
@@ -242,26 +293,32 @@ class TransferPrograms:
     def gather_dispatched(self, pages, page_ids: list[int]) -> tuple[list[jax.Array], jax.Array]:
         """The pages' wire arrays (page-major) and [width] page sums, still on the device: the
         call is only dispatched, so nothing waits for it here."""
-        w = self.width_for(len(page_ids))
-        ids = np.zeros(w, np.int32)
-        ids[: len(page_ids)] = page_ids
-        *wire, sums = self._compiled[w](pages, jax.device_put(ids, self._ids_sharding))
+        *wire, sums = self._compiled[self.width_for(len(page_ids)), False](pages, self._ids(page_ids, 0))
         return list(wire[: len(page_ids) * len(self.layout.arrays)]), sums
 
-    def insert(self, pages, arrays: list[jax.Array], page_ids: list[int]):
+    def gather_coded(self, pages, page_ids: list[int]) -> tuple[list[jax.Array], bool, int]:
+        """(the pages' wire arrays, coded unless some tile could not be, whether they are; their
+        checksum, of the raw values either way)."""
+        w, n = self.width_for(len(page_ids)), len(page_ids) * len(self.layout.arrays)
+        *wire, sums, overflow = self._compiled[w, True](pages, self._ids(page_ids, 0))
+        coded = not bool(overflow)
+        start = w * len(self.layout.arrays) if coded else 0
+        return list(wire[start : start + n]), coded, checksum(sums, len(page_ids))
+
+    def insert(self, pages, arrays: list[jax.Array], page_ids: list[int], coded: bool = False):
         """(the pages with these written in, the checksum of what arrived)."""
-        pages, sums = self.insert_with_sums(pages, arrays, page_ids)
+        pages, sums = self.insert_with_sums(pages, arrays, page_ids, coded)
         return pages, int(sums.astype(np.uint64).sum() % (1 << 32))
 
-    def insert_with_sums(self, pages, arrays: list[jax.Array] | list[np.ndarray], page_ids: list[int]):
+    def insert_with_sums(
+        self, pages, arrays: list[jax.Array] | list[np.ndarray], page_ids: list[int], coded: bool = False
+    ):
         """(the pages with these written in, each written page's sum of what arrived)."""
-        w = self.width_for(len(page_ids))
-        ids = np.full(w, self._num_pages, np.int32)  # past the pool: dropped
-        ids[: len(page_ids)] = page_ids
-        n = len(self.layout.arrays)
-        arrays = [jax.device_put(a, self.layout.page_sharding(self.layout.arrays[i % n])) for i, a in enumerate(arrays)]
-        arrays += self.padding * (w - len(page_ids))
-        pages, sums = self._compiled[w](pages, tuple(arrays), jax.device_put(ids, self._ids_sharding))
+        w, n = self.width_for(len(page_ids)), len(self.layout.arrays)
+        structs = self.layout.page_structs(coded)
+        arrays = [jax.device_put(a, structs[i % n].sharding) for i, a in enumerate(arrays)]
+        arrays += self.padding[coded] * (w - len(page_ids))
+        pages, sums = self._compiled[w, coded](pages, tuple(arrays), self._ids(page_ids, self._num_pages))
         return pages, sharding.to_host(sums)[: len(page_ids)]
 
 
@@ -271,10 +328,11 @@ def kv_layout(engine) -> KVLayout:
     return KVLayout(model.config, model.kv_replication, engine.config.page_size, model.kv_dtype, model.mesh)
 
 
-def transfer_programs(engine, layout: KVLayout, kind: str) -> TransferPrograms:
-    """An engine's gather or insert programs, for every transfer width its rows can need."""
+def transfer_programs(engine, layout: KVLayout, kind: str, coded: bool = False) -> TransferPrograms:
+    """An engine's gather or insert programs, for every transfer width its rows can need
+    (coded: for pages that travel coded too)."""
     widths = transfer_widths(engine.runner.buckets.pages_per_row, engine.config.page_size)
-    return TransferPrograms(layout, engine.runner.pages, widths, kind)
+    return TransferPrograms(layout, engine.runner.pages, widths, kind, coded)
 
 
 # -- pulls: a fixed pool of threads, each pull with its own deadline -------------------------
@@ -405,7 +463,8 @@ def unreachable(address: str, timeout_s: float = 2.0) -> str | None:
     return None
 
 
-def placeholder(layout: KVLayout, num_pages: int, shards: int) -> list[jax.Array]:
+def placeholder(layout: KVLayout, num_pages: int, shards: int, coded: bool = False) -> list[jax.Array]:
     """Zeros in the wire layout of a transfer: published under an id a decode group gave up
     on, so its blocked pull returns (and is thrown away)."""
-    return [jax.device_put(np.zeros(s.shape, s.dtype), s.sharding) for s in layout.wire_structs(num_pages, shards)]
+    structs = layout.wire_structs(num_pages, shards, coded)
+    return [jax.device_put(np.zeros(s.shape, s.dtype), s.sharding) for s in structs]

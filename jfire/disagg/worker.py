@@ -284,11 +284,19 @@ def run(
     connector: PrefillConnector | DecodeConnector
     if group.role == "prefill":
         connector = PrefillConnector(
-            server=server, store=store, group=group.name, transfer_timeout_s=deployment.transfer_timeout_s
+            server=server,
+            store=store,
+            group=group.name,
+            transfer_timeout_s=deployment.transfer_timeout_s,
+            compress=deployment.transfer_compress,
         )
     else:
         connector = DecodeConnector(
-            server=server, store=store, transfer_timeout_s=deployment.transfer_timeout_s, group=group.name
+            server=server,
+            store=store,
+            transfer_timeout_s=deployment.transfer_timeout_s,
+            group=group.name,
+            compress=deployment.transfer_compress,
         )
     role: KVConnector = connector
     host_tier_bytes, shared = 0, None

@@ -71,6 +71,9 @@ def launch(deployment: Path, log: Path, timeout: float = 900, extra: tuple[str, 
             continue
         if r.status_code == 200:
             return Running(url, process, log, r.json())
+        if r.json().get("status") == "error":  # a group failed to start: no use waiting
+            os.killpg(process.pid, signal.SIGKILL)
+            raise RuntimeError(f"deployment failed to start: {r.json()['message']}\n{log.read_text()}")
         time.sleep(0.3)
     os.killpg(process.pid, signal.SIGKILL)
     raise RuntimeError(f"deployment not ready after {timeout} s:\n{log.read_text()}")
@@ -106,6 +109,19 @@ def colocated(prompts: list[dict], tmp_path: Path, model: str = "default", engin
                    env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     return [r for r in sorted(rows, key=lambda r: r["index"])]
+
+
+def greedy_tokens(model: Path, prompts: list[dict], tmp_path: Path, *args: str) -> list[list[int]]:
+    """Each prompt's greedy tokens (eos ignored) from colocated `jfire generate` of `model`,
+    with the deployments' limits and `args` (--mesh, --dtype ...)."""
+    src = tmp_path / "prompts.jsonl"
+    src.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    run = subprocess.run([sys.executable, "-m", "jfire.cli", "generate", "--model", str(model), "--prompts-file",
+                          str(src), "--ignore-eos", *args, *DEPLOYMENT_LIMITS],
+                         capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = sorted((json.loads(line) for line in run.stdout.splitlines()), key=lambda r: r["index"])
+    return [r["token_ids"] for r in rows]
 
 
 def expected_kv_bytes(prompt_tokens: list[int], page_size: int = 16, model: str = "default") -> int:

@@ -47,6 +47,11 @@ def test_local_1p1d_process_table():
     ('[[groups]]\nrole = "prefill"\ncolour = 1\n[[groups]]\nrole = "decode"\n', "unknown keys ['colour']"),
     ('[[groups]]\nname = "a"\nrole = "prefill"\n[[groups]]\nname = "a"\nrole = "decode"\n', "must be unique"),
     ("name = 'x'\n", "needs [[groups]] tables"),
+    ('[transfer]\ncompress = "yes"\n[[groups]]\nrole = "prefill"\n[[groups]]\nrole = "decode"\n',
+     "[transfer]: compress must be true or false, got 'yes'"),
+    ('[transfer]\ncompress = true\n[[groups]]\nname = "p"\nrole = "prefill"\nmesh = "tp=2"\nprocesses = 2\n'
+     'devices_per_process = 1\n[[groups]]\nrole = "decode"\n',
+     "group(s) p span processes and send it in blocks, uncoded: set compress = false"),
     ("[[groups]\n", "is not valid TOML"),
 ])
 def test_bad_deployment_files_say_what_is_wrong(tmp_path, body, message):

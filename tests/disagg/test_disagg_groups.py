@@ -6,12 +6,9 @@ that loses a process goes down whole and comes back."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
@@ -23,8 +20,7 @@ import pytest
 from jfire.checkpoint import store
 from jfire.models.llama import LlamaConfig
 from jfire.models.params import init_params
-from tests.disagg.deployment_process import REPO, assert_quiet, launch, wait_for
-from tests.limits import DEPLOYMENT_LIMITS
+from tests.disagg.deployment_process import assert_quiet, greedy_tokens, launch, wait_for
 
 # 16 heads over tp=4, 8 layers over pp=2.
 MODEL = LlamaConfig(architecture="LlamaForCausalLM", vocab_size=512, hidden_size=128, intermediate_size=256,
@@ -64,14 +60,7 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(model, tmp_path_factory):
     """The prompts' greedy tokens from colocated `jfire generate` on one device."""
-    src = tmp_path_factory.mktemp("reference") / "prompts.jsonl"
-    src.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
-    run = subprocess.run([sys.executable, "-m", "jfire.cli", "generate", "--model", str(model), "--prompts-file",
-                          str(src), "--ignore-eos", "--quick-compile", *DEPLOYMENT_LIMITS],
-                         capture_output=True, text=True, cwd=REPO, timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
-    rows = sorted((json.loads(line) for line in run.stdout.splitlines()), key=lambda r: r["index"])
-    return [r["token_ids"] for r in rows]
+    return greedy_tokens(model, PROMPTS, tmp_path_factory.mktemp("reference"), "--quick-compile")
 
 
 @pytest.fixture(scope="module")
