@@ -558,16 +558,19 @@ def token_times(url: str, body: dict, times: list[float], usage: list[int]) -> N
                 usage.append(event["usage"]["completion_tokens"])
 
 
-def largest_gap(times: list[float]) -> float:
-    # From the second token on: the first one's wait is the prefill's.
-    return max(b - a for a, b in zip(times[1:], times[2:]))
+def largest_gap(times: list[float], start: float = float("-inf"), end: float = float("inf")) -> float:
+    """The largest gap between tokens that overlaps [start, end]. From the second token on: the
+    first one's wait is the prefill's."""
+    return max((b - a for a, b in zip(times[1:], times[2:]) if a < end and b > start), default=0.0)
 
 
 def test_a_prompt_too_long_to_tokenize_is_refused_at_once_and_stalls_no_stream(failing_server):
     """A completion prompt of 10 MB (tokenizing it would take seconds, during which every other
     stream once stalled) is refused as too long before it is tokenized, within 1.5 s, and a
-    stream running meanwhile keeps its pace: its largest gap between tokens stays within 1 s
-    (GAP_SLACK_S) of the same stream's largest gap without the big prompt."""
+    stream running meanwhile keeps its pace: its largest gap between tokens while the big prompt
+    is in the server stays within 1 s (GAP_SLACK_S) of the same stream's largest gap without it.
+    (Only that gap: on a loaded 2-core machine another test's processes can stall the stream at
+    any other moment; the big prompt's stall, when there was one, fell inside its request.)"""
     url = failing_server.url
     stream = {"model": "default", "prompt": "Tell me a long story.", "max_tokens": 60, "temperature": 0,
               "ignore_eos": True, **STREAM}
@@ -610,11 +613,12 @@ def test_a_prompt_too_long_to_tokenize_is_refused_at_once_and_stalls_no_stream(f
     assert "bytes of text but the context holds at most" in error["message"], error
     TALLY.failed_cleanly += 1
     figures = (f"a {len(big_body) / (1 << 20):.1f} MB prompt refused in {end - start:.3f} s; the stream's largest "
-               f"gap between tokens {largest_gap(baseline):.3f} s alone, {largest_gap(loaded):.3f} s beside it")
+               f"gap between tokens {largest_gap(baseline):.3f} s alone, {largest_gap(loaded, start, end):.3f} s while "
+               f"the big prompt was in the server ({largest_gap(loaded):.3f} s in the whole stream)")
     print(figures)
     assert end - start < REFUSAL_BOUND_S, figures
     assert loaded[4] <= start and end < loaded[-1], "the big prompt was not sent while the stream ran"
-    assert largest_gap(loaded) <= largest_gap(baseline) + GAP_SLACK_S, figures
+    assert largest_gap(loaded, start, end) <= largest_gap(baseline) + GAP_SLACK_S, figures
     TALLY.completed += 2
 
 
