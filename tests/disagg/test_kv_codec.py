@@ -71,3 +71,41 @@ def test_a_tile_with_more_escapes_than_room_is_reported(dtype):
     flat[cap] = tiny  # one more
     x[0, 0, 1] = flat.reshape(16, 64)
     assert bool(encode(jnp.asarray(x))[1])
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_transfer_programs_move_pages_coded_and_fall_back_to_raw(dtype):
+    """The gather and insert programs of a coded deployment, between two page pools: pages
+    arrive bit for bit with the sender's checksum, coded; a page holding an infinity (every
+    finite value of its tile then escapes) makes its transfer go raw, and it arrives the same."""
+    from jfire.disagg.kv_transfer import KVLayout, TransferPrograms
+    from jfire.kv_cache import init_pages
+    from jfire.models.llama import LlamaConfig
+
+    cfg = LlamaConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64,
+                      rope_theta=10000.0)
+    layout = KVLayout(cfg, 1, 16, dtype, None)
+    rng = np.random.default_rng(3)
+    sender = {k: jnp.asarray(rng.standard_normal(v.shape).astype(np.float32)).astype(dtype)
+              for k, v in init_pages(cfg, 6, 16, dtype).items()}
+    gather = TransferPrograms(layout, sender, (2, 4), "gather", coded=True)
+    insert = TransferPrograms(layout, init_pages(cfg, 6, 16, dtype), (2, 4), "insert", coded=True)
+    gather.compile_all()
+    insert.compile_all()
+
+    def move(pages, sent_ids, into_ids):
+        arrays, coded, sent = gather.gather_coded(pages, sent_ids)
+        received, arrived = insert.insert(init_pages(cfg, 6, 16, dtype), arrays, into_ids, coded)
+        assert arrived == sent
+        for c in layout.arrays:
+            got = np.take(np.asarray(received[c.name]), into_ids, axis=c.pages_axis)
+            want = np.take(np.asarray(pages[c.name]), sent_ids, axis=c.pages_axis)
+            assert same_bits(got, want)
+        return coded, sum(a.nbytes for a in arrays)
+
+    coded, nbytes = move(sender, [4, 1, 2], [0, 5, 3])
+    assert coded and nbytes == 3 * sum(kv_codec.coded_width((16, 8), dtype) * 2 * 2 for _ in layout.arrays)
+    sender["k"] = sender["k"].at[1, 0, 2, 0, 0].set(jnp.inf)  # layer 1, head 0, page 2
+    coded, nbytes = move(sender, [4, 1, 2], [0, 5, 3])
+    assert not coded and nbytes == 3 * layout.page_nbytes
