@@ -101,13 +101,14 @@ class PrefillConnector(KVConnector):
         shards = self.layout.usable_shards(int(kv_params.get("shards", 1)))
         receiver = kv_params.get("receiver")
         uuid = new_uuid()
+        raw_bytes = len(pages) * self.layout.page_nbytes
         transfer = {
             "uuid": uuid,
             "num_pages": len(pages),
             "group": self.group,
             "pages": pages,
-            "bytes": len(pages) * self.layout.page_nbytes,  # on the wire
-            "raw_bytes": len(pages) * self.layout.page_nbytes,  # before coding
+            "bytes": raw_bytes,  # on the wire (less if coded, below)
+            "raw_bytes": raw_bytes,  # before coding
         }
         deadline = time.monotonic() + self.transfer_timeout_s
         if receiver is not None:  # groups spanning processes: every process sends its own blocks

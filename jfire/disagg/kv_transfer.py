@@ -290,20 +290,28 @@ class TransferPrograms:
         wire, sums = self.gather_dispatched(pages, page_ids)
         return wire, checksum(sums, len(page_ids))
 
+    def _gather(self, pages, page_ids: list[int]) -> tuple[list, list, jax.Array, jax.Array | None]:
+        """Dispatches the width's gather program: (raw wire arrays, coded ones (empty unless
+        coded), [width] page sums, whether some tile could not be coded (None unless coded))."""
+        w = self.width_for(len(page_ids))
+        out = self._compiled[w, self.coded](pages, self._ids(page_ids, 0))
+        n, padded = len(page_ids) * len(self.layout.arrays), w * len(self.layout.arrays)
+        if not self.coded:
+            return list(out[:n]), [], out[-1], None
+        return list(out[:n]), list(out[padded : padded + n]), out[-2], out[-1]
+
     def gather_dispatched(self, pages, page_ids: list[int]) -> tuple[list[jax.Array], jax.Array]:
         """The pages' wire arrays (page-major) and [width] page sums, still on the device: the
         call is only dispatched, so nothing waits for it here."""
-        *wire, sums = self._compiled[self.width_for(len(page_ids)), False](pages, self._ids(page_ids, 0))
-        return list(wire[: len(page_ids) * len(self.layout.arrays)]), sums
+        wire, _, sums, _ = self._gather(pages, page_ids)
+        return wire, sums
 
     def gather_coded(self, pages, page_ids: list[int]) -> tuple[list[jax.Array], bool, int]:
         """(the pages' wire arrays, coded unless some tile could not be, whether they are; their
         checksum, of the raw values either way)."""
-        w, n = self.width_for(len(page_ids)), len(page_ids) * len(self.layout.arrays)
-        *wire, sums, overflow = self._compiled[w, True](pages, self._ids(page_ids, 0))
+        raw, coded_wire, sums, overflow = self._gather(pages, page_ids)
         coded = not bool(overflow)
-        start = w * len(self.layout.arrays) if coded else 0
-        return list(wire[start : start + n]), coded, checksum(sums, len(page_ids))
+        return (coded_wire if coded else raw), coded, checksum(sums, len(page_ids))
 
     def insert(self, pages, arrays: list[jax.Array], page_ids: list[int], coded: bool = False):
         """(the pages with these written in, the checksum of what arrived)."""
