@@ -3,6 +3,7 @@ frontend and every group as separate OS processes on this machine."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -77,6 +78,18 @@ def launch(deployment: Path, log: Path, timeout: float = 900, extra: tuple[str, 
         time.sleep(0.3)
     os.killpg(process.pid, signal.SIGKILL)
     raise RuntimeError(f"deployment not ready after {timeout} s:\n{log.read_text()}")
+
+
+@contextlib.contextmanager
+def launched(tmp_path: Path, name: str, text: str, extra: tuple[str, ...] = ()):
+    """The deployment file `text`, written as NAME.toml in tmp_path and launched; stopped after,
+    as a user would, and required to exit 0."""
+    path = tmp_path / f"{name}.toml"
+    path.write_text(text)
+    running = launch(path, tmp_path / "launch.log", extra=extra)
+    yield running
+    code = running.stop()
+    assert code == 0, running.log.read_text()[-3000:]
 
 
 def assert_quiet(log: Path) -> None:

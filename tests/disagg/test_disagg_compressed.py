@@ -16,7 +16,7 @@ import pytest
 from jfire.checkpoint import store
 from jfire.models.llama import LlamaConfig
 from jfire.models.params import init_params
-from tests.disagg.deployment_process import assert_quiet, greedy_tokens, launch, metric
+from tests.disagg.deployment_process import assert_quiet, greedy_tokens, launched, metric
 
 MODEL = LlamaConfig(architecture="LlamaForCausalLM", vocab_size=512, hidden_size=64, intermediate_size=128,
                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512,
@@ -62,13 +62,9 @@ def reference(model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def deployment(model, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("compressed")
-    path = tmp / "compressed.toml"
-    path.write_text(DEPLOYMENT)
-    running = launch(path, tmp / "launch.log", extra=("--model", str(model), "--served-model-name", MODEL_NAME, *MESH))
-    yield running
-    code = running.stop()
-    assert code == 0, running.log.read_text()[-3000:]
+    extra = ("--model", str(model), "--served-model-name", MODEL_NAME, *MESH)
+    with launched(tmp_path_factory.mktemp("compressed"), "compressed", DEPLOYMENT, extra) as running:
+        yield running
     assert_quiet(running.log)
 
 

@@ -20,7 +20,7 @@ import pytest
 from jfire.checkpoint import store
 from jfire.models.llama import LlamaConfig
 from jfire.models.params import init_params
-from tests.disagg.deployment_process import assert_quiet, greedy_tokens, launch, wait_for
+from tests.disagg.deployment_process import assert_quiet, greedy_tokens, launched, wait_for
 
 # 16 heads over tp=4, 8 layers over pp=2.
 MODEL = LlamaConfig(architecture="LlamaForCausalLM", vocab_size=512, hidden_size=128, intermediate_size=256,
@@ -65,14 +65,9 @@ def reference(model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def deployment(model, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("groups")
-    path = tmp / "groups.toml"
-    path.write_text(DEPLOYMENT)
-    running = launch(path, tmp / "launch.log", extra=("--model", str(model), "--max-restarts", "1",
-                                                                "--served-model-name", MODEL_NAME, "--quick-compile"))
-    yield running
-    code = running.stop()
-    assert code == 0, running.log.read_text()[-3000:]
+    extra = ("--model", str(model), "--max-restarts", "1", "--served-model-name", MODEL_NAME, "--quick-compile")
+    with launched(tmp_path_factory.mktemp("groups"), "groups", DEPLOYMENT, extra) as running:
+        yield running
     assert_quiet(running.log)  # four processes joined gloo groups, each restarted group again
 
 

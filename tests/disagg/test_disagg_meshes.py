@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from tests.disagg.clients import PROMPTS, ask, assert_same_as_colocated, key_for
-from tests.disagg.deployment_process import REPO, expected_kv_bytes, launch, metric
+from tests.disagg.deployment_process import REPO, expected_kv_bytes, launched, metric
 
 DEPLOYMENT = (REPO / "meshes" / "local-1p1d-mixed.toml").read_text().replace("timeout_s = 30", "timeout_s = 10") + '''
 [[groups]]
@@ -22,13 +22,8 @@ devices_per_process = 1
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("mixed-2p1d")
-    path = tmp / "mixed-2p1d.toml"
-    path.write_text(DEPLOYMENT)
-    running = launch(path, tmp / "launch.log")
-    yield running
-    code = running.stop()
-    assert code == 0, running.log.read_text()[-3000:]
+    with launched(tmp_path_factory.mktemp("mixed-2p1d"), "mixed-2p1d", DEPLOYMENT) as running:
+        yield running
 
 
 def group_stats(deployment, name: str) -> dict:
