@@ -34,14 +34,14 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jfire.checkpoint import codec, store
+from jfire.checkpoint import codec, coded_shards, store
 from jfire.errors import JfireError
 from jfire.kernels.bf16_decode import CODE_BITS, Compressed, Layout, pad_payload
-from jfire.kernels.layer_weights import decode, default_decoder
+from jfire.kernels.layer_weights import CodedBlocks, decode, default_decoder
 from jfire.kernels.palette_matmul import Palette, PaletteLayout, flat, pad_exceptions
 from jfire.models.family import Family
 from jfire.models.params import get_path, set_path
-from jfire.sharding import RULES
+from jfire.sharding import RULES, to_host
 
 FORMAT_VERSION = 2
 CODEC = "bf16-exponent-huffman"
@@ -316,32 +316,42 @@ def check_tables(path: Path, name: str, c: Compressed) -> None:
 
 
 def decode_tree(
-    path: Path, specs, section: dict, stored: dict, dtype, decoder: str, keep_compressed: bool = False
+    path: Path,
+    specs,
+    section: dict,
+    stored: dict,
+    dtype,
+    decoder: str,
+    keep_compressed: bool = False,
+    shardings: dict | None = None,
+    keep=lambda spec: True,
 ) -> dict:
-    """Decodes every restored tensor on its device and checks it against the manifest."""
+    """Decodes every restored tensor on its device and checks it against the manifest. With
+    `shardings` (the stored arrays then on the host) each device decodes only its own block
+    (`_decode_on_mesh`). `keep`: which layer stacks `keep_compressed` may keep coded."""
     params: dict = {}
     checksums = {}
     for spec in specs:
         leaf = get_path(stored, spec.name)
         entry = section["tensors"][spec.name]
+        place = None if shardings is None else get_path(shardings, spec.name)
+        kept: Compressed | Palette | CodedBlocks | None = None
         if entry["stored"] == "raw":
-            value, checksums[spec.name] = leaf, device_checksum(leaf)
-        elif entry["stored"] == "palette":
-            p = Palette(layout=PaletteLayout.from_dict(entry["layout"]), **{k: leaf[k] for k in PALETTE_ARRAYS})
-            check_palette_tables(path, spec.name, p)
-            value, checksums[spec.name] = decode_palette_checked(p, decoder)
-            if keep_compressed and spec.per_layer:
-                value = p
+            value = leaf if place is None else jax.device_put(np.asarray(leaf), place)
+            checksums[spec.name] = device_checksum(value)
+        elif place is None:
+            kept = _read_coded(path, spec.name, entry, leaf)
+            value, checksums[spec.name] = _decode_whole(kept, decoder)
         else:
-            c = Compressed(layout=Layout.from_dict(entry["layout"]), **{k: leaf[k] for k in ARRAYS})
-            check_tables(path, spec.name, c)
-            value, checksums[spec.name] = decode_checked(c, decoder)
-            if keep_compressed and spec.per_layer:
-                value = c
+            coded = _read_coded(path, spec.name, entry, leaf)
+            value, checksums[spec.name], kept = _decode_on_mesh(coded, place, decoder)
         set_path(stored, spec.name, None)  # freed as decoded: device memory stays near the decoded size
-        own = spec.dtype or dtype
-        set_path(params, spec.name, value if isinstance(value, (Compressed, Palette)) else value.astype(own))
-    for name, checksum in jax.device_get(checksums).items():
+        if keep_compressed and spec.per_layer and kept is not None and keep(spec):
+            set_path(params, spec.name, kept)
+        else:
+            set_path(params, spec.name, value.astype(spec.dtype or dtype))
+    for name, checksum in checksums.items():
+        checksum = to_host(checksum)  # (replicated over a group's processes, each holds it whole)
         want = section["tensors"][name]["checksum"]
         if int(checksum) != want:
             raise JfireError(
@@ -349,6 +359,44 @@ def decode_tree(
                 f"{int(checksum):#010x}); the checkpoint is corrupt (convert the model again)"
             )
     return params
+
+
+def _read_coded(path: Path, name: str, entry: dict, leaf: dict) -> Compressed | Palette:
+    """A restored coded tensor as its codec's pytree, its tables checked."""
+    if entry["stored"] == "palette":
+        pal = Palette(layout=PaletteLayout.from_dict(entry["layout"]), **{k: leaf[k] for k in PALETTE_ARRAYS})
+        check_palette_tables(path, name, pal)
+        return pal
+    huff = Compressed(layout=Layout.from_dict(entry["layout"]), **{k: leaf[k] for k in ARRAYS})
+    check_tables(path, name, huff)
+    return huff
+
+
+def _decode_whole(coded: Compressed | Palette, decoder: str) -> tuple[jax.Array, jax.Array]:
+    if isinstance(coded, Palette):
+        return decode_palette_checked(coded, decoder)
+    return decode_checked(coded, decoder)
+
+
+def _decode_on_mesh(coded: Compressed | Palette, sharding, decoder: str):
+    """(bf16 values placed by `sharding`, their checksum, the coded blocks or None) for a coded
+    tensor read on the host: each device is sent its own block, coded, and decodes it. A
+    palette tensor whose shards cut its tiles is decoded on one of this process's devices of
+    the mesh and placed (its blocks None: it cannot stay coded)."""
+    blocks = coded_shards.blocks_of(sharding, coded.layout.shape)
+    pieces = coded_shards.cut(coded, blocks)
+    if pieces is None:
+        local = next(d for d in sharding.mesh.devices.flat if d.process_index == jax.process_index())
+        value, checksum = decode_palette_checked(jax.device_put(coded, local), decoder)
+        return jax.device_put(np.asarray(value), sharding), checksum, None
+    placed = coded_shards.place(pieces, blocks, sharding)
+    value = jax.device_put(_decode_placed(placed, decoder), sharding)  # in place: names the spec as given
+    return value, device_checksum(value), placed
+
+
+@functools.partial(jax.jit, static_argnames=("decoder",))
+def _decode_placed(blocks: CodedBlocks, decoder: str) -> jax.Array:
+    return decode(blocks, decoder)
 
 
 # -- keeping layers compressed ------------------------------------------------------------------------
@@ -365,7 +413,7 @@ def _words(value: np.ndarray) -> np.ndarray:
 
 def compressed_bytes(params: dict) -> int:
     """Device bytes held by a params tree, counting compressed leaves at their stored size."""
-    coded = (Compressed, Palette)
+    coded = (Compressed, Palette, CodedBlocks)
     leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, coded))
     return sum(leaf.nbytes if isinstance(leaf, coded) else leaf.size * leaf.dtype.itemsize for leaf in leaves)
 
@@ -392,21 +440,30 @@ def restore(
 ) -> tuple[Family, dict]:
     """Config and params of a compressed checkpoint, decoded on the device and checked.
 
-    With `shardings` the decoded params are then placed by them; each device decoding only
-    its own rows is the layout's design (docs/compression.md) but not done here yet.
+    With `shardings` the stored arrays are read on the host and each device is sent and
+    decodes only its own block of every tensor (jfire.checkpoint.coded_shards); kept
+    compressed, layer stacks stay as those per-device blocks (`CodedBlocks`).
     """
-    if keep_compressed and shardings is not None:
-        raise JfireError("keeping layers compressed is not supported on a mesh yet")
     path = Path(path).absolute()
     config = store.config_of(manifest)
     store.check_layer_stacks(path, manifest, config)
     specs = config.param_specs()
     section = check_section(path, manifest, specs)
-    target = abstract_tree(specs, section, jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
+    if shardings is None:
+        where = jax.local_devices()[0]
+        keep = lambda spec: True  # noqa: E731
+    else:
+        where = jax.local_devices(backend="cpu")[0]
+        mesh = next(iter(jax.tree.leaves(shardings))).mesh
+        # Where tp repeats the KV heads (sharding.adapt_to_mesh), their weights are repeated
+        # decoded: coded blocks cannot be.
+        repeats = config.adapt_to_tp(mesh.shape["tp"])[1] > 1
+        keep = lambda spec: not (repeats and "kv_heads" in spec.axes)  # noqa: E731
+    target = abstract_tree(specs, section, jax.sharding.SingleDeviceSharding(where))
     stored = _read_stored(path, specs, target)
-    params = decode_tree(path, specs, section, stored, dtype, decoder or default_decoder(), keep_compressed)
-    if shardings is not None:
-        params = jax.device_put(params, shardings)
+    params = decode_tree(
+        path, specs, section, stored, dtype, decoder or default_decoder(), keep_compressed, shardings, keep
+    )
     return config, params
 
 

@@ -154,3 +154,58 @@ def maybe_encode(x: np.ndarray, layout: PaletteLayout) -> Palette | None:
         return None
     p = encode(x, layout)
     return p if p.nbytes < PAYS_BELOW * 2 * math.prod(layout.shape) else None
+
+
+def shard(p: Palette, index: tuple) -> Palette | None:
+    """The block tensor[index] (one slice per axis, as a device's shard is described) as a
+    palette tensor of its own, decodable without the rest; None where the block cuts a tile
+    (a shard boundary inside a tile's rows or columns).
+
+    Whole tiles carry their palettes, codes, raw bytes and exception lists with them (an
+    exception's position is within its tile), so every array is sliced and only the exception
+    offsets are counted again for the block's tiles."""
+    lay = p.layout
+    index = tuple(index) + (slice(None),) * (len(lay.shape) - len(index))
+    ranges = [np.arange(*s.indices(n)) for s, n in zip(index, lay.shape)]
+    u, r = lay.unit_axes, lay.unit_axes + lay.row_axes
+    units = _flat_ids(ranges[:u], lay.shape[:u])
+    rows = _flat_ids(ranges[u:r], lay.shape[u:r])
+    cols = _flat_ids(ranges[r:], lay.shape[r:])
+    row_tiles = _whole_tiles(rows, lay.rows, lay.tile_rows)
+    col_tiles = _whole_tiles(cols, lay.cols, lay.tile_cols)
+    if row_tiles is None or col_tiles is None:
+        return None
+    groups = np.unique(rows // GROUP)
+    code_rows = (groups[:, None] * lay.k + np.arange(lay.k)[None, :]).ravel()
+    unit_rows = units[:, None, None] * lay.row_tiles + row_tiles[None, :, None]
+    tile_ids = (unit_rows * lay.col_tiles + col_tiles[None, None, :]).ravel()  # the block's tiles, in order
+    start = np.asarray(p.exc_start).astype(np.int64)
+    first, count = start[tile_ids], np.diff(start)[tile_ids]
+    entries = np.repeat(first - np.cumsum(count) + count, count) + np.arange(count.sum())
+    block = PaletteLayout(
+        tuple(len(a) for a in ranges), lay.unit_axes, lay.row_axes, lay.k, lay.tile_rows, lay.tile_cols
+    )
+    return Palette(
+        layout=block,
+        codes=np.asarray(p.codes)[np.ix_(units, code_rows, cols)],
+        raw=np.asarray(p.raw)[np.ix_(units, rows, cols)],
+        palette=np.asarray(p.palette)[np.ix_(units, row_tiles, col_tiles)],
+        exc_start=np.concatenate([[0], np.cumsum(count)]).astype(np.uint32),
+        exc_pos=np.concatenate([np.asarray(p.exc_pos)[entries], [0]]).astype(np.uint16),
+        exc_exp=np.concatenate([np.asarray(p.exc_exp)[entries], [0]]).astype(np.uint8),
+    )
+
+
+def _flat_ids(ranges: list[np.ndarray], dims: tuple[int, ...]) -> np.ndarray:
+    """Row-major flat indices of the product of per-axis index ranges (one index, 0, for no axes)."""
+    if not ranges:
+        return np.zeros(1, np.int64)
+    return np.ravel_multi_index(np.meshgrid(*ranges, indexing="ij"), dims).ravel()
+
+
+def _whole_tiles(ids: np.ndarray, n: int, tile: int) -> np.ndarray | None:
+    """The tiles (of `tile` along an axis of `n`) that sorted `ids` cover whole, in order, or
+    None when `ids` are not exactly those tiles' indices."""
+    tiles = np.unique(ids // tile)
+    whole = np.concatenate([np.arange(t * tile, min(n, t * tile + tile)) for t in tiles])
+    return tiles if np.array_equal(whole, ids) else None

@@ -8,22 +8,54 @@ so the models never import the checkpoint code.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jfire.kernels.bf16_decode import Compressed, bf16_decode, bf16_decode_reference
 from jfire.kernels.palette_matmul import Palette, palette_decode, palette_decode_reference
+from jfire.kernels.varying import shard_map_mesh
 
 DECODERS = ("pallas", "pallas-interpret", "reference")
-CODED = (Compressed, Palette)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["coded"], meta_fields=["mesh", "block_axes", "spec"])
+@dataclasses.dataclass(frozen=True)
+class CodedBlocks:
+    """A coded tensor on a mesh, as one coded block per device: the block of the tensor that
+    device holds, coded on its own (`jfire.checkpoint.coded_shards` cuts them). Every array
+    of `coded` leads with a block axis split over `block_axes` (pp first), so each device holds
+    exactly its block; `coded.layout` is one block's. `spec` places the decoded tensor."""
+
+    coded: Compressed | Palette
+    mesh: jax.sharding.Mesh
+    block_axes: tuple[str, ...]
+    spec: P
+
+    @property
+    def nbytes(self) -> int:
+        return self.coded.nbytes
+
+    @property
+    def depth(self) -> int:
+        """Layers in one block: a stage's layers when the stack is split over pp."""
+        return self.coded.layout.shape[0]
+
+
+CODED = (Compressed, Palette, CodedBlocks)
 
 
 def default_decoder() -> str:
     return "pallas" if jax.default_backend() == "gpu" else "pallas-interpret"
 
 
-def decode(c: Compressed | Palette, decoder: str, unit=None) -> jax.Array:
+def decode(c: Compressed | Palette | CodedBlocks, decoder: str, unit=None) -> jax.Array:
     """The tensor (or one unit of it) in bf16, by the named decoder."""
+    if isinstance(c, CodedBlocks):
+        return decode_blocks(c, decoder, unit)
     if decoder not in DECODERS:
         from jfire.errors import JfireError
 
@@ -37,6 +69,41 @@ def decode(c: Compressed | Palette, decoder: str, unit=None) -> jax.Array:
     if decoder == "pallas-interpret":
         return bf16_decode(c, unit, interpret=True, block_lanes=16384)  # few, wide programs: the grid is a loop on CPU
     return bf16_decode(c, unit)
+
+
+def decode_blocks(b: CodedBlocks, decoder: str, unit=None) -> jax.Array:
+    """The tensor (or one unit of it, a layer of a stage's layers) in bf16, placed by its spec:
+    each device decodes its own block, in a shard_map over the mesh axes not already manual
+    (inside the pipeline's, pp is)."""
+    mesh = shard_map_mesh(b.mesh)
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    free = tuple(a for a in b.block_axes if a not in manual)
+    out = tuple(b.spec)[0 if unit is None else 1 :]
+    out = P(*(_without(entry, manual) for entry in out))
+    block_spec = jax.tree.map(lambda _: P(free or None), b.coded)
+
+    # Every traced value enters as an argument (the unit may be a scan index).
+    args = (b.coded,) if unit is None else (b.coded, jnp.asarray(unit, jnp.int32))
+
+    def one(coded, *unit):
+        coded = jax.tree.map(lambda a: a[0], coded)  # this device's block
+        return decode(coded, decoder, *unit)
+
+    return jax.shard_map(
+        one,
+        mesh=mesh,
+        axis_names=frozenset(mesh.axis_names) - manual,
+        in_specs=(block_spec,) + (P(),) * (len(args) - 1),
+        out_specs=out,
+        check_vma=False,
+    )(*args)
+
+
+def _without(entry, axes: set):
+    """A PartitionSpec entry without the mesh axes in `axes` (None when none is left)."""
+    names = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+    left = tuple(n for n in names if n not in axes)
+    return None if not left else left[0] if len(left) == 1 else left
 
 
 def has_compressed(tree) -> bool:

@@ -1,4 +1,5 @@
-"""Varying mesh axes inside a shard_map that checks them (check_vma).
+"""Varying mesh axes inside a shard_map that checks them (check_vma), and the mesh a nested
+shard_map names.
 
 There a value's type records the manual mesh axes it varies over, and a loop's carry or a
 kernel's operands must agree: a constant initial carry is invariant while the body's result,
@@ -45,3 +46,16 @@ def out_struct(shape, dtype, like):
     if getattr(aval, "vma", None) is not None:  # the name in older JAX releases
         return jax.ShapeDtypeStruct(shape, dtype, vma=aval.vma)
     return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def shard_map_mesh(mesh):
+    """The mesh a block's own `shard_map` names: `mesh`, or inside another shard_map (the
+    pipeline's, manual over pp) the context's abstract mesh, which jax 0.10.2 requires there
+    ("The context mesh ... should match the mesh passed to shard_map", since the context
+    marks the outer axes Manual); same axes and sizes."""
+    context = jax.sharding.get_abstract_mesh()
+    if context.empty or not context.manual_axes:
+        return mesh
+    if dict(context.shape) != dict(mesh.shape):
+        raise ValueError(f"mesh {dict(mesh.shape)} is not the enclosing shard_map's mesh {dict(context.shape)}")
+    return context

@@ -34,6 +34,8 @@ import jax
 import numpy as np
 
 from jfire.kernels.cpu_palette import CpuPalette
+from jfire.kernels.layer_weights import CodedBlocks
+from jfire.kernels.varying import shard_map_mesh
 
 # Cache axes whose size the engine chooses: how many pages, and tokens per page. A pages axis
 # that the mesh splits (sequence-sharded pages, for caches with no head axis) is named
@@ -186,19 +188,6 @@ class Parallel:
 
     def shard_map_mesh(self):
         return shard_map_mesh(self.mesh)
-
-
-def shard_map_mesh(mesh):
-    """The mesh a block's own `shard_map` names: `mesh`, or inside another shard_map (the
-    pipeline's, manual over pp) the context's abstract mesh, which jax 0.10.2 requires there
-    ("The context mesh ... should match the mesh passed to shard_map", since the context
-    marks the outer axes Manual); same axes and sizes."""
-    context = jax.sharding.get_abstract_mesh()
-    if context.empty or not context.manual_axes:
-        return mesh
-    if dict(context.shape) != dict(mesh.shape):
-        raise ValueError(f"mesh {dict(mesh.shape)} is not the enclosing shard_map's mesh {dict(context.shape)}")
-    return context
 
 
 def segments_of(kinds: list[str], name: str = "layers") -> tuple[Segment, ...]:
@@ -414,8 +403,10 @@ def _revive(annotation, value, cls):
 
 
 def stack_depth(stack) -> int:
-    """Layers in a stacked subtree (plain or compressed leaves both lead with the layer axis)."""
-    return jax.tree.leaves(stack)[0].shape[0]
+    """Layers in a stacked subtree (plain or compressed leaves both lead with the layer axis;
+    a mesh's coded blocks hold a stage's layers each)."""
+    leaf = jax.tree.leaves(stack, is_leaf=lambda x: isinstance(x, CodedBlocks))[0]
+    return leaf.depth if isinstance(leaf, CodedBlocks) else leaf.shape[0]
 
 
 # The captures in progress while a program traces its target's decoder (`capture_hidden`):

@@ -240,7 +240,7 @@ def experts_parallel(
     `mesh` is the concrete `jax.sharding.Mesh` the program was built for; this also works
     inside another shard_map manual over other axes (the pipeline's, over `pp`).
     """
-    from jfire.models.family import shard_map_mesh
+    from jfire.kernels.varying import shard_map_mesh
 
     axes = (ep_axis, tp_axis)
     mesh = shard_map_mesh(mesh)

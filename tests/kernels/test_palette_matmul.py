@@ -93,6 +93,27 @@ def test_round_trip(case):
         assert p.layout.k == 1 and p.exceptions == 0
 
 
+def test_shards_of_whole_tiles_decode_on_their_own():
+    """A device's block of a palette tensor (units, rows and columns cut between tiles, as tp
+    splits a linear layer's outputs or inputs and pp and ep its layers and experts) decodes
+    alone to that block, exceptions and all; a block that cuts a tile is not cut (None)."""
+    x = distribution("specials", 2 * 3 * 128 * 192, np.random.default_rng(5)).reshape(2, 3, 128, 192)
+    p = palette.encode(x, palette.make_layout(x.shape, unit_axes=2, row_axes=1), k=3)
+    assert (p.layout.tile_rows, p.layout.tile_cols) == (64, 64) and p.exceptions > 1000
+    for index in [
+        (slice(1, 2),),  # one layer (pp)
+        (slice(None), slice(1, 3)),  # experts (ep)
+        (slice(None), slice(None), slice(64, 128)),  # rows: a row-parallel layer's inputs (tp)
+        (slice(0, 1), slice(2, 3), slice(None), slice(64, 192)),  # columns: outputs (tp)
+    ]:
+        part = palette.shard(p, index)
+        assert part.nbytes < p.nbytes
+        assert np.array_equal(bits_of(DECODERS["reference"](jax.device_put(part))), x[index]), index
+        assert int(part.exc_start[-1]) == part.exceptions
+    assert palette.shard(p, (slice(None), slice(None), slice(None), slice(0, 96))) is None
+    assert palette.shard(p, (slice(None), slice(None), slice(32, 128))) is None
+
+
 def gguf_weights(names) -> dict[str, np.ndarray]:
     """Some of the default model's weights (Q4_1, dequantized), as the checkpoint holds them:
     linear layers [in, out]."""
