@@ -17,6 +17,9 @@ infinities, subnormals and signed zeros planted in every tensor. Then:
   4b. the fused palette matmul (the weight read coded, rebuilt in bf16 tile by tile before
      its dot) against XLA's dot on the plain bf16 weight, Llama-3-8B's MLP shapes, batch 1
      and 64;
+  4c. compressed-resident decode on a Llama-3-8B-shaped layer stack: tokens/s plain, kept
+     coded and decoded per layer, and multiplied coded where the start-up measurement picks
+     the fused matmul, batch 1 and 64;
   5. one Scout-shaped MoE layer (hidden 5120, 16 experts of width 8192, top-1, bf16): the
      dropless layer with the Pallas grouped matmul (jfire.kernels.grouped_matmul), with XLA's
      `jax.lax.ragged_dot` (a padded dense matmul on CUDA) and every expert computed, at 1, 16,
@@ -41,6 +44,8 @@ yet run on a GPU; compiles guessed at 1-5 s a program, the engine's at its CPU c
   1-4 compression: 1.1 GB of bf16 encoded on the host (~20 s), decodes at GB/s (~5 s),
       20 tile configs compiled and timed (~30 s)                                      ~ 1 min
   4b  palette matmul: 235 MB of bf16 encoded on the host (~3 s), 4 compiles, 8 timings  ~ 0.25 min
+  4c  coded layers: 0.9 GB of bf16 encoded on the host (~10 s), the start-up measurement
+      (4 layouts x 4 row counts), 6 compiles, 6 timings                               ~ 0.5 min
   5   Scout MoE: 4 GB of experts; 4 token counts x 3 paths compiled (~40 s; the largest
       call, dense at 2,048 tokens, 8 TFLOP: ~15 ms), 12 tile variants (~30 s), the scan
       over 8 GB (~10 s)                                                               ~ 1.5 min
@@ -51,7 +56,7 @@ yet run on a GPU; compiles guessed at 1-5 s a program, the engine's at its CPU c
       ~0.1 s a call) and MLA prefill at 2k                                            ~ 0.75 min
   7   engine: 16 GB drawn (~5 s), start-up with every program compiled (~1-2 min),
       8 decode waves of up to 64 x 128 tokens (~15 s), 4 TTFTs (~5 s)                  ~ 2.5 min
-  in all about 6.75 minutes, under the 8 the prepared call has (--repeats 10 throughout;
+  in all about 7.25 minutes, under the 8 the prepared call has (--repeats 10 throughout;
   `--repeats 3` takes ~20 s off); an H200 is a little faster.
 """
 
@@ -171,6 +176,61 @@ def palette_matmul_check(smoke: bool, repeats: int) -> list[dict]:
                          "fused_ms": 1e3 * t_fused, "bf16_dot_ms": 1e3 * t_plain, "fused_over_bf16": t_fused / t_plain,
                          "fused_read_gbps": coded_bytes / t_fused / 1e9, "bf16_read_gbps": w.nbytes / t_plain / 1e9,
                          "agree": agree})
+    return rows
+
+
+def coded_layers_check(smoke: bool, repeats: int) -> list[dict]:
+    """Compressed-resident decode on a Llama-3-8B-shaped layer stack (its 2 layers, a 4,096-token
+    vocabulary so the head does not hide them), bf16, one decode step at a 512-token context:
+    tokens/s with the layers plain, kept palette-coded and decoded per layer in the loop
+    (`--keep-compressed`), and kept coded with the linear layers multiplied coded where the
+    start-up measurement (`fused_rows`) found the fused matmul faster, at batch 1 and 64. Logits
+    against the plain layers' (to bf16 rounding: sums in other orders). Smoke: the tiny shapes,
+    the fused matmul forced up to 64 rows (interpret mode is never faster)."""
+    from jfire.checkpoint import palette
+    from jfire.checkpoint.compressed import compressed_bytes, fuse_layers, palette_layout_for, serves_fused
+    from jfire.models import family
+    from jfire.models.params import get_path, set_path
+
+    cfg = dataclasses.replace(TINY if smoke else LLAMA3_8B_2_LAYERS, vocab_size=512 if smoke else 4096)
+    plain: dict = {}
+    kept: dict = {}
+    for i, spec in enumerate(cfg.param_specs()):
+        key = jax.random.fold_in(jax.random.key(31), i)
+        scale = 0.1 if spec.init == "ones" else 0.02
+        value = (jax.random.normal(key, spec.shape, jnp.float32) * scale + (spec.init == "ones")).astype(jnp.bfloat16)
+        set_path(plain, spec.name, value)
+        coded = spec.per_layer and serves_fused(spec)
+        layout = palette_layout_for(spec)
+        set_path(kept, spec.name, jax.device_put(palette.encode(np.asarray(value), layout)) if coded else value)
+    fused = fuse_layers(kept, cfg, jnp.bfloat16, max_rows=64 if smoke else None)
+    chosen = {s.name: getattr(get_path(fused, s.name), "max_rows", 0) for s in cfg.param_specs()
+              if s.per_layer and serves_fused(s)}  # fmt: skip
+    context = 64 if smoke else 512
+    rows = []
+    for batch in (1, 16) if smoke else (1, 64):
+        tokens = jnp.ones((batch, 1), jnp.int32)
+        positions = jnp.full((batch, 1), context, jnp.int32)
+        step = jit(smoke)(lambda p, c: family.forward(p, cfg, tokens, positions, c), donate_argnums=1)  # noqa: B023
+        row: dict = {"batch": batch, "fused_max_rows": chosen}
+        logits = {}
+        for name, params in (("plain", plain), ("kept", kept), ("fused", fused)):
+            cache = family.init_cache(cfg, batch, context + 1, jnp.bfloat16)
+            out, cache = step(params, cache)
+            logits[name] = np.asarray(out, np.float32)
+            box = [cache]
+
+            def one(params=params, box=box, step=step):
+                out, box[0] = step(params, box[0])
+                out.block_until_ready()
+
+            seconds = median_seconds(one, repeats)
+            row[f"{name}_tokens_per_s"] = batch / seconds
+            row[f"{name}_layer_bytes"] = compressed_bytes(params["layers"])
+        scale = float(np.abs(logits["plain"]).max())
+        row["agree"] = all(bool(np.allclose(logits[n], logits["plain"], rtol=0, atol=2e-2 * scale))
+                           for n in ("kept", "fused"))  # fmt: skip
+        rows.append(row)
     return rows
 
 
@@ -486,6 +546,7 @@ def main(argv=None) -> int:
     name, bits, _ = max(tensors, key=lambda t: t[1].size)
     result["sweep"] = sweep(name, bits, encoded[name], configs, interpret=args.smoke, repeats=repeats)
     result["palette_matmul"] = palette_matmul_check(args.smoke, repeats)
+    result["coded_layers"] = coded_layers_check(args.smoke, repeats)
     result["moe"] = moe_check(args.smoke, repeats)
     result["moe_tiles"] = moe_tiles_check(args.smoke, repeats)
     result["moe_scan"] = moe_scan_check(args.smoke, repeats)
@@ -498,7 +559,7 @@ def main(argv=None) -> int:
     t = result["total"]
     exact = t["exact"] and all(r["exact"] for r in result["units"] + result["sweep"])
     exact = exact and all(r["agree"] for r in result["moe"] + result["kimi_kernels"] + [result["engine"]["kernel"]])
-    exact = exact and all(r["agree"] for r in result["moe_tiles"] + result["palette_matmul"])
+    exact = exact and all(r["agree"] for r in result["moe_tiles"] + result["palette_matmul"] + result["coded_layers"])
     exact = exact and all(r["agree"] for r in result["prefill_attention"] + result["kimi_layer"])
     best = max(result["sweep"], key=lambda r: r["gbps"])
     print(f"compression ratio {t['ratio']:.4f}; encode {t['encode_gbps']:.3f} GB/s (host)")
@@ -511,6 +572,12 @@ def main(argv=None) -> int:
         print(f"palette matmul {r['shape'][0]}x{r['shape'][1]} (k={r['k']}, {r['ratio']:.3f} of bf16), batch {r['batch']:>2}: "
               f"fused {r['fused_ms']:8.3f} ms ({r['fused_read_gbps']:.0f} GB/s coded), bf16 dot {r['bf16_dot_ms']:8.3f} ms "
               f"({r['bf16_read_gbps']:.0f} GB/s), fused/bf16 {r['fused_over_bf16']:.2f}, agree: {'yes' if r['agree'] else 'NO'}")
+    for r in result["coded_layers"]:
+        fused_rows = sorted(set(r["fused_max_rows"].values()))
+        print(f"8B-shaped layers, batch {r['batch']:>2}: plain {r['plain_tokens_per_s']:9.1f} tok/s, kept coded (decoded "
+              f"per layer) {r['kept_tokens_per_s']:9.1f}, fused where faster (up to {fused_rows} rows) "
+              f"{r['fused_tokens_per_s']:9.1f}; layers {r['kept_layer_bytes'] / r['plain_layer_bytes']:.3f} of bf16, "
+              f"agree: {'yes' if r['agree'] else 'NO'}")
     for r in result["moe"]:
         print(f"MoE layer, {r['tokens']:>4} tokens: Pallas grouped {r['kernel_ms']:8.3f} ms "
               f"({r['kernel_weight_gbps']:.0f} GB/s of used experts), XLA ragged_dot {r['xla_ragged_dot_ms']:8.3f} ms, "

@@ -31,6 +31,12 @@ def test_gpu_check_smoke(tmp_path, capsys, monkeypatch):
     assert len(result["sweep"]) == 2 and all(r["exact"] for r in result["sweep"])
     # The MoE layer: grouped (ragged_dot) and dense all-experts agree at every token count.
     assert [r["tokens"] for r in result["moe"]] == [1, 16, 256] and all(r["agree"] for r in result["moe"])
+    # Compressed-resident layers (kept coded; fused, forced in interpret mode): their logits agree.
+    coded = result["coded_layers"]
+    assert [r["batch"] for r in coded] == [1, 16] and all(r["agree"] for r in coded)
+    assert set(coded[0]["fused_max_rows"]) == {"layers.wq", "layers.wk", "layers.wv", "layers.wo", "layers.w_gate",
+                                               "layers.w_up", "layers.w_down"}
+    assert set(coded[0]["fused_max_rows"].values()) == {64} and coded[0]["kept_layer_bytes"] < coded[0]["plain_layer_bytes"]
     # The engine end to end (a tiny Llama, the Pallas attention interpreted): every measurement
     # taken, each decode batch without and with running ahead, the kernel equal to its reference.
     # One Kimi K2.5-shaped layer (shrunk) decoding: the Pallas MLA + int4 paths equal the XLA reference.

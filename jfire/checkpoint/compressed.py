@@ -37,7 +37,7 @@ import numpy as np
 from jfire.checkpoint import codec, coded_shards, store
 from jfire.errors import JfireError
 from jfire.kernels.bf16_decode import CODE_BITS, Compressed, Layout, pad_payload
-from jfire.kernels.layer_weights import CodedBlocks, decode, default_decoder
+from jfire.kernels.layer_weights import CodedBlocks, FusedPalette, decode, default_decoder, fused_rows
 from jfire.kernels.palette_matmul import Palette, PaletteLayout, flat, pad_exceptions
 from jfire.models.family import Family
 from jfire.models.params import get_path, set_path
@@ -411,9 +411,30 @@ def _words(value: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(value).view(np.uint16)
 
 
+def fuse_layers(params: dict, config, dtype, max_rows: int | None = None) -> dict:
+    """`params` with each kept palette-coded linear layer stack (`serves_fused`) marked for the
+    fused matmul (`FusedPalette`) up to `max_rows` rows of x, or up to the rows measured on
+    this device for its layout (`fused_rows`; a stack the fused matmul never wins on stays
+    decoded per layer)."""
+    measured: dict = {}
+    out = jax.tree.map(lambda x: x, params, is_leaf=lambda x: isinstance(x, (Compressed, Palette)))
+    for spec in config.param_specs():
+        leaf = get_path(params, spec.name)
+        if not (isinstance(leaf, Palette) and spec.per_layer and serves_fused(spec)):
+            continue
+        rows = max_rows
+        if rows is None:
+            if leaf.layout not in measured:
+                measured[leaf.layout] = fused_rows(leaf, dtype)
+            rows = measured[leaf.layout]
+        if rows:
+            set_path(out, spec.name, FusedPalette(leaf, rows))
+    return out
+
+
 def compressed_bytes(params: dict) -> int:
     """Device bytes held by a params tree, counting compressed leaves at their stored size."""
-    coded = (Compressed, Palette, CodedBlocks)
+    coded = (Compressed, Palette, CodedBlocks, FusedPalette)
     leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, coded))
     return sum(leaf.nbytes if isinstance(leaf, coded) else leaf.size * leaf.dtype.itemsize for leaf in leaves)
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jfire.kernels.bf16_decode import Compressed, bf16_decode, bf16_decode_reference
-from jfire.kernels.palette_matmul import Palette, palette_decode, palette_decode_reference
+from jfire.kernels.palette_matmul import Palette, palette_decode, palette_decode_reference, palette_matmul
 from jfire.kernels.varying import shard_map_mesh
 
 DECODERS = ("pallas", "pallas-interpret", "reference")
@@ -45,7 +45,24 @@ class CodedBlocks:
         return self.coded.layout.shape[0]
 
 
-CODED = (Compressed, Palette, CodedBlocks)
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["coded"], meta_fields=["max_rows"])
+@dataclasses.dataclass(frozen=True)
+class FusedPalette:
+    """A palette-coded linear layer stack that the layers multiply by coded: a product of up to
+    `max_rows` rows of x is the fused matmul (each weight tile rebuilt in bf16 right before its
+    dot, jfire.kernels.palette_matmul); a larger one (a prefill chunk) decodes the layer first,
+    as any coded leaf. `max_rows` is chosen per matrix (`fused_rows`) and, being static, is part
+    of every program's key."""
+
+    coded: Palette
+    max_rows: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.coded.nbytes
+
+
+CODED = (Compressed, Palette, CodedBlocks, FusedPalette)
 
 
 def default_decoder() -> str:
@@ -58,6 +75,8 @@ def decode(c: Compressed | Palette | CodedBlocks, decoder: str, unit=None) -> ja
     """The tensor (or one unit of it) in bf16, by the named decoder."""
     if isinstance(c, CodedBlocks):
         return decode_blocks(c, decoder, unit)
+    if isinstance(c, FusedPalette):
+        c = c.coded
     if decoder not in DECODERS:
         from jfire.errors import JfireError
 
@@ -128,3 +147,45 @@ def layer_slice(layers: dict, i, *, dtype=jnp.bfloat16, decoder: str | None = No
         return jax.lax.dynamic_index_in_dim(leaf, i, keepdims=False)
 
     return jax.tree.map(one, layers, is_leaf=lambda x: isinstance(x, CODED))
+
+
+def has_fused(tree) -> bool:
+    leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, CODED))
+    return any(isinstance(leaf, FusedPalette) for leaf in leaves)
+
+
+def fused_matmul(x: jax.Array, w: FusedPalette, unit) -> jax.Array:
+    """x [m, rows] @ layer `unit` of w, read coded: [m, cols] in x's dtype, summed in float32.
+    Off a GPU the kernel runs in interpret mode (the tests)."""
+    return palette_matmul(x, w.coded, unit, interpret=jax.default_backend() != "gpu", out_dtype=x.dtype)
+
+
+# Rows of x at which `fused_rows` times the fused matmul against decoding the layer and XLA's dot.
+FUSED_BUCKETS = (1, 8, 64, 256)
+
+
+def fused_rows(p: Palette, dtype, repeats: int = 5) -> int:
+    """The most rows of x (of FUSED_BUCKETS, 0 for none) up to which the fused matmul multiplies
+    by layer 0 of `p` faster than decoding that layer and multiplying (XLA's dot), timed on the
+    device: Unweight's per-matrix choice, taken at start-up. Assumes the fused path's lead
+    shrinks as rows grow (it reads the weight once per 16 rows of x)."""
+    import time
+
+    decoder = default_decoder()
+    fused = jax.jit(lambda x, p: fused_matmul(x, FusedPalette(p, 0), 0))
+    decoded = jax.jit(lambda x, p: x @ decode(p, decoder, unit=0).reshape(p.layout.rows, p.layout.cols).astype(x.dtype))
+    best = 0
+    for rows in FUSED_BUCKETS:
+        x = jnp.ones((rows, p.layout.rows), dtype)
+        times = []
+        for fn in (fused, decoded):
+            fn(x, p).block_until_ready()
+            start = time.perf_counter()
+            for _ in range(repeats):
+                out = fn(x, p)
+            out.block_until_ready()
+            times.append(time.perf_counter() - start)
+        if times[0] >= times[1]:
+            break
+        best = rows
+    return best

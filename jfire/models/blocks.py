@@ -189,11 +189,23 @@ def layer_matmuls(x: jax.Array, p, names, n_in: int = 1) -> tuple[jax.Array, ...
     """`layer_matmul` of one input by several weights (a layer's q, k and v, or its gate and
     up): on the CPU kernels, one call for all of them."""
     from jfire.kernels import cpu_matmul, cpu_palette
+    from jfire.kernels.layer_weights import CODED, FusedPalette, fused_matmul
     from jfire.models.family import StackedLayer
 
     if isinstance(p, StackedLayer):
         stacks = [p.stack[name] for name in names]
         lead, k = x.shape[: x.ndim - n_in], math.prod(x.shape[x.ndim - n_in :])
+        fused = [isinstance(s, FusedPalette) and s.coded.layout.row_axes == n_in for s in stacks]
+        if any(fused):
+            if len(names) > 1:
+                return tuple(layer_matmuls(x, p, (name,), n_in)[0] for name in names)
+            w = stacks[0]
+            if math.prod(lead) <= w.max_rows:
+                y = fused_matmul(x.reshape(math.prod(lead), k), w, p.index)
+                return (y.reshape(*lead, *w.coded.layout.shape[1 + n_in :]),)
+            return (flat_matmul(x, p[names[0]], n_in),)  # decoded first: a product too large to gain
+        if any(isinstance(s, CODED) for s in stacks):  # other coded leaves: decoded as they are read
+            return tuple(flat_matmul(x, p[name], n_in) for name in names)
         coded = [isinstance(s, cpu_palette.CpuPalette) for s in stacks]
         if any(coded) and not all(coded):
             return tuple(layer_matmuls(x, p, (name,), n_in)[0] for name in names)

@@ -458,7 +458,7 @@ def scan_layers(layer: Callable, stack, carry, dtype, *, in_place: bool = False,
     can take them from the whole stack; where the program enables that
     (`jfire.kernels.cpu_matmul.in_place`), `p` is a `StackedLayer` view instead of slices."""
     from jfire.kernels import cpu_matmul, cpu_palette
-    from jfire.kernels.layer_weights import has_compressed, layer_slice
+    from jfire.kernels.layer_weights import has_compressed, has_fused, layer_slice
 
     if _captures and first is not None:  # `first`: the model layer of the stack's first entry
 
@@ -471,7 +471,9 @@ def scan_layers(layer: Callable, stack, carry, dtype, *, in_place: bool = False,
         scan = functools.partial(scan_layers, dtype=dtype, in_place=in_place)
         return _scan_capturing(scan, capturing, stack, carry, first, 1)
     ids = jax.numpy.arange(stack_depth(stack), dtype=jax.numpy.int32)
-    if has_compressed(stack):
+    if has_fused(stack):  # weights multiplied coded: the layer reads each leaf as it needs it
+        carry, _ = jax.lax.scan(lambda c, j: layer(c, CodedLayer(stack, j, dtype), j), carry, ids)
+    elif has_compressed(stack):
         carry, _ = jax.lax.scan(lambda c, j: layer(c, layer_slice(stack, j, dtype=dtype), j), carry, ids)
     elif (in_place and cpu_matmul.in_place_enabled()) or cpu_palette.has_coded(stack):
         # (A coded stack is never scanned over: its arrays are not layer-major values.)
@@ -535,6 +537,26 @@ class StackedLayer(Mapping):
 
     def __len__(self):
         return len(self.stack)
+
+
+class CodedLayer(StackedLayer):
+    """Layer `index` of a stack kept coded (`--keep-compressed`) with weights the layers
+    multiply by coded (`FusedPalette`): `layer_matmul` reads those from the stack; every other
+    read decodes its leaf's layer then, in `dtype`."""
+
+    def __init__(self, stack: Mapping, index, dtype):
+        super().__init__(stack, index)
+        self.dtype = dtype
+
+    def __getitem__(self, name):
+        from jfire.kernels.layer_weights import CODED, decode, default_decoder
+
+        value = self.stack[name]
+        if isinstance(value, Mapping):
+            return CodedLayer(value, self.index, self.dtype)
+        if isinstance(value, CODED):
+            return decode(value, default_decoder(), unit=self.index).astype(self.dtype)
+        return super().__getitem__(name)
 
 
 # -- whole-model helpers for tests and tools ------------------------------------------------------

@@ -5,18 +5,23 @@ layer loop, damage refused by name, and the report's codec and path per tensor."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jfire.checkpoint import compressed, store
 from jfire.checkpoint.convert import convert
 from jfire.checkpoint.load import load_model
+from jfire.engine import Engine, EngineConfig
 from jfire.errors import JfireError
-from jfire.kernels.layer_weights import layer_slice
+from jfire.kernels.layer_weights import FusedPalette, layer_slice
 from jfire.kernels.palette_matmul import Palette
+from jfire.models import family
+from jfire.sampling import SamplingParams
 from tests.checkpoint.test_compressed_checkpoint import copy_with, flip, same_bits
 
 
@@ -72,6 +77,35 @@ def test_kept_palette_layers_decode_in_the_layer_loop(converted):
                                               jnp.arange(2)))()
     for name, value in want["layers"].items():
         assert same_bits(decoded[name], value), name
+
+
+def test_fused_layers_equal_the_layers_decoded_first(converted):
+    """Kept palette-coded linear layers multiplied coded (the fused matmul; interpret mode on the
+    CPU) for products of up to 8 rows, decoded first beyond (a longer prompt's prefill): a
+    forward pass's logits equal the decoded path's within float32 summation error, and the
+    engine's greedy tokens are the plain checkpoint's."""
+    kept = load_model(str(converted["palette"]), "float32", keep_compressed=True)
+    fused = dataclasses.replace(kept, params=compressed.fuse_layers(kept.params, kept.config, jnp.float32, max_rows=8))
+    assert isinstance(fused.params["layers"]["w_up"], FusedPalette) and isinstance(fused.params["embed"], jax.Array)
+    assert compressed.compressed_bytes(fused.params) == compressed.compressed_bytes(kept.params)
+    cfg = kept.config
+    tokens = jnp.array([[3, 14, 15], [9, 2, 6]], jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(3, dtype=jnp.int32), (2, 3))
+    forward = jax.jit(lambda params: family.forward(params, cfg, tokens, positions,
+                                                    family.init_cache(cfg, 2, 16, jnp.float32))[0])
+    want, got = np.asarray(forward(kept.params)), np.asarray(forward(fused.params))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    assert not np.array_equal(got, want)  # (the fused products did run: their sums are in another order)
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], [30, 31], [40, 41, 42]]
+
+    def generate(model):
+        config = EngineConfig(max_batch=4, max_prefill_rows=4, prefill_budget=16, max_model_len=64, num_pages=32,
+                              aot=False)
+        with Engine(model, config) as engine:
+            return [c.token_ids for c in engine.generate([(p, greedy) for p in prompts])]
+
+    assert generate(fused) == generate(load_model(str(converted[""]), "float32"))
 
 
 @pytest.mark.parametrize("damage, match", [
