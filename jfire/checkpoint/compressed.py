@@ -474,7 +474,7 @@ def restore(
         where = jax.local_devices()[0]
         keep = lambda spec: True  # noqa: E731
     else:
-        where = jax.local_devices(backend="cpu")[0]
+        where = _host_device()
         mesh = next(iter(jax.tree.leaves(shardings))).mesh
         # Where tp repeats the KV heads (sharding.adapt_to_mesh), their weights are repeated
         # decoded: coded blocks cannot be.
@@ -486,6 +486,15 @@ def restore(
         path, specs, section, stored, dtype, decoder or default_decoder(), keep_compressed, shardings, keep
     )
     return config, params
+
+
+def _host_device():
+    """Where stored arrays are read before being cut into per-device blocks on the host: the
+    CPU backend's device, or the first local device where JAX runs without one."""
+    try:
+        return jax.local_devices(backend="cpu")[0]
+    except RuntimeError:
+        return jax.local_devices()[0]
 
 
 def _read_stored(path: Path, specs, target: dict) -> dict:

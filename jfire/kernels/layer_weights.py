@@ -2,8 +2,10 @@
 
 The model's layer scan asks `layer_slice` for layer `i` of a stacked tree; a leaf that is
 `Compressed` or `Palette` (a checkpoint loaded with --keep-compressed) is decoded by its
-kernel just before the layer runs, any other leaf is indexed. Kept beside the kernel, not in checkpoint/,
-so the models never import the checkpoint code.
+kernel just before the layer runs, any other leaf is indexed. On a mesh a coded leaf is
+`CodedBlocks`, one block per device, each decoded by its device; on a GPU a palette-coded linear
+layer may be a `FusedPalette`, which the layer multiplies by coded. Kept beside the kernels,
+not in checkpoint/, so the models never import the checkpoint code.
 """
 
 from __future__ import annotations
