@@ -173,6 +173,8 @@ def fused_rows(p: Palette, dtype, repeats: int = 5) -> int:
     shrinks as rows grow (it reads the weight once per 16 rows of x)."""
     import time
 
+    if p.layout.tile_cols < 16:  # Triton's dot needs 16 columns; such tiles are never fused
+        return 0
     decoder = default_decoder()
     fused = jax.jit(lambda x, p: fused_matmul(x, FusedPalette(p, 0), 0))
     decoded = jax.jit(lambda x, p: x @ decode(p, decoder, unit=0).reshape(p.layout.rows, p.layout.cols).astype(x.dtype))
