@@ -210,6 +210,19 @@ def checksum(x: np.ndarray) -> int:
 # -- shards ---------------------------------------------------------------------------------------
 
 
+def flat_ids(ranges, dims: tuple[int, ...]) -> np.ndarray:
+    """Row-major flat indices, over axes of sizes `dims`, of the product of per-axis index
+    ranges (one index, 0, for no axes)."""
+    if not len(ranges):
+        return np.zeros(1, np.int64)
+    return np.ravel_multi_index(np.meshgrid(*ranges, indexing="ij"), dims).ravel()
+
+
+def concat_ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The indices starts[i] .. starts[i] + counts[i] - 1 of every i, in order."""
+    return np.repeat(starts - np.cumsum(counts) + counts, counts) + np.arange(counts.sum())
+
+
 def shard(c: Compressed, index: tuple) -> Compressed:
     """The block tensor[index] (one slice per axis of the tensor, as a device's shard is
     described) as a compressed tensor of its own, decodable without the rest.
@@ -226,16 +239,12 @@ def shard(c: Compressed, index: tuple) -> Compressed:
     if any(len(r) != n for r, n in zip(enc[u + k :], lay.enc_shape[u + k :])):
         raise ValueError("a shard must take whole rows: only the unit and row axes may be sliced")
     units = np.asarray(enc[0]) if u else np.zeros(1, np.int64)
-    rows = (
-        np.ravel_multi_index(np.meshgrid(*enc[u : u + k], indexing="ij"), lay.enc_shape[u : u + k]).ravel()
-        if k
-        else np.zeros(1, np.int64)
-    )
+    rows = flat_ids(enc[u : u + k], lay.enc_shape[u : u + k])
     lane_bits = np.asarray(c.lane_bits)
     row_words = (lane_bits.astype(np.int64).sum(axis=-1) + 31) // 32  # [units, rows]
     row_start = (np.cumsum(row_words) - row_words.ravel()).reshape(row_words.shape)
     starts, counts = row_start[np.ix_(units, rows)].ravel(), row_words[np.ix_(units, rows)].ravel()
-    words = np.repeat(starts - np.cumsum(counts) + counts, counts) + np.arange(counts.sum())
+    words = concat_ranges(starts, counts)
     payload = np.concatenate([np.asarray(c.payload)[words], np.zeros(1, np.uint32)])
     shape = tuple(len(r) for r in ranges)
     return Compressed(

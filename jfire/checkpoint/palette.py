@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from jfire.checkpoint.codec import CHUNK, MIN_VALUES, PAYS_BELOW, as_bits, exponents
+from jfire.checkpoint.codec import CHUNK, MIN_VALUES, PAYS_BELOW, as_bits, concat_ranges, exponents, flat_ids
 from jfire.kernels.palette_matmul import GROUP, TILE_COLS, TILE_ROWS, Palette, PaletteLayout
 
 K_CHOICES = tuple(range(1, 9))  # code bits tried per tensor; the smallest stored size wins
@@ -168,9 +168,9 @@ def shard(p: Palette, index: tuple) -> Palette | None:
     index = tuple(index) + (slice(None),) * (len(lay.shape) - len(index))
     ranges = [np.arange(*s.indices(n)) for s, n in zip(index, lay.shape)]
     u, r = lay.unit_axes, lay.unit_axes + lay.row_axes
-    units = _flat_ids(ranges[:u], lay.shape[:u])
-    rows = _flat_ids(ranges[u:r], lay.shape[u:r])
-    cols = _flat_ids(ranges[r:], lay.shape[r:])
+    units = flat_ids(ranges[:u], lay.shape[:u])
+    rows = flat_ids(ranges[u:r], lay.shape[u:r])
+    cols = flat_ids(ranges[r:], lay.shape[r:])
     row_tiles = _whole_tiles(rows, lay.rows, lay.tile_rows)
     col_tiles = _whole_tiles(cols, lay.cols, lay.tile_cols)
     if row_tiles is None or col_tiles is None:
@@ -181,7 +181,7 @@ def shard(p: Palette, index: tuple) -> Palette | None:
     tile_ids = (unit_rows * lay.col_tiles + col_tiles[None, None, :]).ravel()  # the block's tiles, in order
     start = np.asarray(p.exc_start).astype(np.int64)
     first, count = start[tile_ids], np.diff(start)[tile_ids]
-    entries = np.repeat(first - np.cumsum(count) + count, count) + np.arange(count.sum())
+    entries = concat_ranges(first, count)
     block = PaletteLayout(
         tuple(len(a) for a in ranges), lay.unit_axes, lay.row_axes, lay.k, lay.tile_rows, lay.tile_cols
     )
@@ -194,13 +194,6 @@ def shard(p: Palette, index: tuple) -> Palette | None:
         exc_pos=np.concatenate([np.asarray(p.exc_pos)[entries], [0]]).astype(np.uint16),
         exc_exp=np.concatenate([np.asarray(p.exc_exp)[entries], [0]]).astype(np.uint8),
     )
-
-
-def _flat_ids(ranges: list[np.ndarray], dims: tuple[int, ...]) -> np.ndarray:
-    """Row-major flat indices of the product of per-axis index ranges (one index, 0, for no axes)."""
-    if not ranges:
-        return np.zeros(1, np.int64)
-    return np.ravel_multi_index(np.meshgrid(*ranges, indexing="ij"), dims).ravel()
 
 
 def _whole_tiles(ids: np.ndarray, n: int, tile: int) -> np.ndarray | None:

@@ -73,7 +73,7 @@ def default_decoder() -> str:
     return "pallas" if jax.default_backend() == "gpu" else "reference"
 
 
-def decode(c: Compressed | Palette | CodedBlocks, decoder: str, unit=None) -> jax.Array:
+def decode(c: Compressed | Palette | CodedBlocks | FusedPalette, decoder: str, unit=None) -> jax.Array:
     """The tensor (or one unit of it) in bf16, by the named decoder."""
     if isinstance(c, CodedBlocks):
         return decode_blocks(c, decoder, unit)
@@ -142,13 +142,16 @@ def layer_slice(layers: dict, i, *, dtype=jnp.bfloat16, decoder: str | None = No
     ids only.
     """
     decoder = decoder or default_decoder()
+    return jax.tree.map(
+        lambda leaf: leaf_layer(leaf, i, dtype, decoder), layers, is_leaf=lambda x: isinstance(x, CODED)
+    )
 
-    def one(leaf):
-        if isinstance(leaf, CODED):
-            return decode(leaf, decoder, unit=i).astype(dtype)
-        return jax.lax.dynamic_index_in_dim(leaf, i, keepdims=False)
 
-    return jax.tree.map(one, layers, is_leaf=lambda x: isinstance(x, CODED))
+def leaf_layer(leaf, i, dtype, decoder: str | None = None) -> jax.Array:
+    """Layer `i` of one stacked leaf: a coded leaf's decoded in `dtype`, a plain one's indexed."""
+    if isinstance(leaf, CODED):
+        return decode(leaf, decoder or default_decoder(), unit=i).astype(dtype)
+    return jax.lax.dynamic_index_in_dim(leaf, i, keepdims=False)
 
 
 def has_fused(tree) -> bool:

@@ -549,14 +549,12 @@ class CodedLayer(StackedLayer):
         self.dtype = dtype
 
     def __getitem__(self, name):
-        from jfire.kernels.layer_weights import CODED, decode, default_decoder
+        from jfire.kernels.layer_weights import leaf_layer
 
         value = self.stack[name]
         if isinstance(value, Mapping):
             return CodedLayer(value, self.index, self.dtype)
-        if isinstance(value, CODED):
-            return decode(value, default_decoder(), unit=self.index).astype(self.dtype)
-        return super().__getitem__(name)
+        return leaf_layer(value, self.index, self.dtype)
 
 
 # -- whole-model helpers for tests and tools ------------------------------------------------------
