@@ -106,10 +106,11 @@ void MultiplyRows(const float* __restrict x, const W* __restrict w, float* __res
   }
 }
 
-// A bfloat16 w's blocks this many blocks ahead are asked for from memory as a block starts (as
-// the register panels do, bfloat16's widening left too few of w's lines in flight): the head
-// at one row took 5.7 ms against 7.1 without (one core, the layers' products between calls);
-// 6.5 in the form before the dot blocks, which read one row of w at a time.
+// A bfloat16 w's blocks this many blocks ahead are asked for from memory while a block is summed
+// (as the register panels do, bfloat16's widening left too few of w's lines in flight): the
+// head at one row took 5.7 ms against 7.1 without (one core, the layers' products between
+// calls); 6.5 in the form before the dot blocks, which read one row of w at a time. At one row
+// the asking is spread over the block's steps (DotBlock's `ahead`).
 constexpr int64_t kDotAhead = 4;
 
 template <typename W>
@@ -125,15 +126,19 @@ void DotRows(const float* __restrict x, const W* __restrict w, float* __restrict
   int64_t j = n0;
   for (; j + kDotCols <= n1; j += kDotCols) {
     const W* wj = w + j * k;
+    const char* ahead = nullptr;
     if (sizeof(W) != sizeof(float) && j + (kDotAhead + 1) * kDotCols <= n1) {
-      const char* ahead = reinterpret_cast<const char*>(wj + kDotAhead * kDotCols * k);
-      for (int64_t b = 0; b < kDotCols * k * static_cast<int64_t>(sizeof(W)); b += 64) __builtin_prefetch(ahead + b);
+      ahead = reinterpret_cast<const char*>(wj + kDotAhead * kDotCols * k);
+      if (m > 1) {  // several row blocks: asked for at once here, then summed from cache by each
+        for (int64_t b = 0; b < kDotCols * k * static_cast<int64_t>(sizeof(W)); b += 64) __builtin_prefetch(ahead + b);
+        ahead = nullptr;
+      }
     }
     if (widen) {
       for (int64_t i = 0; i < kDotCols * k; ++i) widened[i] = Widen(wj[i]);
       DotRowBlocks<kDotCols>(x, widened.data(), y + j, m, k, n, sums);
     } else {
-      DotRowBlocks<kDotCols>(x, wj, y + j, m, k, n, sums);
+      DotRowBlocks<kDotCols>(x, wj, y + j, m, k, n, sums, ahead);
     }
   }
   for (; j < n1; ++j) DotRowBlocks<1>(x, w + j * k, y + j, m, k, n, sums);

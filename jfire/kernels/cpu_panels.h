@@ -228,10 +228,18 @@ struct LaneSums {
 // loaded once feeds R (or J) of the R x J x kDotVecs accumulators. One row at a time, w was
 // read once a row but each multiply-add took a load of x and of w: at 36 rows (4 sequences'
 // verify steps) the head took 42-44 ms on one core, against 33-34 now.
+//
+// `ahead` (or nullptr): J rows of w further on, asked for from memory a step's share of their
+// lines at a time as this block's steps run, so they arrive while it sums. Asked for all at
+// once as the block began, the bfloat16 head at one row left whole calls waiting on memory
+// (the default model's bfloat16 decode 1.51-1.56x float32's, against 1.54-1.67x spread;
+// scripts/bench_resident.py, three runs against one on an Intel Xeon with AVX-512).
 template <int64_t R, int64_t J, typename W>
 inline void DotBlock(const float* __restrict x, const W* __restrict w, float* __restrict y, int64_t k, int64_t ldy,
-              LaneSums& sums) {
+              LaneSums& sums, const char* ahead = nullptr) {
   const int64_t step = kDotVecs * kLanes, whole = k / step * step;
+  const int64_t ahead_bytes = J * k * static_cast<int64_t>(sizeof(W));
+  const int64_t per_step = J * step * static_cast<int64_t>(sizeof(W));  // bytes of `ahead` a step asks for
   Vec acc[R][J][kDotVecs];
 #pragma GCC unroll 8
   for (int64_t r = 0; r < R; ++r)
@@ -240,6 +248,10 @@ inline void DotBlock(const float* __restrict x, const W* __restrict w, float* __
 #pragma GCC unroll 4
       for (int64_t v = 0; v < kDotVecs; ++v) acc[r][j][v] = Vec{};
   for (int64_t i = 0; i < whole; i += step) {
+    if (ahead != nullptr) {
+      const int64_t from = i / step * per_step, to = std::min(ahead_bytes, from + per_step);
+      for (int64_t b = from; b < to; b += 64) __builtin_prefetch(ahead + b);
+    }
 #pragma GCC unroll 4
     for (int64_t v = 0; v < kDotVecs; ++v) {
       Vec wv[J];
@@ -252,6 +264,9 @@ inline void DotBlock(const float* __restrict x, const W* __restrict w, float* __
         for (int64_t j = 0; j < J; ++j) acc[r][j][v] += xv * wv[j];
       }
     }
+  }
+  if (ahead != nullptr) {  // what the steps did not reach (k not a multiple of a step)
+    for (int64_t b = whole / step * per_step; b < ahead_bytes; b += 64) __builtin_prefetch(ahead + b);
   }
 #pragma GCC unroll 8
   for (int64_t r = 0; r < R; ++r) {
@@ -286,8 +301,12 @@ constexpr int64_t kDotRows = 1, kDotCols = 2;
 
 template <int64_t J, typename W>
 inline void DotRowBlocks(const float* __restrict x, const W* __restrict w, float* __restrict y, int64_t m, int64_t k,
-                  int64_t n, LaneSums& sums) {
+                  int64_t n, LaneSums& sums, const char* ahead = nullptr) {
   int64_t r = 0;
+  if (m == 1) {  // one row (decode): the only block, so it asks for `ahead`
+    DotBlock<1, J>(x, w, y, k, n, sums, ahead);
+    return;
+  }
   for (; r + kDotRows <= m; r += kDotRows) DotBlock<kDotRows, J>(x + r * k, w, y + r * n, k, n, sums);
   if constexpr (kDotRows > 1) {
     if (r < m) DotBlock<1, J>(x + r * k, w, y + r * n, k, n, sums);
