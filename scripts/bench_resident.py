@@ -62,8 +62,7 @@ def main(argv=None) -> int:
                for name, (dtype, coded) in HOLDINGS.items()}  # fmt: skip
     for engine in engines.values():
         # Decode is measured, not the programs each engine compiles in the background after
-        # start(): with them still compiling, the first run today measured bfloat16 at 1.52x
-        # float32 where the same engines measured 1.66x once compiled.
+        # start() (they would share the cores with the first timed rounds).
         engine.wait_compiled()
     results = []
     try:
