@@ -45,12 +45,14 @@ SUBDIR = "jfire-processes"
 PROGRAMS = "jfire-programs"
 
 
-# One executable serialized or loaded at a time in a process. Three times in full runs of the
+# One executable serialized or loaded at a time in a process. Four times in full runs of the
 # test suite a process died of a segfault inside XLA:CPU's executable serialization: once
 # storing and once loading a program while other threads of the process compiled, then (with
 # this lock in place) once loading a prefill program with no other thread of the process in
-# Python's compile calls. It never happened alone, nor in stresses of engines starting in
-# threads or of loads beside loads and compiles; the cause inside XLA is not known, and the
+# Python's compile calls; a fourth time in JAX's own persistent cache, storing a plain jitted
+# function's executable (`compilation_cache.put_executable_and_time`, which this lock does not
+# cover). It never happened alone, nor in stresses of engines starting in threads or of loads
+# beside loads and compiles; the cause inside XLA is not known, and the
 # suite survives it (tests/xdist_recovery.py reruns the test on a new worker). Loading takes
 # ~50 ms a program and storing less, so one at a time costs start-ups nothing measurable.
 _SERIALIZATION = threading.Lock()
