@@ -20,6 +20,13 @@ typedef float Vec __attribute__((vector_size(32)));
 #endif
 constexpr int64_t kLanes = sizeof(Vec) / sizeof(float);
 
+// Asks for the cache lines of bytes [from, to) of p from memory (into L1), a line at a time:
+// weights a kernel reads next, asked for while it sums what it holds.
+inline void PrefetchLines(const void* p, int64_t from, int64_t to) {
+  const char* bytes = static_cast<const char*>(p);
+  for (int64_t at = from; at < to; at += 64) __builtin_prefetch(bytes + at);
+}
+
 // Runs work(c) for every c < chunks on `workers` threads (the calling thread and workers - 1
 // others), each claiming the next unclaimed chunk until none is left; returns when all are
 // done. The others are tasks on XLA's pool; the calling thread claims chunks too and waits only

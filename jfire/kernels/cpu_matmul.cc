@@ -62,6 +62,7 @@ using jfire_cpu::LoadU;
 using jfire_cpu::LaneSums;
 using jfire_cpu::LoadVec;
 using jfire_cpu::PanelColumns;
+using jfire_cpu::PrefetchLines;
 using jfire_cpu::RunChunks;
 using jfire_cpu::Threads;
 using jfire_cpu::Vec;
@@ -130,7 +131,7 @@ void DotRows(const float* __restrict x, const W* __restrict w, float* __restrict
     if (sizeof(W) != sizeof(float) && j + (kDotAhead + 1) * kDotCols <= n1) {
       ahead = reinterpret_cast<const char*>(wj + kDotAhead * kDotCols * k);
       if (m > 1) {  // several row blocks: asked for at once here, then summed from cache by each
-        for (int64_t b = 0; b < kDotCols * k * static_cast<int64_t>(sizeof(W)); b += 64) __builtin_prefetch(ahead + b);
+        PrefetchLines(ahead, 0, kDotCols * k * static_cast<int64_t>(sizeof(W)));
         ahead = nullptr;
       }
     }

@@ -56,6 +56,7 @@ using jfire_cpu::kDotCols;
 using jfire_cpu::kPanelRows;
 using jfire_cpu::LaneSums;
 using jfire_cpu::PanelColumns;
+using jfire_cpu::PrefetchLines;
 using jfire_cpu::RunChunks;
 using jfire_cpu::Threads;
 
@@ -193,8 +194,7 @@ void MultiplyCoded(const float* x, const Coded& w, float* y, int64_t m, int64_t 
       // (every product 7-10% slower), and streaming took the 30 layers' gate and up from 1.07x to
       // 1.10-1.14x bfloat16's speed.
       const bool streamed = b != (k0 / kBlockRows) * col_blocks && m == 1;  // asked for by the block before
-      if (!streamed)
-        for (int64_t at = 0; at < kBlockBytes; at += 64) __builtin_prefetch(block + at);
+      if (!streamed) PrefetchLines(block, 0, kBlockBytes);
       const uint32_t e0 = w.exc_start[b], e1 = w.exc_start[b + 1];
       float* yb = y + cb * kBlockCols;
       const bool last = (rb + 1) * kBlockRows >= k1 && cb + 1 == col_blocks;
@@ -205,8 +205,7 @@ void MultiplyCoded(const float* x, const Coded& w, float* y, int64_t m, int64_t 
         continue;
       }
 #endif
-      if (m == 1 && !last)
-        for (int64_t at = 0; at < kBlockBytes; at += 64) __builtin_prefetch(block + kBlockBytes + at);
+      if (m == 1 && !last) PrefetchLines(block + kBlockBytes, 0, kBlockBytes);
       DecodeBlock(block, w.exc, e0, e1, buf);
       const float* wb = buf + (lo - rb * kBlockRows) * kBlockCols;
       for (int64_t p = 0, r0 = 0; p < panels; ++p) {
@@ -335,7 +334,7 @@ inline void DotStripRow(const uint8_t* strip, int64_t col_blocks, const float* x
   const int64_t lines = (col_blocks * kBlockBytes + 63) / 64, per_row = (lines + kBlockRows - 1) / kBlockRows;
   auto row = [&](auto j) {
     if (next != nullptr) {  // the next strip's lines, a few a row: never more in flight than the core keeps
-      for (int64_t l = j * per_row; l < std::min(lines, (j + 1) * per_row); ++l) __builtin_prefetch(next + 64 * l);
+      PrefetchLines(next, 64 * j * per_row, 64 * std::min(lines, (j + 1) * per_row));
     }
     V16 acc[4] = {};
     for (int64_t cb = 0; cb < col_blocks; ++cb) {
@@ -365,8 +364,7 @@ void DotCoded(const float* x, const Coded& w, float* y, int64_t m, int64_t k, in
     const int64_t lo = std::max(n0, s * kBlockRows), hi = std::min(n1, (s + 1) * kBlockRows);
     const uint8_t* blocks = w.blocks + s * col_blocks * kBlockBytes;
     const bool streamed = m == 1 && s != n0 / kBlockRows;  // asked for while the strip before was summed
-    if (!streamed)
-      for (int64_t at = 0; at < col_blocks * kBlockBytes; at += 64) __builtin_prefetch(blocks + at);
+    if (!streamed) PrefetchLines(blocks, 0, col_blocks * kBlockBytes);
     const bool last = (s + 1) * kBlockRows >= n1;
 #if defined(__AVX512VBMI__)
     if (m == 1 && hi - lo == kBlockRows && w.exc_start[s * col_blocks] == w.exc_start[(s + 1) * col_blocks]) {
@@ -375,9 +373,7 @@ void DotCoded(const float* x, const Coded& w, float* y, int64_t m, int64_t k, in
       continue;
     }
 #endif
-    if (m == 1 && !last)
-      for (int64_t at = 0; at < col_blocks * kBlockBytes; at += 64)
-        __builtin_prefetch(blocks + col_blocks * kBlockBytes + at);
+    if (m == 1 && !last) PrefetchLines(blocks + col_blocks * kBlockBytes, 0, col_blocks * kBlockBytes);
     for (int64_t cb = 0; cb < col_blocks; ++cb) {
       const int64_t b = s * col_blocks + cb;
       DecodeBlock(w.blocks + b * kBlockBytes, w.exc, w.exc_start[b], w.exc_start[b + 1], strip.data() + cb * kBlockCols, k);

@@ -252,10 +252,7 @@ inline void DotBlock(const float* __restrict x, const W* __restrict w, float* __
 #pragma GCC unroll 4
       for (int64_t v = 0; v < kDotVecs; ++v) acc[r][j][v] = Vec{};
   for (int64_t i = 0; i < whole; i += step) {
-    if (ahead != nullptr) {
-      const int64_t from = i / step * per_step, to = std::min(ahead_bytes, from + per_step);
-      for (int64_t b = from; b < to; b += 64) __builtin_prefetch(ahead + b);
-    }
+    if (ahead != nullptr) PrefetchLines(ahead, i / step * per_step, std::min(ahead_bytes, (i / step + 1) * per_step));
 #pragma GCC unroll 4
     for (int64_t v = 0; v < kDotVecs; ++v) {
       Vec wv[J];
@@ -269,9 +266,8 @@ inline void DotBlock(const float* __restrict x, const W* __restrict w, float* __
       }
     }
   }
-  if (ahead != nullptr) {  // what the steps did not reach (k not a multiple of a step)
-    for (int64_t b = whole / step * per_step; b < ahead_bytes; b += 64) __builtin_prefetch(ahead + b);
-  }
+  // What the steps did not reach (k not a multiple of a step).
+  if (ahead != nullptr) PrefetchLines(ahead, whole / step * per_step, ahead_bytes);
 #pragma GCC unroll 8
   for (int64_t r = 0; r < R; ++r) {
 #pragma GCC unroll 8
