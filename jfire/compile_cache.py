@@ -49,13 +49,16 @@ PROGRAMS = "jfire-programs"
 # test suite a process died of a segfault inside XLA:CPU's executable serialization: once
 # storing and once loading a program while other threads of the process compiled, then (with
 # this lock in place) once loading a prefill program with no other thread of the process in
-# Python's compile calls; a fourth time in JAX's own persistent cache, storing a plain jitted
-# function's executable (`compilation_cache.put_executable_and_time`, which this lock does not
-# cover). It never happened alone, nor in stresses of engines starting in threads or of loads
-# beside loads and compiles; the cause inside XLA is not known, and the
-# suite survives it (tests/xdist_recovery.py reruns the test on a new worker). Loading takes
-# ~50 ms a program and storing less, so one at a time costs start-ups nothing measurable.
-_SERIALIZATION = threading.Lock()
+# Python's compile calls; a fourth and fifth time in JAX's own persistent cache, storing a
+# plain jitted function's executable (`compilation_cache.put_executable_and_time`), which this
+# lock did not cover then: an engine's background compiles could have been in either of JAX's
+# cache calls beside the crashed one. It never happened alone, nor in stresses of engines
+# starting in threads or of loads beside loads and compiles; the cause inside XLA is not known,
+# so every serialization and deserialization in the process, JAX's cache's included
+# (`_guard_jax_cache`), takes this lock, and the suite survives a crash anyway
+# (tests/xdist_recovery.py reruns the test on a new worker). Loading takes ~50 ms a program and
+# storing less, so one at a time costs start-ups nothing measurable.
+_SERIALIZATION = threading.RLock()
 
 
 def program(fn, args: tuple, static: dict, devices, options: dict | None = None) -> jax.stages.Compiled:
@@ -263,7 +266,28 @@ def default_compilation_cache_dir() -> str:
 
 def enable_compilation_cache(path: str) -> None:
     """JAX's persistent compilation cache: a second start-up loads programs instead of compiling."""
+    _guard_jax_cache()
     Path(path).mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def _guard_jax_cache() -> None:
+    """JAX's persistent cache serializes and deserializes executables under `_SERIALIZATION`
+    too (see its comment): its two calls that do (jax._src.compiler looks them up on the module
+    at each call) are wrapped once per process."""
+    from jax._src import compilation_cache
+
+    for name in ("get_executable_and_time", "put_executable_and_time"):
+        call = getattr(compilation_cache, name)
+        if getattr(call, "_jfire_serialized", False):
+            continue
+
+        @functools.wraps(call)
+        def serialized(*args, _call=call, **kwargs):
+            with _SERIALIZATION:
+                return _call(*args, **kwargs)
+
+        serialized._jfire_serialized = True  # type: ignore[attr-defined]
+        setattr(compilation_cache, name, serialized)

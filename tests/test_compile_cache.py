@@ -223,6 +223,36 @@ def test_a_program_stored_by_other_code_is_compiled_again_not_read_from_jaxs_cac
     assert run("load", "new code")["program"] == new["program"] == old["program"]
 
 
+def test_jaxs_own_cache_serializes_and_deserializes_under_the_serialization_lock(monkeypatch):
+    """XLA:CPU's executable serialization has crashed processes with several threads in it
+    (compile_cache's comment on `_SERIALIZATION`): JAX's persistent cache (which the suite's
+    processes use, conftest) serializes a new jitted function's executable, and reads it back,
+    holding the same lock as the program store."""
+    import jax
+    import jax.numpy as jnp
+    from jax._src import compilation_cache as jax_cache
+
+    from jfire import compile_cache
+
+    held = []
+    for name in ("combine_executable_and_time", "extract_executable_and_time"):  # beside each (de)serialization
+        inner = getattr(jax_cache, name)
+
+        def spy(*args, _inner=inner, _name=name):
+            held.append((_name, compile_cache._SERIALIZATION._is_owned()))
+            return _inner(*args)
+
+        monkeypatch.setattr(jax_cache, name, spy)
+    salt = float(os.getpid() % 1000) + 0.25  # a function no earlier process stored
+    f = jax.jit(lambda x: jnp.sin(x) * salt)
+    want = np.asarray(f(jnp.arange(4.0)))
+    jax.clear_caches()  # the next call reads JAX's persistent cache
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda x: jnp.sin(x) * salt)(jnp.arange(4.0))), want)
+    assert ("combine_executable_and_time", True) in held, held
+    assert ("extract_executable_and_time", True) in held, held
+    assert all(owned for _, owned in held), held
+
+
 def test_a_program_key_covers_the_source_arguments_options_and_devices(monkeypatch):
     import jax
     import jax.numpy as jnp
