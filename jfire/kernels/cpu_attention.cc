@@ -19,6 +19,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -284,18 +285,52 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   std::atomic<bool> bad_page{false};
   const Unit* us = units.data();
   float* parts = partials.data();
-  auto work = [=, &bad_page](int64_t c) {
-    const Unit& u = us[c];
-    const int64_t row = u.token / t;
-    float* part = parts + c * stride;
-    if (!AttendSegment(qp + (u.token * h + u.head * g) * d, g, d, kbase + u.head * head_pages,
-                       vbase + u.head * head_pages, tp + row * width, num_pages, page_size, u.lo, u.hi, scale,
-                       {part, part + g, part + 2 * g})) {
-      bad_page.store(true, std::memory_order_relaxed);
+  // The units in the order they run: those of a row's tokens that read the same segment of the
+  // same kv head one after another on one thread, so its keys and values come from memory once
+  // and from cache for the row's other tokens (a verify step's k + 1 tokens a row, which
+  // DecodeRows passes as one row: at 2,000 positions the default model's 30 layers took 26.3-26.4
+  // ms for 9 tokens against 29.3-30.7 token-major, 43-46 for 17 against 53-54; at 300 positions
+  // 4.2 against 4.4-4.5). Each unit's sums are its own, so the order changes no result. Items:
+  // such runs, split into parts where there are too few to keep the threads busy.
+  const int64_t count = static_cast<int64_t>(units.size());
+  const int64_t workers = std::min<int64_t>(pool.num_threads(), count);
+  std::vector<int64_t> order(count);
+  for (int64_t c = 0; c < count; ++c) order[c] = c;
+  auto segment_of = [&](int64_t c) {
+    const Unit& u = units[c];
+    return std::make_tuple(u.token / t, u.head, u.lo / kSegment);
+  };
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return segment_of(a) < segment_of(b); });
+  std::vector<int64_t> runs;  // start of each run of order sharing a segment, then count
+  for (int64_t i = 0; i < count; ++i) {
+    if (i == 0 || segment_of(order[i]) != segment_of(order[i - 1])) runs.push_back(i);
+  }
+  runs.push_back(count);
+  const int64_t run_count = static_cast<int64_t>(runs.size()) - 1;
+  const int64_t split = run_count > 0 ? std::max<int64_t>(1, (4 * workers + run_count - 1) / run_count) : 1;
+  std::vector<int64_t> items;  // item c is order[items[c] .. items[c + 1])
+  for (int64_t r = 0; r < run_count; ++r) {
+    const int64_t first = runs[r], size = runs[r + 1] - first, n = std::min(split, size);
+    for (int64_t p = 0; p < n; ++p) items.push_back(first + p * size / n);
+  }
+  items.push_back(count);
+  const int64_t* ord = order.data();
+  const int64_t* its = items.data();
+  auto work = [=, &bad_page](int64_t item) {
+    for (int64_t i = its[item]; i < its[item + 1]; ++i) {
+      const int64_t c = ord[i];
+      const Unit& u = us[c];
+      const int64_t row = u.token / t;
+      float* part = parts + c * stride;
+      if (!AttendSegment(qp + (u.token * h + u.head * g) * d, g, d, kbase + u.head * head_pages,
+                         vbase + u.head * head_pages, tp + row * width, num_pages, page_size, u.lo, u.hi, scale,
+                         {part, part + g, part + 2 * g})) {
+        bad_page.store(true, std::memory_order_relaxed);
+      }
     }
   };
-  const int64_t count = static_cast<int64_t>(units.size());
-  jfire_cpu::RunChunks(pool, count, work, std::min<int64_t>(pool.num_threads(), count));
+  const int64_t item_count = static_cast<int64_t>(items.size()) - 1;
+  if (item_count > 0) jfire_cpu::RunChunks(pool, item_count, work, std::min<int64_t>(workers, item_count));
   if (bad_page.load()) return ffi::Error::InvalidArgument("jfire_paged_attention: a page table names a page outside the pool");
 
   // Merge each pair's segments in position order.

@@ -45,6 +45,10 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, positions, sliding_w
         return paged_attention_reference(
             q, k_pages, v_pages, layer, page_table, positions, sliding_window=sliding_window, chunk=chunk
         )
+    return _kernel(q, k_pages, v_pages, layer, page_table, positions, sliding_window)
+
+
+def _kernel(q, k_pages, v_pages, layer, page_table, positions, sliding_window):
     call = jax.ffi.ffi_call(cpu_matmul.target("jfire_paged_attention"), jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(
         q,
@@ -56,3 +60,17 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, positions, sliding_w
         sliding_window=np.int64(sliding_window or 0),
         scale=np.float32(1.0 / math.sqrt(q.shape[-1])),
     )
+
+
+def decode_rows(q, k_pages, v_pages, layer, page_table, positions, sliding_window=None):
+    """Each of q's t query tokens a row [b, t, h, d] attending on its own as a decode row at its
+    position (`jfire.models.blocks.DecodeRows`: a speculative verify step), on the kernel, any
+    t: the kernel's sums for a token are those of the token alone, and the tokens of a row that
+    read the same keys run one after another, so the row's cache is read from memory once, not
+    once a token. None where the kernel does not apply (the caller attends token by token)."""
+    if not (q.dtype == k_pages.dtype == jnp.float32 and cpu_matmul.in_place_enabled() and cpu_matmul.ready()):
+        return None
+    return _kernel(q, k_pages, v_pages, layer, page_table, positions, sliding_window)
+
+
+paged_attention.decode_rows = decode_rows  # type: ignore[attr-defined]  # found by DecodeRows

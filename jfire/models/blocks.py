@@ -296,9 +296,16 @@ class DecodeRows:
 
     def bind(self, default):
         attend = self.inner or default
+        # An attention that can take the t tokens a row as decode rows itself (the CPU kernel:
+        # it reads a row's cache once for all of them) says so with `decode_rows`.
+        together = getattr(attend, "decode_rows", None)
 
         def rows(q, k_pages, v_pages, layer, page_table, positions, sliding_window=None, chunk=None):
             t = q.shape[1]
+            if together is not None and chunk is None:
+                out = together(q, k_pages, v_pages, layer, page_table, positions, sliding_window=sliding_window)
+                if out is not None:
+                    return out
             out = attend(
                 _one_query(q),
                 k_pages,

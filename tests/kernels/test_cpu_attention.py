@@ -85,6 +85,36 @@ def test_a_row_gives_the_same_bits_alone_or_batched(kernel_build):
         np.testing.assert_array_equal(alone[0], batched[r])
 
 
+@pytest.mark.parametrize("window", [None, 100])
+def test_a_rows_tokens_as_decode_rows_give_each_tokens_bits_alone(window, kernel_build):
+    """A verify step's k + 1 tokens a row (`decode_rows`, which runs a row's tokens that read the
+    same keys one after another): each token's output is the bits of that token attending as a
+    one-token row of its own, over one and several 256-position segments, beside a padding row
+    and a row whose last positions are padding."""
+    t = 9
+    q, k, v, table, positions = case([700, 250, 0, 40], t=t)
+    positions[3, 6:] = -1  # a row with fewer drafts than the step's width
+
+    def rows(q, k, v, table, positions):
+        with cpu_matmul.in_place(True):
+            return cpu_attention.decode_rows(q, k, v, jnp.int32(1), table, positions, sliding_window=window)
+
+    def one_token_rows(q, k, v, table, positions):
+        b = q.shape[0]
+        with cpu_matmul.in_place(True):
+            out = cpu_attention.paged_attention(
+                q.reshape(b * t, 1, *q.shape[2:]), k, v, jnp.int32(1), jnp.repeat(table, t, axis=0),
+                positions.reshape(b * t, 1), sliding_window=window,
+            )
+        return out.reshape(q.shape)
+
+    together = np.asarray(jax.jit(rows)(q, k, v, table, positions))
+    alone = np.asarray(jax.jit(one_token_rows)(q, k, v, table, positions))
+    np.testing.assert_array_equal(together, alone)
+    _, want = both(q.reshape(-1, 1, *q.shape[2:]), k, v, np.repeat(table, t, axis=0), positions.reshape(-1, 1), 1, window)
+    np.testing.assert_allclose(together.reshape(want.shape), want, rtol=2e-5, atol=2e-6)
+
+
 def test_a_page_outside_the_pool_is_an_error(kernel_build):
     q, k, v, table, positions = case([40])
     table[0, 1] = PAGES + 5
