@@ -110,8 +110,13 @@ void MultiplyRows(const float* __restrict x, const W* __restrict w, float* __res
 // A bfloat16 w's blocks this many blocks ahead are asked for from memory while a block is summed
 // (as the register panels do, bfloat16's widening left too few of w's lines in flight): the
 // head at one row took 5.7 ms against 7.1 without (one core, the layers' products between
-// calls); 6.5 in the form before the dot blocks, which read one row of w at a time. At one row
-// the asking is spread over the block's steps (DotBlock's `ahead`).
+// calls); 6.5 in the form before the dot blocks, which read one row of w at a time. The asking
+// is spread over the block's steps (DotBlock's `ahead`), over all its row blocks where there
+// are several. A float32 w at one row streams as fast without; at several rows, where each
+// block's sums take several passes over it from cache, its first pass waited on memory (a
+// profile put a fifth of the head's time on one load of w): asked for ahead, the float32 head
+// took 6.6-6.8 ms at 9 rows against 7.5-7.7, 8.0 at 16 against 10.1, 14.2 at 36 against 16.7
+// (scripts/bench_verify_rows.py, alternating builds, the same outputs).
 constexpr int64_t kDotAhead = 4;
 
 template <typename W>
@@ -128,14 +133,12 @@ void DotRows(const float* __restrict x, const W* __restrict w, float* __restrict
   for (; j + kDotCols <= n1; j += kDotCols) {
     const W* wj = w + j * k;
     const char* ahead = nullptr;
-    if (sizeof(W) != sizeof(float) && j + (kDotAhead + 1) * kDotCols <= n1) {
+    if ((sizeof(W) != sizeof(float) || m > 1) && j + (kDotAhead + 1) * kDotCols <= n1) {
       ahead = reinterpret_cast<const char*>(wj + kDotAhead * kDotCols * k);
-      if (m > 1) {  // several row blocks: asked for at once here, then summed from cache by each
-        PrefetchLines(ahead, 0, kDotCols * k * static_cast<int64_t>(sizeof(W)));
-        ahead = nullptr;
-      }
     }
     if (widen) {
+      // Asked for at once here, then widened from cache.
+      if (ahead != nullptr) PrefetchLines(ahead, 0, kDotCols * k * static_cast<int64_t>(sizeof(W)));
       for (int64_t i = 0; i < kDotCols * k; ++i) widened[i] = Widen(wj[i]);
       DotRowBlocks<kDotCols>(x, widened.data(), y + j, m, k, n, sums);
     } else {

@@ -240,10 +240,11 @@ struct LaneSums {
 // scripts/bench_resident.py, three runs against one on an Intel Xeon with AVX-512).
 template <int64_t R, int64_t J, typename W>
 inline void DotBlock(const float* __restrict x, const W* __restrict w, float* __restrict y, int64_t k, int64_t ldy,
-              LaneSums& sums, const char* ahead = nullptr) {
+              LaneSums& sums, const char* ahead = nullptr, int64_t ahead_share = 1) {
   const int64_t step = kDotVecs * kLanes, whole = k / step * step;
-  const int64_t ahead_bytes = J * k * static_cast<int64_t>(sizeof(W));
-  const int64_t per_step = J * step * static_cast<int64_t>(sizeof(W));  // bytes of `ahead` a step asks for
+  // `ahead_share` blocks share the asking: this one asks for its 1 / ahead_share of the lines.
+  const int64_t ahead_bytes = J * k * static_cast<int64_t>(sizeof(W)) / ahead_share;
+  const int64_t per_step = (ahead_bytes + whole / step - 1) / std::max<int64_t>(1, whole / step);  // bytes a step asks for
   Vec acc[R][J][kDotVecs];
 #pragma GCC unroll 8
   for (int64_t r = 0; r < R; ++r)
@@ -307,9 +308,14 @@ inline void DotRowBlocks(const float* __restrict x, const W* __restrict w, float
     DotBlock<1, J>(x, w, y, k, n, sums, ahead);
     return;
   }
-  for (; r + kDotRows <= m; r += kDotRows) DotBlock<kDotRows, J>(x + r * k, w, y + r * n, k, n, sums);
+  // Several row blocks: each asks for its share of `ahead`'s lines, spread over its steps.
+  const int64_t blocks = (m + kDotRows - 1) / kDotRows;
+  const int64_t share = J * k * static_cast<int64_t>(sizeof(W)) / blocks / 64 * 64;
+  int64_t b = 0;
+  for (; r + kDotRows <= m; r += kDotRows, ++b)
+    DotBlock<kDotRows, J>(x + r * k, w, y + r * n, k, n, sums, ahead ? ahead + b * share : nullptr, blocks);
   if constexpr (kDotRows > 1) {
-    if (r < m) DotBlock<1, J>(x + r * k, w, y + r * n, k, n, sums);
+    if (r < m) DotBlock<1, J>(x + r * k, w, y + r * n, k, n, sums, ahead ? ahead + b * share : nullptr, blocks);
   }
   static_assert(kDotRows <= 2, "the rows past the last whole block are taken as one block of 1 row");
 }
