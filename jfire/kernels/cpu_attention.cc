@@ -58,6 +58,8 @@ inline float ExpNonPositive(float x) {
 }
 
 using jfire_cpu::kLanes;
+using jfire_cpu::LoadU;
+using jfire_cpu::StoreU;
 using jfire_cpu::Vec;
 constexpr int64_t kAccumulators = 24;  // vector registers the weighted sums may hold
 
@@ -72,7 +74,6 @@ constexpr int64_t kAccumulators = 24;  // vector registers the weighted sums may
 // bits), the default model's 30 layers at 2,000 positions took 16.3-16.7 ms for 9 tokens a
 // row against 28-30, 4.1-4.5 for one against 5.9-6.6; at 150 positions 1.8-2.2 for 9 against
 // 3.2-3.8 (perf: a third of the kernel's time was in those stalls and the scalar max).
-typedef float VecU __attribute__((vector_size(sizeof(Vec)), aligned(alignof(float)), may_alias));
 
 template <int64_t G, int64_t VD>
 void WeighValues(const float* __restrict p, int64_t n, const float* const* values, float* __restrict acc) {
@@ -82,10 +83,10 @@ void WeighValues(const float* __restrict p, int64_t n, const float* const* value
 #pragma GCC unroll 16
     for (int64_t c = 0; c < VD; ++c) a[i][c] = Vec{};
   for (int64_t j = 0; j < n; ++j) {
-    const VecU* value = reinterpret_cast<const VecU*>(values[j]);
+    const float* value = values[j];
     Vec v[VD];
 #pragma GCC unroll 16
-    for (int64_t c = 0; c < VD; ++c) v[c] = value[c];
+    for (int64_t c = 0; c < VD; ++c) v[c] = LoadU(value + c * kLanes);
 #pragma GCC unroll 8
     for (int64_t i = 0; i < G; ++i) {
       const float w = p[i * n + j];
@@ -96,7 +97,7 @@ void WeighValues(const float* __restrict p, int64_t n, const float* const* value
 #pragma GCC unroll 8
   for (int64_t i = 0; i < G; ++i)
 #pragma GCC unroll 16
-    for (int64_t c = 0; c < VD; ++c) reinterpret_cast<VecU*>(acc)[i * VD + c] = a[i][c];
+    for (int64_t c = 0; c < VD; ++c) StoreU(acc + (i * VD + c) * kLanes, a[i][c]);
 }
 
 template <int64_t VD>
@@ -183,24 +184,23 @@ void ScoreVectors(const float* __restrict q, int64_t g, const float* __restrict 
       // Single loads of q and the keys, the loops unrolled: written with memcpy, GCC copied q
       // to the stack in halves before loading it whole and cleared the sums with a call to
       // memset, a head and 16 keys at a time.
-      const VecU* qi = reinterpret_cast<const VecU*>(q + i * d);
       Vec qv[VD];
 #pragma GCC unroll 16
-      for (int64_t c = 0; c < VD; ++c) qv[c] = qi[c];
+      for (int64_t c = 0; c < VD; ++c) qv[c] = LoadU(q + i * d + c * kLanes);
       Vec acc[kLanes];
 #pragma GCC unroll 16
       for (int64_t j = 0; j < kLanes; ++j) {
         Vec sum = Vec{};
         if (j < block) {
-          const VecU* key = reinterpret_cast<const VecU*>(keys + (j0 + j) * d);
+          const float* key = keys + (j0 + j) * d;
 #pragma GCC unroll 16
-          for (int64_t c = 0; c < VD; ++c) sum += qv[c] * key[c];
+          for (int64_t c = 0; c < VD; ++c) sum += qv[c] * LoadU(key + c * kLanes);
         }
         acc[j] = sum;
       }
       const Vec sums = Fold<kLanes / 2>(acc) * scale;
       if (block == kLanes) {
-        *reinterpret_cast<VecU*>(scores + i * n + j0) = sums;
+        StoreU(scores + i * n + j0, sums);
       } else {
         std::memcpy(scores + i * n + j0, &sums, block * sizeof(float));
       }
@@ -230,9 +230,9 @@ inline float MaxOf(const float* s, int64_t n) {
   float m = s[0];
   int64_t j = 1;
   if (n >= kLanes) {
-    Vec top = *reinterpret_cast<const VecU*>(s);
+    Vec top = LoadU(s);
     for (j = kLanes; j + kLanes <= n; j += kLanes) {
-      const Vec x = *reinterpret_cast<const VecU*>(s + j);
+      const Vec x = LoadU(s + j);
       top = top < x ? x : top;
     }
     m = top[0];

@@ -28,13 +28,12 @@ MAX_TOKENS = 4  # query tokens per row up to which the kernel runs (decode is 1)
 
 def applies(q, k_pages, chunk=None) -> bool:
     """Whether attention of q [b, t, h, d] over these pages runs on the kernel."""
-    return (
-        chunk is None
-        and q.shape[1] <= MAX_TOKENS
-        and q.dtype == k_pages.dtype == jnp.float32
-        and cpu_matmul.in_place_enabled()
-        and cpu_matmul.ready()
-    )
+    return chunk is None and q.shape[1] <= MAX_TOKENS and _kernel_serves(q, k_pages)
+
+
+def _kernel_serves(q, k_pages) -> bool:
+    """Whether the kernel can attend q over these pages at all, at any number of tokens a row."""
+    return q.dtype == k_pages.dtype == jnp.float32 and cpu_matmul.in_place_enabled() and cpu_matmul.ready()
 
 
 def paged_attention(q, k_pages, v_pages, layer, page_table, positions, sliding_window=None, chunk=None):
@@ -68,7 +67,7 @@ def decode_rows(q, k_pages, v_pages, layer, page_table, positions, sliding_windo
     t: the kernel's sums for a token are those of the token alone, and the tokens of a row that
     read the same keys run one after another, so the row's cache is read from memory once, not
     once a token. None where the kernel does not apply (the caller attends token by token)."""
-    if not (q.dtype == k_pages.dtype == jnp.float32 and cpu_matmul.in_place_enabled() and cpu_matmul.ready()):
+    if not _kernel_serves(q, k_pages):
         return None
     return _kernel(q, k_pages, v_pages, layer, page_table, positions, sliding_window)
 

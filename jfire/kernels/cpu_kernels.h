@@ -20,6 +20,13 @@ typedef float Vec __attribute__((vector_size(32)));
 #endif
 constexpr int64_t kLanes = sizeof(Vec) / sizeof(float);
 
+// A register's worth of floats at any float's address, loaded or stored as one instruction (a
+// memcpy of a register array went through the stack in halves with GCC, and so did one
+// register's: cpu_attention.cc).
+typedef float VecU __attribute__((vector_size(sizeof(Vec)), aligned(alignof(float)), may_alias));
+inline Vec LoadU(const float* p) { return *reinterpret_cast<const VecU*>(p); }
+inline void StoreU(float* p, Vec v) { *reinterpret_cast<VecU*>(p) = v; }
+
 // Asks for the cache lines of bytes [from, to) of p from memory (into L1), a line at a time:
 // weights a kernel reads next, asked for while it sums what it holds.
 inline void PrefetchLines(const void* p, int64_t from, int64_t to) {

@@ -40,11 +40,6 @@ inline Vec LoadVec(const uint16_t* p) {
   return v;
 }
 
-// A register's worth of floats at any float's address, loaded or stored as one instruction (a
-// memcpy of a register array went through the stack in halves with GCC).
-typedef float VecU __attribute__((vector_size(sizeof(Vec)), aligned(alignof(float)), may_alias));
-inline Vec LoadU(const float* p) { return *reinterpret_cast<const VecU*>(p); }
-inline void StoreU(float* p, Vec v) { *reinterpret_cast<VecU*>(p) = v; }
 
 // y = x[:, k0:k1] @ w[k0:k1, :] (x [m, k], w [k, n], row-major) in register panels: R rows by V
 // registers of columns of y held in registers while kPanelChunk rows of w go past, each
@@ -233,17 +228,16 @@ struct LaneSums {
 // read once a row but each multiply-add took a load of x and of w: at 36 rows (4 sequences'
 // verify steps) the head took 42-44 ms on one core, against 33-34 now.
 //
-// `ahead` (or nullptr): J rows of w further on, asked for from memory a step's share of their
-// lines at a time as this block's steps run, so they arrive while it sums. Asked for all at
+// `ahead` (or nullptr): `ahead_bytes` of w further on (J rows of it, or a row block's share of
+// them), asked for from memory a step's share of their lines at a time as this block's steps
+// run, so they arrive while it sums. Asked for all at
 // once as the block began, the bfloat16 head at one row left whole calls waiting on memory
 // (the default model's bfloat16 decode 1.51-1.56x float32's, against 1.54-1.67x spread;
 // scripts/bench_resident.py, three runs against one on an Intel Xeon with AVX-512).
 template <int64_t R, int64_t J, typename W>
 inline void DotBlock(const float* __restrict x, const W* __restrict w, float* __restrict y, int64_t k, int64_t ldy,
-              LaneSums& sums, const char* ahead = nullptr, int64_t ahead_share = 1) {
+              LaneSums& sums, const char* ahead = nullptr, int64_t ahead_bytes = 0) {
   const int64_t step = kDotVecs * kLanes, whole = k / step * step;
-  // `ahead_share` blocks share the asking: this one asks for its 1 / ahead_share of the lines.
-  const int64_t ahead_bytes = J * k * static_cast<int64_t>(sizeof(W)) / ahead_share;
   const int64_t per_step = (ahead_bytes + whole / step - 1) / std::max<int64_t>(1, whole / step);  // bytes a step asks for
   Vec acc[R][J][kDotVecs];
 #pragma GCC unroll 8
@@ -303,19 +297,17 @@ constexpr int64_t kDotRows = 1, kDotCols = 2;
 template <int64_t J, typename W>
 inline void DotRowBlocks(const float* __restrict x, const W* __restrict w, float* __restrict y, int64_t m, int64_t k,
                   int64_t n, LaneSums& sums, const char* ahead = nullptr) {
-  int64_t r = 0;
-  if (m == 1) {  // one row (decode): the only block, so it asks for `ahead`
-    DotBlock<1, J>(x, w, y, k, n, sums, ahead);
-    return;
-  }
-  // Several row blocks: each asks for its share of `ahead`'s lines, spread over its steps.
-  const int64_t blocks = (m + kDotRows - 1) / kDotRows;
-  const int64_t share = J * k * static_cast<int64_t>(sizeof(W)) / blocks / 64 * 64;
-  int64_t b = 0;
+  // Each row block asks for its share of `ahead`'s J rows (one row of x: all of them), in whole
+  // lines, the last block what is left.
+  const int64_t total = J * k * static_cast<int64_t>(sizeof(W)), blocks = (m + kDotRows - 1) / kDotRows;
+  const int64_t share = (total / blocks + 63) / 64 * 64;
+  auto from = [&](int64_t b) { return ahead != nullptr ? ahead + b * share : nullptr; };
+  auto bytes = [&](int64_t b) { return std::max<int64_t>(0, std::min(share, total - b * share)); };
+  int64_t r = 0, b = 0;
   for (; r + kDotRows <= m; r += kDotRows, ++b)
-    DotBlock<kDotRows, J>(x + r * k, w, y + r * n, k, n, sums, ahead ? ahead + b * share : nullptr, blocks);
+    DotBlock<kDotRows, J>(x + r * k, w, y + r * n, k, n, sums, from(b), bytes(b));
   if constexpr (kDotRows > 1) {
-    if (r < m) DotBlock<1, J>(x + r * k, w, y + r * n, k, n, sums, ahead ? ahead + b * share : nullptr, blocks);
+    if (r < m) DotBlock<1, J>(x + r * k, w, y + r * n, k, n, sums, from(b), bytes(b));
   }
   static_assert(kDotRows <= 2, "the rows past the last whole block are taken as one block of 1 row");
 }
