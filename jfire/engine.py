@@ -375,6 +375,9 @@ class Engine:
             and len(step.decode) == len(self.scheduler.running)
             and not self._work_pending()
             and self.programs.decode_shape(len(step.decode)) >= len(step.decode)
+            # A row that may draft reads each step's ids: a draft found after a token is then
+            # verified in the very next step, not after a step already dispatched as decode.
+            and not self.speculator.may_draft(len(step.decode))
         )
 
     def _work_pending(self) -> bool:

@@ -183,6 +183,35 @@ def test_kv_and_block_hashes_after_rejections_equal_decoding(tiny_hf_dir, monkey
     assert reg_plain == [i < len(prompt) // PAGE for i in range(len(reg_plain))]
 
 
+class Once(Silent):
+    """Drafts the reference's next tokens once, when the request has generated `at` tokens."""
+
+    name = "once"
+
+    def __init__(self, answer: list[int], at: int):
+        super().__init__()
+        self.answer, self.at = answer, at
+
+    def propose(self, seq, k):
+        super().propose(seq, k)
+        return list(self.answer[self.at : self.at + k]) if seq.num_generated == self.at else []
+
+
+def test_a_draft_found_after_a_token_is_verified_in_the_next_step(tiny_hf_dir):
+    """A lone request decoding steadily: where its drafter finds a draft after some token, the
+    very next step verifies it (every draft token kept), not a step already dispatched as a
+    plain decode while the token was still on the device."""
+    model = load_model(str(tiny_hf_dir("llama3")), "float32")
+    request = [(prompts_for(model.config.vocab_size)[1], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))]
+    with Engine(model, EngineConfig(**CONFIG)) as engine:
+        want = run(engine, Silent(), request)
+        before = engine.stats()
+        same(run(engine, Once(want[0].token_ids, at=6), request), want)
+        stats = engine.stats()
+    assert stats["spec_verify_rows"] - before["spec_verify_rows"] == 1
+    assert stats["spec_accepted_tokens"] - before["spec_accepted_tokens"] == CONFIG["num_draft_tokens"]
+
+
 def test_drafts_with_preemption_and_prefix_hits(tiny_hf_dir):
     """A pool too small for every request at once (preemptions) and prompts sharing their
     first blocks (prefix hits): the same tokens with drafts as without."""

@@ -9,8 +9,11 @@ How speculation meets the rest of the engine (docs/speculative.md):
   its emitted tokens need after the step;
 - prefix caching: generated tokens are never hashed, so a rejected draft's entries, left in
   the pages, are never found by another request;
-- running ahead: a step with drafts is not run ahead, and a run ahead ends once a row has a
-  draft (the verify step needs the ids read);
+- running ahead: a batch that may draft (up to `max_rows` rows) does not run ahead: each step's
+  ids are read before the next is planned, so a draft found after a token is verified in the
+  very next step (running ahead, that step would already be on its way as a plain decode, one
+  lost verify each time drafts begin). A larger batch runs ahead, and its run ends once a row
+  has a draft (the batch shrank);
 - structured outputs and min_tokens: a draft is cut where the grammar refuses it, and each
   position gets the mask decode would build after the drafts before it; the matcher advances
   by emitted tokens only (the output processor, as for decode);
@@ -71,6 +74,10 @@ class Speculator:
         drafter = make_drafter(config.speculative) if on else None
         return cls(drafter, config.num_draft_tokens, config.speculative_max_rows, eos_ids, max_model_len)
 
+    def may_draft(self, rows: int) -> bool:
+        """Whether a step of `rows` decode rows may verify drafts (a drafter, few enough rows)."""
+        return self.drafter is not None and rows <= self.max_rows
+
     def plan(self, seqs: list[Sequence], programs, seconds: dict) -> Plan | None:
         """How the step's decode rows `seqs` verify drafts, or None where decoding them one token
         each is expected to be faster (or nothing is drafted, or no verify program holds them).
@@ -80,7 +87,7 @@ class Speculator:
         request's draft tokens were accepted so far) in the seconds that program's steps take
         (`seconds`, measured by the runner; before its first step, decode's stretched by
         VERIFY_COST_PER_TOKEN a token); decoding emits one token a row in a decode step's."""
-        if self.drafter is None or not seqs or len(seqs) > self.max_rows:
+        if not seqs or not self.may_draft(len(seqs)):
             return None
         options = programs.verify_options(len(seqs))
         if not options:
