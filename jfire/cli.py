@@ -192,8 +192,9 @@ def _add_engine_args(p: argparse.ArgumentParser, *, auto: bool = False) -> None:
     p.add_argument(
         "--num-draft-tokens",
         type=int,
-        default=8,
-        help="with --speculative: the most draft tokens a sequence verifies in one step (default 8)",
+        default=None,
+        help="with --speculative: the most draft tokens a sequence verifies in one step (default 16 for "
+        "ngram and suffix, 8 for mtp and eagle3, whose drafts take a draft layer a token)",
     )
     p.add_argument(
         "--quick-compile",

@@ -51,7 +51,9 @@ class EngineConfig:
     # the most draft tokens a row verifies in one step, and the largest decode batch that
     # drafts (a bigger batch is compute-bound enough that verifying drafts costs throughput).
     speculative: str | None = None
-    num_draft_tokens: int = 8
+    # None: 16 for the model-free drafters (their drafts cost nothing to make, and the
+    # speculator verifies as much of a draft as pays), 8 for a draft model (a layer a token).
+    num_draft_tokens: int | None = None
     draft_model: str | None = None  # an EAGLE-3 head's directory (speculative "eagle3")
     speculative_max_rows: int = 4
 
@@ -60,6 +62,8 @@ class EngineConfig:
             raise JfireError(f"unknown attention {self.attention!r}; use one of {', '.join(ATTENTION_IMPLS)}")
         if self.speculative is not None and self.speculative not in SPECULATIVE:
             raise JfireError(f"unknown drafter {self.speculative!r}; use one of {', '.join(SPECULATIVE)}")
+        if self.num_draft_tokens is None:
+            object.__setattr__(self, "num_draft_tokens", 8 if self.speculative in MODEL_DRAFTERS else 16)
         if not 1 <= self.num_draft_tokens <= 16:
             raise JfireError(f"num_draft_tokens must be in [1, 16], got {self.num_draft_tokens}")
         if self.speculative in MODEL_DRAFTERS:

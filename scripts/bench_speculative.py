@@ -3,7 +3,7 @@ llama.cpp's prompt-lookup decoding on the same prompts and weights. A program th
 figures, not a test.
 
     .venv/bin/python scripts/bench_speculative.py [--rounds 2] [--output bench-speculative.json]
-        [--num-draft-tokens 8] [--skip-llama-cpp]
+        [--num-draft-tokens N] [--skip-llama-cpp]
 
 The default model in float32, greedy, batch 1 unless said:
   copy     4 code-editing requests whose answers copy the prompt (a JSON config with one value
@@ -18,7 +18,7 @@ EOS included, with ignore_eos), so every engine emits the same tokens: decode to
 
 Engines, in turns within each round (their medians over rounds are printed):
   jfire                plain decoding
-  jfire ngram/suffix   --speculative ngram / suffix, --num-draft-tokens 8
+  jfire ngram/suffix   --speculative ngram / suffix (--num-draft-tokens: the engine's default, 16)
   llama.cpp            llama-server on the same weights (the default model's Q4_1 GGUF
                        dequantized to F32, as `jfire bench --compare` does), no drafts
   llama.cpp lookup     the same with its prompt-lookup decoding (--spec-type ngram-simple:
@@ -189,7 +189,7 @@ def llama_cpp_rows(gguf: Path, sets: dict, lengths: dict) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--num-draft-tokens", type=int, default=8)
+    ap.add_argument("--num-draft-tokens", type=int, default=None)
     ap.add_argument("--skip-llama-cpp", action="store_true")
     ap.add_argument("--output", default="bench-speculative.json")
     args = ap.parse_args()

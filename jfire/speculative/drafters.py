@@ -3,26 +3,32 @@ earlier requests already hold.
 
 Agent traffic copies a lot: an edit repeats most of the file it edits, a tool call repeats
 names and arguments from the conversation, a retry repeats the previous answer. A draft that
-continues the longest earlier occurrence of the request's last few tokens is then often
-right, and costs no model.
+continues an earlier occurrence of the request's last few tokens is then often right, and
+costs no model.
 
 - `ngram` (prompt lookup, as llama.cpp's lookup decoding and vLLM's `ngram`): the longest
   n-gram (max_n down to min_n tokens) ending the request's text that occurred before in it;
   the draft is what followed its latest occurrence.
-- `suffix` (after SuffixDecoding, Oliaro et al. 2024): contexts of up to `depth` tokens, each
-  with counts of the tokens that followed it, over the request's own text and over the
-  outputs of the last `global_requests` finished requests. A draft grows token by token from
-  the longest context found (the request's own first, then the shared one), taking the most
-  frequent next token (the latest on ties); its length is capped by how long the match
-  behind it is (a long match predicts a long copy) and by how the request's recent drafts
-  fared.
+- `suffix` (after SuffixDecoding, Oliaro et al. 2024): in the request's own text, the earlier
+  occurrence that matches the most of the text's end (up to `max_match` tokens back, among the
+  latest `candidates` occurrences of its last `min_match` tokens), and the draft is what
+  followed it, the deepest match of a suffix tree over the text. A list repeats `<li>` after
+  every item: the longest match finds the item the text is at, where the most frequent or the
+  latest follower of a short context would not. Without such a match, the outputs of the last
+  `global_requests` finished requests: contexts of up to `depth` tokens with counts of the
+  tokens that followed them, the draft grown token by token from the longest context found,
+  taking the most frequent follower.
+
+A draft is as long as asked (`k`); how much of it a step verifies is the speculator's choice
+(jfire.speculative.speculator), weighed by each token's support: the match behind it (the
+match grows by one with each draft token it copies), its key in jfire.speculative.acceptance.
 
 Why not a library: Snowflake's `arctic-inference` holds SuffixDecoding's C++ suffix tree, but
-it builds only from source against torch and vLLM; a context index in a few dozen lines of
-Python costs microseconds a token here.
+it builds only from source against torch and vLLM; the indexes here cost microseconds a token.
 
 A drafter sees a `Sequence` (jfire.scheduler) and keeps its own per-request state, keyed by
-request id: `propose(seq, k)` before a step, `observe(seq, proposed, accepted)` after it,
+request id: `propose(seq, k)` before a step (a `Draft`, or a plain token list where the tokens
+have no support to tell: a draft model's), `observe(seq, proposed, accepted)` after it,
 `finished(seq)` when the request ends.
 """
 
@@ -30,18 +36,28 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Hashable
 from typing import Protocol
 
 from jfire.errors import JfireError
 from jfire.scheduler import Sequence
+from jfire.speculative.acceptance import support
 
 DRAFTERS = ("ngram", "suffix", "mtp", "eagle3")
+
+
+@dataclasses.dataclass
+class Draft:
+    """Draft tokens and each one's support key (jfire.speculative.acceptance)."""
+
+    tokens: list[int]
+    keys: list[Hashable]
 
 
 class Drafter(Protocol):
     name: str
 
-    def propose(self, seq: Sequence, k: int) -> list[int]: ...
+    def propose(self, seq: Sequence, k: int) -> Draft | list[int]: ...
 
     def observe(self, seq: Sequence, proposed: int, accepted: int) -> None: ...
 
@@ -107,7 +123,7 @@ class NgramDrafter:
     def __post_init__(self):
         self._indexes: dict[str, _Index] = {}
 
-    def propose(self, seq: Sequence, k: int) -> list[int]:
+    def propose(self, seq: Sequence, k: int) -> Draft:
         index = self._indexes.setdefault(seq.request_id, _Index(self.max_n))
         tokens = seq.tokens
         # The index holds what followed each n-gram, so never the n-gram ending the text.
@@ -115,8 +131,9 @@ class NgramDrafter:
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
             end = index.latest(tuple(tokens[-n:]))
             if end is not None:
-                return tokens[end : end + k]
-        return []
+                draft = tokens[end : end + k]
+                return Draft(draft, [support("ngram", n + j) for j in range(len(draft))])
+        return Draft([], [])
 
     def observe(self, seq: Sequence, proposed: int, accepted: int) -> None:
         pass
@@ -125,81 +142,87 @@ class NgramDrafter:
         self._indexes.pop(seq.request_id, None)
 
 
-@dataclasses.dataclass
-class _Request:
-    index: _Index
-    limit: int  # the most tokens its next draft may have (adapted to how drafts fared)
+class _Occurrences:
+    """One request's text, with where each `n`-gram of it ended (the index of the token that
+    followed it), extended as the text grows."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.length = 0
+        self.ends: dict[tuple[int, ...], list[int]] = collections.defaultdict(list)
+
+    def extend(self, tokens: list[int]) -> None:
+        # Never the n-gram ending the text: nothing follows it yet.
+        for i in range(max(self.length, self.n), len(tokens)):
+            self.ends[tuple(tokens[i - self.n : i])].append(i)
+        self.length = len(tokens)
+
+    def longest_match(self, tokens: list[int], max_match: int, candidates: int) -> tuple[int, int]:
+        """(end, length) of the earlier occurrence matching the most of the text's end (the
+        latest of equals; among the latest `candidates` occurrences of its last n tokens, at
+        most `max_match` tokens back); (0, 0) if its last n tokens never occurred before."""
+        best_end, best = 0, 0
+        last = len(tokens) - 1
+        for end in reversed(self.ends.get(tuple(tokens[-self.n :]), [])[-candidates:]):
+            length = self.n
+            while length < max_match and length < end and tokens[end - 1 - length] == tokens[last - length]:
+                length += 1
+            if length > best:
+                best_end, best = end, length
+        return best_end, best
 
 
 @dataclasses.dataclass
 class SuffixDrafter:
-    """SuffixDecoding-style drafts from the request's own text and earlier requests' outputs."""
+    """SuffixDecoding-style drafts: the continuation of the longest earlier match in the
+    request's own text, else the most frequent followers in earlier requests' outputs."""
 
-    depth: int = 6  # the longest context looked up
-    min_match: int = 2  # the shortest context a draft token is taken from
+    min_match: int = 2  # the shortest match a draft continues
+    max_match: int = 64  # how far back a match is followed
+    candidates: int = 64  # the latest occurrences of the text's last min_match tokens compared
+    depth: int = 6  # the longest context looked up in earlier requests' outputs
     global_requests: int = 256  # finished outputs kept in the shared index
-    # A draft at most this many times the match behind it. The default model's copying answers
-    # (scripts/bench_speculative.py's copy set, one engine, one run each) decoded 87-92 tok/s
-    # at 1x (a 2-token match drafted 2 tokens, nearly always all kept, in steps that could
-    # have verified 8), 94.6 at 2x, 98-103 at 4x, 99-100 at 8x.
-    match_factor: float = 4.0
     name: str = "suffix"
 
     def __post_init__(self):
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, _Occurrences] = {}
         self._shared = _Index(self.depth)
         self._shared_outputs: collections.deque[list[int]] = collections.deque()
 
-    def propose(self, seq: Sequence, k: int) -> list[int]:
-        state = self._requests.get(seq.request_id)
-        if state is None:
-            state = self._requests[seq.request_id] = _Request(_Index(self.depth), k)
-        state.index.extend(seq.tokens)
+    def propose(self, seq: Sequence, k: int) -> Draft:
+        own = self._requests.get(seq.request_id)
+        if own is None:
+            own = self._requests[seq.request_id] = _Occurrences(self.min_match)
         text = seq.tokens
-        match = self._match_length(state.index, text)
-        limit = min(k, state.limit, max(1, int(self.match_factor * max(match, self.min_match))))
+        own.extend(text)
+        end, match = own.longest_match(text, self.max_match, self.candidates)
+        if match:
+            # The copy runs on into the draft itself where it reaches the text's end (a repeat).
+            draft: list[int] = []
+            for j in range(k):
+                draft.append(text[end + j] if end + j < len(text) else draft[end + j - len(text)])
+            return Draft(draft, [support("own", match + j) for j in range(k)])
+        return self._from_shared(text, k)
+
+    def _from_shared(self, text: list[int], k: int) -> Draft:
+        """Token by token, the most frequent follower of the longest context (text + draft so
+        far) in earlier requests' outputs."""
         draft: list[int] = []
-        while len(draft) < limit:
-            token = self._next(state.index, text, draft)
-            if token is None:
-                break
-            draft.append(token)
-        return draft
-
-    def _next(self, own: _Index, text: list[int], draft: list[int]) -> int | None:
-        """The most frequent token after the longest context (own text first, then the shared
-        outputs) ending text + draft."""
-        tail = (text[-self.depth :] + draft)[-self.depth :]
-        for n in range(len(tail), self.min_match - 1, -1):
-            gram = tuple(tail[-n:])
-            for index in (own, self._shared):
-                counts = index.follow.get(gram)
+        keys: list[Hashable] = []
+        while len(draft) < k:
+            tail = (text[-self.depth :] + draft)[-self.depth :]
+            for n in range(len(tail), self.min_match - 1, -1):
+                counts = self._shared.follow.get(tuple(tail[-n:]))
                 if counts:
-                    return _most_frequent(counts)
-        return None
-
-    def _match_length(self, own: _Index, text: list[int]) -> int:
-        """How far back the text's end matches its latest earlier occurrence in its own text
-        (0 if its last `min_match` tokens never occurred before)."""
-        if len(text) <= self.min_match:
-            return 0
-        end = own.latest(tuple(text[-self.min_match :]))  # never the text's end: nothing follows it yet
-        if end is None:
-            return self.min_match if self._shared.follow.get(tuple(text[-self.min_match :])) else 0
-        n = 0
-        while n < end and n < len(text) - 1 and text[end - 1 - n] == text[-1 - n] and n < 64:
-            n += 1
-        return n
+                    draft.append(_most_frequent(counts))
+                    keys.append(support("shared", n))
+                    break
+            else:
+                break
+        return Draft(draft, keys)
 
     def observe(self, seq: Sequence, proposed: int, accepted: int) -> None:
-        state = self._requests.get(seq.request_id)
-        if state is None or proposed == 0:
-            return
-        # Longer after a fully accepted draft, shorter after a rejected first token.
-        if accepted == proposed:
-            state.limit = state.limit + 1
-        elif accepted == 0:
-            state.limit = max(1, state.limit // 2)
+        pass
 
     def finished(self, seq: Sequence) -> None:
         self._requests.pop(seq.request_id, None)

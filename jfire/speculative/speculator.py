@@ -20,17 +20,20 @@ How speculation meets the rest of the engine (docs/speculative.md):
 - penalties and logprobs: each position is penalized by the tokens before it and reports its
   own logprobs, as decode does;
 - a step verifies only where it is expected to emit more tokens a second than decoding
-  (`Speculator.plan`: how often each request's drafts were accepted, against the measured
-  seconds of each program), and in the verify program of as many tokens a row as pays;
+  (`Speculator.plan`: each draft token's chance of being kept, learned per support
+  (jfire.speculative.acceptance), against the measured seconds of each program), and in the
+  verify program of as many tokens a row as pays;
   a batch larger than `max_rows` rows always decodes without drafts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Hashable
 
 from jfire.scheduler import Scheduler, Sequence, Step
-from jfire.speculative.drafters import Drafter, ModelDrafter, make_drafter
+from jfire.speculative.acceptance import Acceptance, position
+from jfire.speculative.drafters import Draft, Drafter, ModelDrafter, make_drafter
 
 # Before a verify program's steps are timed, its step is taken as decode's stretched by this
 # much for each token a row past the first (the default model on this CPU: 1 + 4 tokens a row
@@ -40,9 +43,11 @@ VERIFY_COST_PER_TOKEN = 0.125
 
 @dataclasses.dataclass
 class Plan:
-    """A step's verify call: each decode row's draft (maybe empty), and the program's (rows, tokens)."""
+    """A step's verify call: each decode row's draft (maybe empty) and its tokens' support keys,
+    and the program's (rows, tokens)."""
 
     drafts: dict[Sequence, list[int]]
+    keys: dict[Sequence, list[Hashable]]
     shape: tuple[int, int]
 
 
@@ -58,10 +63,8 @@ class Speculator:
         self.proposed = 0  # draft tokens verified
         self.accepted = 0  # of which the model made the same
         self.verify_rows = 0  # rows verified (each emits its accepted drafts plus one token)
-        # How often each request's draft tokens were accepted (a moving average), and across
-        # requests (what a new request starts from).
-        self.acceptance: dict[str, float] = {}
-        self.prior = 0.5
+        # How often draft tokens were kept, by what supports them.
+        self.acceptance = Acceptance()
         # Whether a step verifies only where that is expected to pay (False: whenever a row has
         # a draft, as tests that must see drafts verified want).
         self.weigh = True
@@ -83,54 +86,62 @@ class Speculator:
         each is expected to be faster (or nothing is drafted, or no verify program holds them).
 
         The choice weighs tokens a second: a verify program of t tokens a row emits, per row,
-        1 + a + a^2 + ... + a^d tokens on average (d: its draft cut to t - 1; a: how often the
-        request's draft tokens were accepted so far) in the seconds that program's steps take
-        (`seconds`, measured by the runner; before its first step, decode's stretched by
-        VERIFY_COST_PER_TOKEN a token); decoding emits one token a row in a decode step's."""
+        1 + p1 + p1 p2 + ... + p1...pd tokens on average (d: its draft cut to t - 1; pj: the
+        estimated chance that draft token j is kept, by its support) in the seconds that
+        program's steps take (`seconds`, measured by the runner; before its first step,
+        decode's stretched by VERIFY_COST_PER_TOKEN a token); decoding emits one token a row in
+        a decode step's."""
         if not seqs or not self.may_draft(len(seqs)):
             return None
         options = programs.verify_options(len(seqs))
         if not options:
             return None
         drafts = {seq: self._draft(seq) for seq in seqs}
-        if not any(drafts.values()):
+        if not any(d.tokens for d in drafts.values()):
             return None
-        decode_s = seconds.get(("decode", programs.decode_shape(len(seqs))))
+        best = self._fastest(list(drafts.values()), options, seconds, programs.decode_shape(len(seqs)))
+        if best is None:
+            return None
+        t = best[1]
+        return Plan(
+            {s: d.tokens[: t - 1] for s, d in drafts.items()}, {s: d.keys[: t - 1] for s, d in drafts.items()}, best
+        )
+
+    def _fastest(self, drafts: list[Draft], options, seconds: dict, decode_rows: int) -> tuple[int, int] | None:
+        """The verify program (rows, tokens) expected to emit the most tokens a second, or None
+        where decoding is (with `weigh` off: the largest)."""
         if not self.weigh:
-            rows, t = options[-1]
-            return Plan({seq: d[: t - 1] for seq, d in drafts.items()}, (rows, t))
-        best, best_rate = None, len(seqs) / decode_s if decode_s else 0.0
+            return options[-1]
+        decode_s = seconds.get(("decode", decode_rows))
+        best, best_rate = None, len(drafts) / decode_s if decode_s else 0.0
         for rows, t in options:
             verify_s = seconds.get(("verify", rows, t))
             if verify_s is None:
                 verify_s = (decode_s or 0.0) * (1 + VERIFY_COST_PER_TOKEN * (t - 1))
-            expected = sum(self._expected_tokens(seq, min(len(d), t - 1)) for seq, d in drafts.items())
+            expected = sum(self.acceptance.expected_tokens(d.keys[: t - 1]) for d in drafts)
             rate = expected / verify_s if verify_s > 0 else float("inf")
             if rate > best_rate:
                 best, best_rate = (rows, t), rate
-        if best is None:
-            return None
-        return Plan({seq: d[: best[1] - 1] for seq, d in drafts.items()}, best)
+        return best
 
-    def _expected_tokens(self, seq: Sequence, drafted: int) -> float:
-        a = self.acceptance.get(seq.request_id, self.prior)
-        return sum(a**j for j in range(drafted + 1))
-
-    def _draft(self, seq: Sequence) -> list[int]:
+    def _draft(self, seq: Sequence) -> Draft:
         sp = seq.sampling
         # Emitted tokens past max_tokens or the context would be thrown away: draft no further.
         room = min(self.k, sp.max_tokens - seq.num_generated - 1, self.max_model_len - len(seq.tokens))
         if room <= 0:
-            return []
-        draft = self.drafter.propose(seq, room)[:room]  # type: ignore[union-attr]
+            return Draft([], [])
+        draft = self.drafter.propose(seq, room)  # type: ignore[union-attr]
+        if not isinstance(draft, Draft):  # no support to tell: a draft model's chain
+            draft = Draft(list(draft), [position(j) for j in range(len(draft))])
+        tokens = draft.tokens[:room]
         # A request ends at its first stop token: nothing after one can be emitted.
-        for j, token in enumerate(draft):
+        for j, token in enumerate(tokens):
             if (token in self.eos_ids and not sp.ignore_eos) or token in sp.stop_token_ids:
-                draft = draft[: j + 1]
+                tokens = tokens[: j + 1]
                 break
-        if seq.matcher is not None and draft:
-            draft = draft[: seq.matcher.validate_tokens(draft)]  # type: ignore[attr-defined]
-        return draft
+        if seq.matcher is not None and tokens:
+            tokens = tokens[: seq.matcher.validate_tokens(tokens)]  # type: ignore[attr-defined]
+        return Draft(tokens, draft.keys[: len(tokens)])
 
     def reserve(self, scheduler: Scheduler, drafts: dict[Sequence, list[int]]) -> None:
         """Pages up to each row's last draft, from free pages only; a row that cannot get them
@@ -151,25 +162,21 @@ class Speculator:
         self.reserve(scheduler, drafts)
         runs = dict(zip(drafts, runner.run_verify(list(drafts), list(drafts.values()), plan.shape)))
         step.emitted = {seq: len(run) for seq, run in runs.items()}
-        self.observe(drafts, step.emitted)
+        self.observe(plan, step.emitted)
         return runs
 
-    def observe(self, drafts: dict[Sequence, list[int]], emitted: dict[Sequence, int]) -> None:
-        for seq, draft in drafts.items():
+    def observe(self, plan: Plan, emitted: dict[Sequence, int]) -> None:
+        """Counts what the plan's rows kept (`emitted`: tokens each row emitted)."""
+        for seq, draft in plan.drafts.items():
             accepted = emitted[seq] - 1
             self.proposed += len(draft)
             self.accepted += accepted
             self.verify_rows += 1
-            if draft:
-                # Each draft token a trial until the first refused one.
-                rate = accepted / (accepted + (accepted < len(draft)))
-                before = self.acceptance.get(seq.request_id, self.prior)
-                self.acceptance[seq.request_id] = 0.7 * before + 0.3 * rate
-                self.prior = 0.95 * self.prior + 0.05 * rate
+            # reserve() may have cut the draft where pages ran out: the keys of what ran.
+            self.acceptance.record(plan.keys[seq][: len(draft)], accepted)
             self.drafter.observe(seq, len(draft), accepted)  # type: ignore[union-attr]
 
     def finished(self, seq: Sequence) -> None:
-        self.acceptance.pop(seq.request_id, None)
         if self.drafter is not None:
             self.drafter.finished(seq)
 
