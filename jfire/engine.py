@@ -364,9 +364,9 @@ class Engine:
     # -- running ahead: steady decoding with the next step dispatched before the ids are read --
 
     def _may_run_ahead(self, step: Step) -> bool:
-        """Whether the engine may dispatch the step after `step` before reading its ids: a
-        decode-only step of every running sequence in one program call, with nothing queued
-        that a step in between would take in."""
+        """Whether the engine may dispatch the step after `step` before reading its ids: a decode-only
+        step of every running sequence in one program call, nothing queued that a step between would
+        take in, and too many rows to draft (a draft is verified in the step right after its token)."""
         return (
             self.config.run_ahead
             and self.runner.step_channel is None
@@ -375,8 +375,6 @@ class Engine:
             and len(step.decode) == len(self.scheduler.running)
             and not self._work_pending()
             and self.programs.decode_shape(len(step.decode)) >= len(step.decode)
-            # A row that may draft reads each step's ids: a draft found after a token is then
-            # verified in the very next step, not after a step already dispatched as decode.
             and not self.speculator.may_draft(len(step.decode))
         )
 
