@@ -13,7 +13,7 @@ import pytest
 from jfire.sampling import SamplingParams
 from jfire.scheduler import Sequence
 from jfire.speculative.acceptance import Acceptance, support
-from jfire.speculative.drafters import SuffixDrafter
+from jfire.speculative.drafters import Draft, SuffixDrafter
 from jfire.speculative.speculator import Speculator
 
 
@@ -126,8 +126,6 @@ class Fixed:
         self.drafts = drafts
 
     def propose(self, seq, k):
-        from jfire.speculative.drafters import Draft
-
         tokens, keys = self.drafts[seq.request_id]
         return Draft(tokens[:k], keys[:k])
 

@@ -74,34 +74,38 @@ def make_drafter(name: str) -> Drafter:
     raise JfireError(f"unknown drafter {name!r}; use one of {', '.join(DRAFTERS)}")
 
 
-class _Index:
-    """The n-grams (1..depth tokens) of one token list, each with where it last ended and the
-    counts of the tokens that followed it, extended as the list grows."""
+class _LatestEnds:
+    """Where each n-gram (1..depth tokens) of one token list last ended (the index of the token
+    that followed it), extended as the list grows: prompt lookup's index."""
 
     def __init__(self, depth: int):
         self.depth = depth
-        self.tokens: list[int] = []
-        self.last_end: dict[tuple[int, ...], int] = {}  # n-gram -> index just past its latest occurrence
-        self.follow: dict[tuple[int, ...], collections.Counter] = {}
+        self.length = 0
+        self.last_end: dict[tuple[int, ...], int] = {}
 
     def extend(self, tokens: list[int]) -> None:
         """Indexes tokens appended to the list since the last call (`tokens` is the whole list)."""
-        for i in range(len(self.tokens), len(tokens)):
-            token = tokens[i]
-            # Every n-gram ending just before this token is followed by it.
+        for i in range(self.length, len(tokens)):
             for n in range(1, min(self.depth, i) + 1):
-                gram = tuple(tokens[i - n : i])
-                self.follow.setdefault(gram, collections.Counter())[token] += 1
-                self.last_end[gram] = i
-            self.tokens.append(token)
+                self.last_end[tuple(tokens[i - n : i])] = i
+        self.length = len(tokens)
 
     def latest(self, gram: tuple[int, ...]) -> int | None:
         """Where the latest occurrence of gram ended (the index of what followed it), or None."""
         return self.last_end.get(gram)
 
+
+class _FollowCounts:
+    """For each n-gram (1..depth tokens) of the token lists counted in, the counts of the tokens
+    that followed it: the shared index over earlier requests' outputs."""
+
+    def __init__(self, depth: int):
+        self.depth = depth
+        self.follow: dict[tuple[int, ...], collections.Counter] = {}
+
     def count(self, tokens: list[int], sign: int = 1) -> None:
-        """Adds (sign 1) or takes back (-1) the follow counts of a standalone token list (an
-        earlier request's output in the shared index; its positions are not kept)."""
+        """Adds (sign 1) or takes back (-1) the follow counts of a token list (an earlier
+        request's output; its positions are not kept)."""
         for i in range(1, len(tokens)):
             for n in range(1, min(self.depth, i) + 1):
                 counts = self.follow.setdefault(tuple(tokens[i - n : i]), collections.Counter())
@@ -121,10 +125,10 @@ class NgramDrafter:
     name: str = "ngram"
 
     def __post_init__(self):
-        self._indexes: dict[str, _Index] = {}
+        self._indexes: dict[str, _LatestEnds] = {}
 
     def propose(self, seq: Sequence, k: int) -> Draft:
-        index = self._indexes.setdefault(seq.request_id, _Index(self.max_n))
+        index = self._indexes.setdefault(seq.request_id, _LatestEnds(self.max_n))
         tokens = seq.tokens
         # The index holds what followed each n-gram, so never the n-gram ending the text.
         index.extend(tokens)
@@ -186,7 +190,7 @@ class SuffixDrafter:
 
     def __post_init__(self):
         self._requests: dict[str, _Occurrences] = {}
-        self._shared = _Index(self.depth)
+        self._shared = _FollowCounts(self.depth)
         self._shared_outputs: collections.deque[list[int]] = collections.deque()
 
     def propose(self, seq: Sequence, k: int) -> Draft:
