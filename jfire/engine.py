@@ -392,12 +392,12 @@ class Engine:
         step in flight, still on the device) before reading the ids of the one in flight, so the
         host's work overlaps the device's. A row the step in flight ends (a stop, a cancel) has
         its next token thrown away. Ends, with no step in flight, once the next step cannot be
-        dispatched so (work waiting, a row with a draft to verify)."""
+        dispatched so (work waiting, the batch shrunk to where it may draft)."""
         runner, timing = self.runner, self.runner.step_time
         t0 = time.perf_counter()
         rows = self.programs.decode_shape(len(seqs))
         in_flight: list[Sequence | None] | None = [*seqs, *[None] * (rows - len(seqs))]
-        drafting = False  # a row has a draft to verify: the run ends
+        drafting = False  # the batch may draft (jfire.speculative): the run ends
         _, positions, _, sampling = inputs = runner.decode_inputs(seqs, rows)
         out = runner.decode_call(list(in_flight), rows, inputs)
         timing["prepare"] += time.perf_counter() - t0
@@ -424,7 +424,7 @@ class Engine:
             self.scheduler.on_step_done(Step([seq for seq in done if seq is not None], [], []))
             self._take_tokens({seq: result for seq, result in zip(done, results) if seq is not None})
             going = [s for s in done if s is not None and s.in_decode]
-            drafting = self.speculator.plan(going, self.programs, runner.seconds) is not None
+            drafting = self.speculator.may_draft(len(going))
             runner.note_seconds(("decode", rows), time.perf_counter() - t1)
             self._publish_stats()
             self.outputs.deliver()

@@ -212,6 +212,36 @@ def test_a_draft_found_after_a_token_is_verified_in_the_next_step(tiny_hf_dir):
     assert stats["spec_accepted_tokens"] - before["spec_accepted_tokens"] == CONFIG["num_draft_tokens"]
 
 
+class OnceFor(Once):
+    """`Once`, for one request (by prompt) only."""
+
+    def __init__(self, prompt: list[int], answer: list[int], at: int):
+        super().__init__(answer, at)
+        self.prompt = prompt
+
+    def propose(self, seq, k):
+        return super().propose(seq, k) if seq.prompt_ids == self.prompt else []
+
+
+def test_a_run_ahead_ends_once_the_batch_may_draft(tiny_hf_dir):
+    """Five rows decode running ahead (more than the 4 that may draft); once one ends, the four
+    left read each step's ids, so a draft found after a token is verified in the next step."""
+    model = load_model(str(tiny_hf_dir("llama3")), "float32")
+    rng = np.random.RandomState(5)
+    prompts = [[int(x) for x in rng.randint(3, model.config.vocab_size, size=6)] for _ in range(5)]
+    requests = [(p, SamplingParams(temperature=0.0, max_tokens=4 if i == 0 else 24, ignore_eos=True))
+                for i, p in enumerate(prompts)]
+    config = {**CONFIG, "max_batch": 8, "max_prefill_rows": 8, "prefill_budget": 64}
+    with Engine(model, EngineConfig(**config)) as engine:
+        want = run(engine, Silent(), requests)
+        assert engine.stats()["run_ahead_steps"] > 0
+        before = engine.stats()
+        same(run(engine, OnceFor(prompts[1], want[1].token_ids, at=12), requests), want)
+        stats = engine.stats()
+    assert stats["spec_verify_rows"] - before["spec_verify_rows"] >= 1
+    assert stats["spec_accepted_tokens"] - before["spec_accepted_tokens"] == CONFIG["num_draft_tokens"]
+
+
 def test_drafts_with_preemption_and_prefix_hits(tiny_hf_dir):
     """A pool too small for every request at once (preemptions) and prompts sharing their
     first blocks (prefix hits): the same tokens with drafts as without."""

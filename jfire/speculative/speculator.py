@@ -12,8 +12,8 @@ How speculation meets the rest of the engine (docs/speculative.md):
 - running ahead: a batch that may draft (up to `max_rows` rows) does not run ahead: each step's
   ids are read before the next is planned, so a draft found after a token is verified in the
   very next step (running ahead, that step would already be on its way as a plain decode, one
-  lost verify each time drafts begin). A larger batch runs ahead, and its run ends once a row
-  has a draft (the batch shrank);
+  lost verify each time drafts begin). A larger batch runs ahead, and its run ends once the batch
+  shrinks to where it may draft;
 - structured outputs and min_tokens: a draft is cut where the grammar refuses it, and each
   position gets the mask decode would build after the drafts before it; the matcher advances
   by emitted tokens only (the output processor, as for decode);
