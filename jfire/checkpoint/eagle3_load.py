@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from jfire.checkpoint.paths import WEIGHT_INDEX, read_weight_map
 from jfire.errors import JfireError
 from jfire.models.eagle3 import LAYER_PREFIXES, Eagle3Config
 from jfire.models.params import ParamSpec, set_path, spec_dtype
@@ -178,10 +179,8 @@ class _Weights:
 
 def _open_weights(path: Path) -> _Weights:
     """The directory's safetensors (preferred), else its pytorch_model.bin."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = {name: path / file for name, file in weight_map.items()}
+    if (path / WEIGHT_INDEX).is_file():
+        files = read_weight_map(path)
     else:
         single = path / "model.safetensors"
         candidates = [single] if single.is_file() else sorted(path.glob("*.safetensors"))

@@ -12,6 +12,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from jfire.checkpoint.paths import WEIGHT_INDEX, read_weight_map
 from jfire.errors import JfireError
 from jfire.models.params import ParamSpec
 from jfire.models.registry import config_from_gguf, config_from_hf
@@ -49,10 +50,8 @@ class HFDirSource:
         return list(self._file_of)
 
     def _index(self) -> dict[str, Path]:
-        index = self.path / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            return {name: self.path / file for name, file in weight_map.items()}
+        if (self.path / WEIGHT_INDEX).is_file():
+            return read_weight_map(self.path)
         single = self.path / "model.safetensors"
         if single.is_file():
             return {name: single for name in _safetensors_names(single)}

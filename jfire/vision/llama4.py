@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from jfire.checkpoint.paths import WEIGHT_INDEX, read_weight_map
 from jfire.errors import JfireError
 
 # transformers builds every vision LayerNorm as nn.LayerNorm(hidden_size): its default eps,
@@ -194,9 +195,8 @@ class _SafetensorsDir:
 
     def __init__(self, path: Path):
         self._handles: dict[Path, Any] = {}
-        index = path / "model.safetensors.index.json"
-        if index.is_file():
-            self.file_of = {k: path / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+        if (path / WEIGHT_INDEX).is_file():
+            self.file_of = read_weight_map(path)
         else:
             files = sorted(path.glob("*.safetensors"))
             if not files:
