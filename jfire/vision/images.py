@@ -1,7 +1,10 @@
 """Images from requests: a chat part's `image_url.url` (a `data:` URL or an http(s) URL) or a
 local file (the CLI's `--image PATH`) turned into a decoded RGB picture and a content hash,
 under limits on bytes, pixels, time and count. Every bad input is a `RequestError` naming the
-request field it is about; nothing here raises anything else for what a client sends.
+request field it is about; nothing here raises anything else for what a client sends. An
+http(s) URL is fetched only from where jfire.vision.url_policy allows (public addresses by
+default, on every redirect hop, at the address that was checked), and every refused destination
+and failed connection gets the same answer (`unreachable`).
 
 The decoded picture is what the models' HF image processors receive when handed
 `PIL.Image.open(BytesIO(data))`: the first frame (GIF, animated WebP/PNG, MPO), converted by
@@ -27,6 +30,7 @@ import binascii
 import dataclasses
 import hashlib
 import io
+import logging
 import os
 import urllib.parse
 from collections.abc import Sequence
@@ -36,6 +40,7 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from jfire.errors import JfireError, RequestError
+from jfire.vision.url_policy import Address, DestinationRefused, Destinations, UrlPolicy, ip_literal
 
 # Pillow's names for the accepted formats; the JPEG opener itself returns MPO files as "MPO".
 PILLOW_FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
@@ -56,6 +61,7 @@ FETCH_HEADERS = {
     "Accept-Encoding": "identity",
 }
 WHITE = (255, 255, 255, 255)
+log = logging.getLogger("jfire.vision")
 
 # The first bytes of formats worth naming in a refusal; accepted ones too, so that a file that
 # starts like a PNG but does not decode is reported as a corrupt PNG rather than "not an image".
@@ -102,6 +108,8 @@ class ImageLimits:
       about 20k placeholder tokens.
     - fetch_urls (on): off refuses http(s) URLs (a server that must not reach the network).
     - max_redirects (5): enough for CDN hops; each hop must stay http(s).
+    - url_policy (public addresses only): where fetches may connect, checked on every hop
+      (jfire.vision.url_policy.UrlPolicy: allowed domains, private addresses for local use).
     """
 
     max_bytes: int = 20 * 1024 * 1024
@@ -110,6 +118,7 @@ class ImageLimits:
     max_images: int = 8
     fetch_urls: bool = True
     max_redirects: int = 5
+    url_policy: UrlPolicy = UrlPolicy()
 
     def __post_init__(self):
         for name in ("max_bytes", "max_pixels", "fetch_timeout_s", "max_images"):
@@ -298,12 +307,31 @@ def _shown(url: httpx.URL | str) -> str:
     return text if len(text) <= 200 else text[:200] + "..."
 
 
-async def fetch_image_bytes(client: httpx.AsyncClient, url: str, limits: ImageLimits, param: str) -> bytes:
-    """The body at `url`, following at most `limits.max_redirects` http(s) redirects, within
-    `limits.fetch_timeout_s` for everything and refused as soon as it passes `limits.max_bytes`."""
+def unreachable(url: str, param: str) -> RequestError:
+    """The one answer for a URL the server may not or cannot connect to: a refused destination
+    (an internal address, a host outside the allowed domains, including on a redirect), a name
+    that does not resolve, a refused or timed-out connection. Telling them apart would let a
+    client map which internal hosts and ports exist; only the URL the client sent is quoted."""
+    return RequestError(
+        f"could not fetch the image at {_shown(url)}: this server cannot reach that host or does not fetch "
+        f"from it (image URLs must lead to public hosts); send the image inline as a data URL ({DATA_URL_EXAMPLE})",
+        param=param,
+        code="image_fetch_failed",
+    )
+
+
+async def fetch_image_bytes(
+    client: httpx.AsyncClient, destinations: Destinations, url: str, limits: ImageLimits, param: str
+) -> bytes:
+    """The body at `url`, following at most `limits.max_redirects` http(s) redirects, each hop
+    connecting only where `destinations` allows, within `limits.fetch_timeout_s` for everything
+    and refused as soon as it passes `limits.max_bytes`."""
     try:
         async with asyncio.timeout(limits.fetch_timeout_s):
-            return await _fetch_following_redirects(client, url, limits, param)
+            return await _fetch_following_redirects(client, destinations, url, limits, param)
+    except (DestinationRefused, httpx.ConnectError, httpx.ConnectTimeout) as e:
+        log.info("image fetch of %s refused or unreachable: %s", _shown(url), e)
+        raise unreachable(url, param) from None
     except (TimeoutError, httpx.TimeoutException):
         raise RequestError(
             f"fetching {_shown(url)} took longer than the limit of {limits.fetch_timeout_s:g} s; "
@@ -311,41 +339,39 @@ async def fetch_image_bytes(client: httpx.AsyncClient, url: str, limits: ImageLi
             param=param,
             code="image_fetch_timeout",
         ) from None
-    except httpx.ConnectError as e:
-        raise RequestError(
-            f"could not connect to fetch {_shown(url)} ({str(e) or 'connection refused or no route'}); "
-            "check that the host is reachable from the server, or send the image as a data URL",
-            param=param,
-            code="image_fetch_failed",
-        ) from None
     except (httpx.HTTPError, httpx.InvalidURL) as e:
         raise RequestError(
             f"could not fetch {_shown(url)}: {type(e).__name__}: {str(e)[:200]}", param=param, code="image_fetch_failed"
         ) from None
 
 
-async def _fetch_following_redirects(client: httpx.AsyncClient, url: str, limits: ImageLimits, param: str) -> bytes:
-    # Redirects are followed here rather than by httpx so that every hop's scheme is checked
-    # before it is requested (httpx would follow to any scheme it has a transport for).
-    request = client.build_request("GET", url, headers=FETCH_HEADERS)
-    if not request.url.host:
+async def _fetch_following_redirects(
+    client: httpx.AsyncClient, destinations: Destinations, url: str, limits: ImageLimits, param: str
+) -> bytes:
+    # Redirects are followed here rather than by httpx so that every hop's scheme and
+    # destination are checked before it is requested.
+    hop = client.build_request("GET", url).url
+    if not hop.host:
         raise RequestError(
             f"the image URL {_shown(url)} names no host; give a full URL such as https://example.com/picture.png",
             param=param,
             code="invalid_image_url",
         )
+    location = url  # the hop as its referrer wrote it, for messages
     for _ in range(limits.max_redirects + 1):
-        if request.url.scheme not in ("http", "https") or not request.url.host:
+        if hop.scheme not in ("http", "https") or not hop.host:
             raise RequestError(
-                f"{_shown(url)} redirects to {_shown(request.url)}; only http and https redirects are followed",
+                f"{_shown(url)} redirects to {_shown(location)}; only http and https redirects are followed",
                 param=param,
                 code="invalid_image_url",
             )
-        response = await client.send(request, stream=True)
+        address = await destinations.address_of(hop.raw_host.decode("ascii"), hop.port or _DEFAULT_PORTS[hop.scheme])
+        response = await client.send(pinned_request(client, hop, address), stream=True)
         try:
-            if response.next_request is None:
-                return await _read_body(response, limits, param)
-            request = response.next_request
+            if not response.has_redirect_location:
+                return await _read_body(response, hop, limits, param)
+            location = response.headers["location"]
+            hop = hop.join(location)
         finally:
             await response.aclose()
     raise RequestError(
@@ -355,22 +381,39 @@ async def _fetch_following_redirects(client: httpx.AsyncClient, url: str, limits
     )
 
 
-async def _read_body(response: httpx.Response, limits: ImageLimits, param: str) -> bytes:
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def pinned_request(client: httpx.AsyncClient, url: httpx.URL, address: Address) -> httpx.Request:
+    """A GET of `url` that connects to `address` (the one checked) and to nothing the name might
+    resolve to later: the URL's host becomes the address, while the Host header, TLS's server name
+    (SNI) and its certificate check stay the URL's host name."""
+    host_header = client.build_request("GET", url).headers["Host"]
+    extensions = {} if ip_literal(url.host) is not None else {"sni_hostname": url.raw_host.decode("ascii")}
+    return client.build_request(
+        "GET",
+        url.copy_with(host=str(address)),
+        headers={**FETCH_HEADERS, "Host": host_header},
+        extensions=extensions,
+    )
+
+
+async def _read_body(response: httpx.Response, url: httpx.URL, limits: ImageLimits, param: str) -> bytes:
     if not response.is_success:
         raise RequestError(
-            f"fetching {_shown(response.url)} answered HTTP {response.status_code} {response.reason_phrase}; "
+            f"fetching {_shown(url)} answered HTTP {response.status_code} {response.reason_phrase}; "
             "give a URL that serves the image (status 200)",
             param=param,
             code="image_fetch_failed",
         )
     declared = response.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limits.max_bytes:
-        raise _too_many_bytes(f"{_shown(response.url)} is {declared} bytes", limits, param)
+        raise _too_many_bytes(f"{_shown(url)} is {declared} bytes", limits, param)
     body = bytearray()
     async for chunk in response.aiter_bytes():
         body += chunk
         if len(body) > limits.max_bytes:  # stop reading here: the rest is never downloaded
-            raise _too_many_bytes(f"{_shown(response.url)} is more than {limits.max_bytes} bytes", limits, param)
+            raise _too_many_bytes(f"{_shown(url)} is more than {limits.max_bytes} bytes", limits, param)
     return bytes(body)
 
 
@@ -393,9 +436,13 @@ async def load_images(urls: Sequence[str], limits: ImageLimits, params: Sequence
     client = (
         _http_client(limits) if any(_scheme(url) in ("http", "https") for url in urls) and limits.fetch_urls else None
     )
+    destinations = Destinations(limits.url_policy)  # one per request: its hosts resolved once
     try:
         async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(_load_url(client, url, limits, param)) for url, param in zip(urls, params)]
+            tasks = [
+                group.create_task(_load_url(client, destinations, url, limits, param))
+                for url, param in zip(urls, params)
+            ]
     except ExceptionGroup as failed:
         first = next((e for e in _leaf_errors(failed) if isinstance(e, RequestError)), None)
         if first is None:
@@ -425,12 +472,21 @@ def _scheme(url: str) -> str:
 
 
 def _http_client(limits: ImageLimits) -> httpx.AsyncClient:
-    # trust_env=False: no proxies or .netrc credentials picked up from the environment, so a
-    # request cannot make the server present credentials meant for something else.
-    return httpx.AsyncClient(timeout=limits.fetch_timeout_s, follow_redirects=False, trust_env=False)
+    # trust_env=False: no proxies (which would connect where the policy never looked) or .netrc
+    # credentials picked up from the environment, so a request cannot make the server present
+    # credentials meant for something else. No keep-alive: requests are addressed by IP, and a
+    # pooled TLS connection checked for one host name must not carry a request for another.
+    return httpx.AsyncClient(
+        timeout=limits.fetch_timeout_s,
+        follow_redirects=False,
+        trust_env=False,
+        limits=httpx.Limits(max_keepalive_connections=0),
+    )
 
 
-async def _load_url(client: httpx.AsyncClient | None, url: str, limits: ImageLimits, param: str) -> LoadedImage:
+async def _load_url(
+    client: httpx.AsyncClient | None, destinations: Destinations, url: str, limits: ImageLimits, param: str
+) -> LoadedImage:
     url, scheme = url.strip(), _scheme(url)
     if scheme == "data":
         data = await asyncio.to_thread(data_url_bytes, url, limits, param)
@@ -441,7 +497,7 @@ async def _load_url(client: httpx.AsyncClient | None, url: str, limits: ImageLim
                 param=param,
                 code="image_fetch_disabled",
             )
-        data = await fetch_image_bytes(client, url, limits, param)
+        data = await fetch_image_bytes(client, destinations, url, limits, param)
     else:
         accepted = "a data URL" + (" or an http(s) URL" if limits.fetch_urls else "")
         what = f"has the scheme {scheme}:" if scheme else ("is empty" if not url else "is not a URL")

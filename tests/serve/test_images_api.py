@@ -7,17 +7,21 @@ with the official openai client.
   chat template, jfire's `expand_prompt` puts in the image's placeholder ids (shown equal to
   transformers' processor in tests/vision), jfire's pixel values go in (shown equal to the
   HF image processor's there).
-- The same image served over http (a ThreadingHTTPServer on 127.0.0.1) gives the same tokens.
+- The same image served over http (a ThreadingHTTPServer on 127.0.0.1, which the server is
+  started to allow with --allow-private-image-urls) gives the same tokens.
 - /metrics counts the images, the encoder's time and its cache hits.
 - Refusals are 400s naming the field: a corrupt image, too many images, an unreachable URL;
-  an image to a text-only model, an http URL with fetching
-  off, image parts in other APIs' shapes or outside user messages (at the app level, with
-  stand-in engines); `jfire generate --image` on a text-only model (exit status 2).
+  an image to a text-only model, an http URL with fetching off, an image URL on 127.0.0.1
+  without the opt-in (which the server never contacts), image parts in other APIs' shapes or
+  outside user messages (at the app level, with stand-in engines); `jfire generate --image` on a
+  text-only model (exit status 2).
+- The image flags are the loader's limits, and `launch` hands them on to its frontend.
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import functools
 import http.server
 import io
@@ -34,12 +38,13 @@ import torch
 import transformers
 from starlette.testclient import TestClient
 
-from jfire.cli import build_parser, image_limits
+from jfire.cli import _image_flags, build_parser, image_limits
 from jfire.cli import main as cli_main
 from jfire.errors import JfireError
 from jfire.tokenizer import Tokenizer
 from jfire.vision.images import ImageLimits
 from jfire.vision.model import load_vision_model
+from jfire.vision.url_policy import UrlPolicy
 from serve.app import ServerState, create_app
 from tests.serve.server_process import start_server
 from tests.tiny_models import COMMON, save_tiny_hf_model
@@ -105,7 +110,10 @@ ENGINE_ARGS = ["--max-batch", "2", "--max-context", "256", "--kv-cache-gb", "0.0
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     srv = start_server(
-        ["--model", str(model_dir), "--served-model-name", MODEL, *ENGINE_ARGS, "--max-images", str(MAX_IMAGES)],
+        [
+            *("--model", str(model_dir), "--served-model-name", MODEL, *ENGINE_ARGS),
+            *("--max-images", str(MAX_IMAGES), "--allow-private-image-urls"),  # image_url_server is on 127.0.0.1
+        ],
         tmp_path_factory.mktemp("log") / "serve.log",
     )
     yield srv
@@ -117,12 +125,20 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
+@dataclasses.dataclass
+class ImageUrlServer:
+    url: str  # http://127.0.0.1:PORT
+    hits: list[str]  # the path of each GET it was sent
+
+
 @pytest.fixture(scope="module")
 def image_url_server(image_png):
     """http://127.0.0.1:PORT/ serving the image at /image.png, 404 elsewhere."""
+    hits: list[str] = []
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
+            hits.append(self.path)
             if self.path != "/image.png":
                 self.send_error(404)
                 return
@@ -137,7 +153,7 @@ def image_url_server(image_png):
 
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    yield ImageUrlServer(f"http://127.0.0.1:{httpd.server_address[1]}", hits)
     httpd.shutdown()
     httpd.server_close()
 
@@ -221,7 +237,7 @@ def test_a_data_url_image_gives_the_tokens_of_generate_and_transformers(client, 
 
 
 def test_an_http_url_gives_the_same_tokens(client, model_dir, image_png, image_url_server):
-    prompt_ids, got = chat(client, image_message(image_url_server + "/image.png"))
+    prompt_ids, got = chat(client, image_message(image_url_server.url + "/image.png"))
     assert (prompt_ids, got) == transformers_tokens(model_dir, image_png)
 
 
@@ -256,7 +272,7 @@ def test_bad_images_are_400s_naming_the_field(client, image_png, image_url_serve
     assert (error["param"], error["code"]) == (f"messages.0.content.{MAX_IMAGES}.image_url.url", "too_many_images")
     assert f"at most {MAX_IMAGES}" in error["message"]
 
-    error = refusal(client, image_message(image_url_server + "/missing.png"))
+    error = refusal(client, image_message(image_url_server.url + "/missing.png"))
     assert error["param"] == "messages.0.content.0.image_url.url" and "404" in error["message"], error
     # The server is none the worse: the next request is served.
     assert len(chat(client, image_message(data_url(image_png)))[1]) == MAX_TOKENS
@@ -318,6 +334,18 @@ def test_image_urls_are_refused_when_fetching_is_off():
     assert "data URL" in error["message"]
 
 
+def test_image_urls_to_internal_addresses_are_refused_unless_allowed(image_url_server):
+    """By default the server never contacts 127.0.0.1: a 400 that says no more than an
+    unreachable host would, and the image server sees no request."""
+    part = {"type": "image_url", "image_url": {"url": image_url_server.url + "/image.png"}}
+    before = len(image_url_server.hits)
+    error = error_of(post_chat(VisionEngine(), [part]))
+    assert (error["param"], error["code"]) == ("messages.1.content.0.image_url.url", "image_fetch_failed")
+    assert error["message"].startswith(f"could not fetch the image at {image_url_server.url}/image.png: ")
+    assert "cannot reach that host or does not fetch from it" in error["message"]
+    assert len(image_url_server.hits) == before
+
+
 @pytest.mark.parametrize(
     ("content", "role", "param", "words"),
     [
@@ -359,5 +387,22 @@ def test_serve_flags_are_the_image_limits():
     assert limits("--max-images", "3", "--max-image-mb", "0.5", "--max-image-pixels", "1000",
                   "--image-fetch-timeout", "2.5", "--no-image-urls") == ImageLimits(
         max_images=3, max_bytes=1 << 19, max_pixels=1000, fetch_timeout_s=2.5, fetch_urls=False)  # fmt: skip
+    assert limits("--allowed-image-domains", "Example.com, images.test.", "--allow-private-image-urls") == ImageLimits(
+        url_policy=UrlPolicy(allowed_domains=("example.com", "images.test"), allow_private=True))  # fmt: skip
     with pytest.raises(JfireError, match="--max-images must be > 0"):
         limits("--max-images", "0")
+    with pytest.raises(JfireError, match="--allowed-image-domains: .*'https://example.com'"):
+        limits("--allowed-image-domains", "https://example.com")
+
+
+def test_launch_hands_its_image_flags_to_the_frontend():
+    """`launch` passes the flags it was given on to its frontend process, which parses them as
+    serve would: the frontend's limits are the ones asked for."""
+    flags = ["--max-images", "3", "--no-image-urls", "--allowed-image-domains", "cdn.example.com,10.1.2.3",
+             "--allow-private-image-urls"]  # fmt: skip
+    launch_args = build_parser().parse_args(["launch", "local-1p1d", *flags])
+    frontend_args = build_parser().parse_args(["launch", "local-1p1d", *_image_flags(launch_args)])
+    assert image_limits(frontend_args) == image_limits(build_parser().parse_args(["serve", *flags]))
+    assert image_limits(frontend_args).url_policy == UrlPolicy(("cdn.example.com", "10.1.2.3"), allow_private=True)
+    default = build_parser().parse_args(["launch", "local-1p1d"])
+    assert _image_flags(default) == () and image_limits(default) == ImageLimits()

@@ -2,7 +2,10 @@
 `convert_to_rgb` of Pillow's own decode of the same bytes (what the HF image processors get from
 a PIL input); the same picture by data URL, by http URL (a local server) and by file gives equal
 pixels and hashes; each bad input is a RequestError naming the field, with a message that says
-what is wrong and what would be right, and never a hang (fetch limits are short here)."""
+what is wrong and what would be right, and never a hang (fetch limits are short here).
+
+The local server is on 127.0.0.1, which image fetches refuse by default: these tests fetch with
+private addresses allowed (`LOCAL`); tests/vision/test_image_url_policy.py tests the refusals."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import socket
 import struct
 import threading
 import time
+import urllib.parse
 import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -23,10 +27,12 @@ from transformers.image_transforms import convert_to_rgb
 
 from jfire.errors import JfireError, RequestError
 from jfire.vision.images import ImageLimits, LoadedImage, decode_image, load_image_file, load_images
+from jfire.vision.url_policy import UrlPolicy
 
 PARAM = "messages[1].content[0].image_url.url"
-LIMITS = ImageLimits()
-SHORT = ImageLimits(fetch_timeout_s=0.5)
+LOCAL = UrlPolicy(allow_private=True)  # the test server is on 127.0.0.1
+LIMITS = ImageLimits(url_policy=LOCAL)
+SHORT = ImageLimits(fetch_timeout_s=0.5, url_policy=LOCAL)
 HUGE_BODY = 256 * 2**20  # what /huge would send if nobody stopped reading
 
 
@@ -122,6 +128,7 @@ class ServerState:
         self.files: dict[str, bytes] = {"png": PNG, "webp-lossless": PICTURES["webp-lossless"][0]}
         self.huge_sent = 0
         self.huge_done = threading.Event()
+        self.requests: list[tuple[str, str | None]] = []  # (path, Host header) of each GET
 
 
 def handler_for(state: ServerState) -> type[BaseHTTPRequestHandler]:
@@ -142,6 +149,7 @@ def handler_for(state: ServerState) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
 
         def do_GET(self):
+            state.requests.append((self.path, self.headers.get("Host")))
             try:
                 self.route()
             except OSError:  # the client gave up first (the tests of limits make it)
@@ -156,6 +164,8 @@ def handler_for(state: ServerState) -> type[BaseHTTPRequestHandler]:
                 self.redirect(f"/redirect/{hops - 1}/{parts[2]}" if hops > 1 else f"/img/{parts[2]}")
             elif parts[0] == "to-file":
                 self.redirect("file:///etc/hostname")
+            elif parts[0] == "to":  # /to/<a URL, percent-encoded>: a redirect there
+                self.redirect(urllib.parse.unquote(parts[1]))
             elif parts[0] == "sleep":  # no answer within a short limit
                 time.sleep(2)
                 self.send_body(PNG)
@@ -358,7 +368,7 @@ def test_unsupported_data_url_media_type():
 
 def test_body_over_the_byte_limit_stops_reading(server):
     base, state = server
-    small = ImageLimits(max_bytes=2**20)
+    small = ImageLimits(max_bytes=2**20, url_policy=LOCAL)
     refusal(f"{base}/huge", small, "more than 1048576 bytes", "1 MiB")
     assert state.huge_done.wait(5), "the server is still sending: the client did not hang up"
     assert state.huge_sent < 32 * 2**20  # about the limit plus the sockets' buffers, not 256 MiB
@@ -416,10 +426,12 @@ def test_http_error_status_is_named(server):
 
 
 def test_unreachable_host():
+    """Answered as a refused destination is (tests/vision/test_image_url_policy.py), so that a
+    client cannot tell a closed port from an address the server may not reach."""
     with socket.socket() as probe:  # a port that was free a moment ago: nothing listens there
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    refusal(f"http://127.0.0.1:{port}/x.png", LIMITS, "could not connect", "data URL")
+    refusal(f"http://127.0.0.1:{port}/x.png", LIMITS, "could not fetch the image at", "data URL")
 
 
 @pytest.mark.parametrize("path", ["sleep", "drip"])
