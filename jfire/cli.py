@@ -79,14 +79,18 @@ def _add_group_args(p: argparse.ArgumentParser) -> None:
         "--coordinator",
         default=None,
         help="HOST:PORT of process 0, for one engine whose mesh spans several processes (hosts): run the "
-        "same command on each with its own --process-id; process 0 schedules, the others follow",
+        "same command on each with its own --process-id; process 0 schedules, the others follow. Process 0 "
+        "listens on that address only. Each process needs the same deployment secret in "
+        "$JFIRE_DEPLOYMENT_SECRET_FILE (a 0600 file) or $JFIRE_DEPLOYMENT_SECRET",
     )
     p.add_argument("--num-processes", type=int, default=None, help="with --coordinator: processes in the group")
     p.add_argument("--process-id", type=int, default=None, help="with --coordinator: this process (0 = the leader)")
 
 
 def _join_group(args) -> None:
-    """With --coordinator: joins the group's jax.distributed cluster, before JAX starts."""
+    """With --coordinator: joins the group's jax.distributed cluster, before JAX starts; its
+    store (signed with the deployment secret, which every process of the group must be given
+    in its environment) becomes args.group_store."""
     coordinator = getattr(args, "coordinator", None)
     given = [getattr(args, "num_processes", None) is not None, getattr(args, "process_id", None) is not None]
     if coordinator is None:
@@ -97,12 +101,13 @@ def _join_group(args) -> None:
         raise JfireError("--coordinator needs --num-processes N and --process-id I (0 for the leader)")
     if args.mesh in (None, "", "single"):
         raise JfireError("a group spanning processes needs --mesh (e.g. pp=2,tp=4 over 2 processes of 4 devices)")
-    from jfire import lockstep, quiet
+    from jfire import deployment_secret, lockstep, quiet
 
+    secret = lockstep.check_group(args.num_processes, args.process_id, deployment_secret.from_env())
     # Gloo writes notes about its connections to the C stdout: send that to stderr (less those
     # notes), so that stdout carries jfire's output only (JSON lines a script reads).
     quiet.stdout_to_stderr_filtered()
-    lockstep.join(coordinator, args.num_processes, args.process_id)
+    args.group_store = lockstep.join(coordinator, args.num_processes, args.process_id, secret)
 
 
 def _lead_or_follow(args, engine) -> int | None:
@@ -112,7 +117,7 @@ def _lead_or_follow(args, engine) -> int | None:
         return None
     from jfire import lockstep
 
-    channel = lockstep.StepChannel("colocated", list(range(args.num_processes)), args.process_id)
+    channel = lockstep.StepChannel("colocated", list(range(args.num_processes)), args.process_id, args.group_store)
     if args.process_id == 0:
         engine.runner.step_channel = channel
         return None
@@ -253,6 +258,40 @@ def engine_config(args, *, single: bool):
     )
 
 
+def _add_api_key_args(p: argparse.ArgumentParser) -> None:
+    """The API keys (serve/api_keys.py): from $JFIRE_API_KEY or a file, which no `ps` shows."""
+    p.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help="require 'Authorization: Bearer KEY', KEY any of this file's keys (one a line; blank lines and "
+        "lines starting with # are ignored; the file must be readable by its owner only), on every "
+        "endpoint but /health",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="one such key (default: $JFIRE_API_KEY). A key on the command line shows in `ps` and shell "
+        "history: prefer $JFIRE_API_KEY or --api-key-file",
+    )
+    p.add_argument(
+        "--cache-salt-per-key",
+        action="store_true",
+        help="each API key's prompts reuse only that key's cached prefixes (a salt derived from the key), "
+        "so no client can tell from cached_tokens what another has sent",
+    )
+
+
+def _api_keys(args) -> tuple[str, ...]:
+    """The keys serve or launch requires, read and checked before anything starts."""
+    from serve import api_keys
+
+    keys = api_keys.gather(args.api_key or os.environ.get(api_keys.ENV) or None, args.api_key_file)
+    if args.cache_salt_per_key and not keys:
+        raise JfireError("--cache-salt-per-key needs API keys: give --api-key-file (or $JFIRE_API_KEY)")
+    return keys
+
+
 def _add_image_args(p: argparse.ArgumentParser) -> None:
     """The limits on chat requests' images (jfire.vision.images.ImageLimits; these defaults are its)."""
     p.add_argument("--max-images", type=int, default=8, help="images one chat request may carry")
@@ -280,6 +319,20 @@ def _add_image_args(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="refuse http(s) image URLs, so that the server never reaches the network (data: URLs still work)",
     )
+    p.add_argument(
+        "--allowed-image-domains",
+        default="",
+        metavar="DOMAINS",
+        help="fetch image URLs only from these hosts, comma-separated (example.com also allows its subdomains; "
+        "IP addresses allow only themselves); checked on every redirect. Default: any host with a public address",
+    )
+    p.add_argument(
+        "--allow-private-image-urls",
+        action="store_true",
+        help="also fetch image URLs from loopback, private, link-local and cloud-metadata addresses, which are "
+        "refused by default: for a server on your own machine or trusted network only, as any client can then "
+        "make it fetch from there",
+    )
 
 
 def _image_flags(args) -> tuple[str, ...]:
@@ -294,12 +347,19 @@ def _image_flags(args) -> tuple[str, ...]:
         )
         if value != default
     ]
-    return tuple(flags + ([] if args.image_urls else ["--no-image-urls"]))
+    if args.allowed_image_domains:
+        flags.append(f"--allowed-image-domains={args.allowed_image_domains}")
+    if not args.image_urls:
+        flags.append("--no-image-urls")
+    if args.allow_private_image_urls:
+        flags.append("--allow-private-image-urls")
+    return tuple(flags)
 
 
 def image_limits(args):
     """The ImageLimits the serve flags ask for."""
     from jfire.vision.images import ImageLimits
+    from jfire.vision.url_policy import UrlPolicy
 
     for flag, value in (
         ("--max-images", args.max_images),
@@ -309,12 +369,20 @@ def image_limits(args):
     ):
         if not value > 0:
             raise JfireError(f"{flag} must be > 0, got {value}")
+    try:
+        url_policy = UrlPolicy(
+            allowed_domains=tuple(d for d in args.allowed_image_domains.split(",") if d.strip()),
+            allow_private=args.allow_private_image_urls,
+        )
+    except JfireError as e:
+        raise JfireError(f"--allowed-image-domains: {e}") from None
     return ImageLimits(
         max_bytes=max(1, int(args.max_image_mb * (1 << 20))),
         max_pixels=args.max_image_pixels,
         fetch_timeout_s=args.image_fetch_timeout,
         max_images=args.max_images,
         fetch_urls=args.image_urls,
+        url_policy=url_policy,
     )
 
 
@@ -385,11 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(v, auto=True)
     v.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0: every interface)")
     v.add_argument("--port", type=int, default=8000, help="HTTP port")
-    v.add_argument(
-        "--api-key",
-        default=None,
-        help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: $JFIRE_API_KEY)",
-    )
+    _add_api_key_args(v)
     v.add_argument("--max-queue", type=int, default=1024, help="waiting requests before new ones get 429")
     v.add_argument(
         "--shutdown-grace",
@@ -443,7 +507,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(n, auto=True)
     n.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 on a cluster)")
     n.add_argument("--port", type=int, default=None, help="the frontend's port (default: the deployment's)")
-    n.add_argument("--api-key", default=None, help="as for serve (default: $JFIRE_API_KEY)")
+    _add_api_key_args(n)
     n.add_argument("--max-queue", type=int, default=1024, help="requests in flight before new ones get 429")
     n.add_argument("--max-context", type=int, default=None, help="as for serve")
     n.add_argument("--served-model-name", default=None, help="the model id clients send (default: from --model)")
@@ -477,9 +541,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--process-id",
         type=int,
         default=None,
-        help="run only this process of the deployment (SSH/Slurm launchers); needs --coordinator",
+        help="run only this process of the deployment (SSH/Slurm launchers); needs --coordinator, and the "
+        "deployment secret, the same in every process, in $JFIRE_DEPLOYMENT_SECRET_FILE (a 0600 file) or "
+        "$JFIRE_DEPLOYMENT_SECRET (a launch without --process-id makes one, or takes the operator's from there)",
     )
-    n.add_argument("--coordinator", default=None, help="HOST:PORT of the deployment's coordinator (process 0)")
+    n.add_argument(
+        "--coordinator",
+        default=None,
+        help="HOST:PORT of the deployment's coordinator (process 0, which listens on that address only)",
+    )
 
     c = sub.add_parser("convert", help="convert a HF directory or .gguf file into a jfire checkpoint")
     c.add_argument("src", help="HF model directory, .gguf file, or Hugging Face id (org/name) in the local HF cache")
@@ -880,7 +950,7 @@ def cmd_serve(args) -> int:
     if args.max_queue < 1:
         raise JfireError(f"--max-queue must be >= 1, got {args.max_queue}")
     config = dataclasses.replace(engine_config(args, single=False), max_waiting=args.max_queue)
-    api_key = args.api_key or os.environ.get("JFIRE_API_KEY") or None
+    keys = _api_keys(args) if leads else ()
     if not args.shutdown_grace >= 0:
         raise JfireError(f"--shutdown-grace must be >= 0 seconds, got {args.shutdown_grace}")
     if not args.max_body_mb > 0:
@@ -920,7 +990,8 @@ def cmd_serve(args) -> int:
         config,
         sock=sock,
         host=args.host,
-        api_key=api_key,
+        api_keys=keys,
+        cache_salt_per_key=args.cache_salt_per_key,
         access_log=args.access_log,
         lead=lambda engine: _lead_or_follow(args, engine),
         connector=_host_tier(args.host_kv_gb, args.host_kv_min_uses),
@@ -947,7 +1018,6 @@ def _check_min_uses(args) -> None:
 
 def cmd_launch(args) -> int:
     import dataclasses
-    import os
 
     from jfire import device_memory
     from jfire.disagg import launch
@@ -1015,24 +1085,45 @@ def cmd_launch(args) -> int:
         route_by_prefix=args.prefix_routing,
         image_flags=_image_flags(args),
         image_limits=image_limits(args),
+        **_frontend_keys(args, deployment),
     )
+    from jfire import deployment_secret
+
     if args.process_id is None:
         if args.coordinator:
             raise JfireError("--coordinator goes with --process-id (one process of a multi-host launch)")
-        return launch.launch_local(deployment, args.deployment, options)
+        # The operator's secret, or one made for this launch: its processes get it in their environment.
+        secret = deployment_secret.from_env() or deployment_secret.DeploymentSecret.generate()
+        return launch.launch_local(deployment, args.deployment, options, secret)
     if not args.coordinator:
         raise JfireError("--process-id needs --coordinator HOST:PORT (where process 0, the frontend, listens)")
-    api_key = args.api_key or os.environ.get("JFIRE_API_KEY") or None
+    given = deployment_secret.from_env()
+    if given is None:
+        raise JfireError(deployment_secret.missing(f"process {args.process_id} of deployment {deployment.name!r}"))
     return launch.run_one(
         deployment,
         args.process_id,
         args.coordinator,
         options,
         config,
-        api_key,
         args.served_model_name or served_name(args.model),
         size,
+        secret=given,
     )
+
+
+def _frontend_keys(args, deployment) -> dict:
+    """The launch Options' API key fields, the keys read and checked first (a bad key file fails
+    the launch before any process starts). A group's process reads none: it serves no API."""
+    if args.process_id is not None and deployment.process(args.process_id).group is not None:
+        return {}
+    _api_keys(args)
+    key_file = str(Path(args.api_key_file).resolve()) if args.api_key_file else None
+    return {
+        "api_key": args.api_key or os.environ.get("JFIRE_API_KEY") or None,
+        "api_key_file": key_file,
+        "cache_salt_per_key": args.cache_salt_per_key,
+    }
 
 
 def cmd_plan(args) -> int:
@@ -1073,6 +1164,7 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = None
     try:
         args = build_parser().parse_args(argv)
         _use_cpu_devices(getattr(args, "cpu_devices", None))
@@ -1095,6 +1187,12 @@ def main(argv: list[str] | None = None) -> int:
         return status
     except JfireError as e:
         print(f"jfire: error: {e}", file=sys.stderr)
+        if args is not None and getattr(args, "group_store", None) is not None and args.process_id != 0:
+            # A follower (one refusing a call it cannot verify, say): leave now, not through
+            # jax.distributed's shutdown barrier, which would wait for a leader still serving;
+            # the leader notices it gone. (A leader's barrier lets its followers say why first.)
+            sys.stderr.flush()
+            os._exit(2)
         return 2
     except KeyboardInterrupt:
         print("jfire: interrupted", file=sys.stderr)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 from jfire.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from jfire.request_checks import RequestChecks
     from jfire.tokenizer import Tokenizer
 
 
@@ -23,6 +24,7 @@ class EngineClient(Protocol):
     model_type: str | None  # the checkpoint's model_type (chooses chat and tool-call formats)
     vision: object | None  # its image preprocessing and placeholders (jfire.vision.model); None: text only
     max_model_len: int  # tokens a request may span
+    checks: RequestChecks  # `checks.admit(n)`: whether the waiting queue has room, before costly checks
     error: BaseException | None  # why the engine stopped serving, once it has
     # Called once the engine has failed for good, after ending every request it held.
     on_fatal: Callable[[BaseException], None] | None

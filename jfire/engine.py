@@ -24,7 +24,7 @@ from jfire.checkpoint.load import LoadedModel
 from jfire.client import serving_health
 from jfire.compile_cache import enable_compilation_cache
 from jfire.engine_config import EngineConfig
-from jfire.errors import EngineStopped, QueueFull
+from jfire.errors import EngineStopped
 from jfire.grammar import Grammars
 from jfire.kv_cache import KVPools
 from jfire.kv_connector import KVConnector, Progress
@@ -74,6 +74,7 @@ class Engine:
             grammars,
             model.tokenizer is not None,
             lambda n: self.pools.shortfall(n, max(config.prefill_budget, 2)),
+            lambda: (len(self.scheduler.waiting) + self._commands.qsize(), self.config.max_waiting),
         )
         self._commands: queue.Queue = queue.Queue()
         self._ids = itertools.count()
@@ -210,8 +211,7 @@ class Engine:
             raise EngineStopped(f"the engine has stopped after an error: {self.error}")
         prompt_ids = [int(i) for i in prompt_ids]
         self.validate(prompt_ids, sampling, request_id=request_id, kv_params=kv_params)
-        if len(self.scheduler.waiting) + self._commands.qsize() >= self.config.max_waiting:
-            raise QueueFull(f"the waiting queue is full ({self.config.max_waiting} requests); retry later")
+        self.checks.admit()
         request_id = request_id or f"req-{next(self._ids)}"
         handle = RequestHandle(self, request_id, prompt_ids, self.model.tokenizer is not None)
         seq = Sequence(request_id, prompt_ids, sampling, sampling.resolved_seed())

@@ -7,7 +7,9 @@ microseconds on the host while the device runs the previous step; see docs/struc
 for the comparison measured on this machine.
 
 A grammar travels as llguidance's serialized form (a string), so a disaggregated request's
-prefill and decode groups each build their own matcher from it.
+prefill and decode groups each build their own matcher from it. Compiling a matcher is the
+expensive part (seconds for a schema of a few hundred kilobytes): `Grammars` compiles each
+grammar once and keeps it, and every matcher after that is a copy of the kept one.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections import OrderedDict
 
 import numpy as np
 
@@ -66,15 +69,20 @@ def check_json_schema(schema: dict | bool) -> None:
         error = lib.LLMatcher.validate_grammar(lib.LLMatcher.grammar_from_json_schema(json.dumps(schema)))
     except (ValueError, TypeError) as e:
         error = str(e)
-    if not error:
-        return
+    if error:
+        raise _refusal(error, "invalid JSON schema")
+
+
+def _refusal(error: str, what: str) -> GrammarError:
+    """llguidance's error as jfire says it: a keyword it cannot enforce by name, anything else
+    after `what`."""
     unsupported = re.search(r"Unimplemented keys: \[(.*?)\]", error)
     if unsupported:
-        raise GrammarError(
+        return GrammarError(
             f"the JSON schema uses {unsupported.group(1)}, which jfire cannot enforce; "
             "remove the keyword or express the constraint with supported ones"
         )
-    raise GrammarError(f"invalid JSON schema: {error}")
+    return GrammarError(f"{what}: {error}")
 
 
 def json_object_grammar() -> str:
@@ -83,16 +91,23 @@ def json_object_grammar() -> str:
 
 class Grammars:
     """Matchers for one tokenizer. The llguidance tokenizer takes about a second to build, so
-    it is built once, on the first constrained request."""
+    it is built once, on the first constrained request. Each grammar is compiled once and the
+    `keep` most recently used are kept: a request's check and each of its choices' matchers
+    share one compile. Call `validate` where waiting is harmless (a server's worker thread):
+    `matcher` then only copies."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_ids):
+    def __init__(self, tokenizer, vocab_size: int, eos_ids, keep: int = 8):
         self._tokenizer, self._vocab_size, self._eos_ids = tokenizer, vocab_size, sorted(eos_ids)
         self._lltokenizer = None
-        self._lock = threading.Lock()
+        self._tokenizer_lock = threading.Lock()
+        # A 200 KB schema's compiled matcher holds about 13 MB; most are far smaller.
+        self._compiled: OrderedDict[str, object] = OrderedDict()
+        self._compiled_lock = threading.Lock()  # held for lookups only, never while compiling
+        self._keep = keep
 
     def _ll(self):
         lib = _library()
-        with self._lock:
+        with self._tokenizer_lock:
             if self._lltokenizer is None:
                 if self._tokenizer is None:
                     raise GrammarError("constrained decoding needs the model's tokenizer; this model has none")
@@ -100,14 +115,29 @@ class Grammars:
         return self._lltokenizer
 
     def validate(self, grammar: str) -> None:
-        """Raises GrammarError when the grammar cannot be used (a schema llguidance refuses)."""
-        self.matcher(grammar)
+        """Raises GrammarError when the grammar cannot be used (a schema llguidance refuses);
+        compiles it if it is not kept yet."""
+        self._compiled_matcher(grammar)
 
     def matcher(self, grammar: str):
-        lib = _library()
-        matcher = lib.LLMatcher(self._ll(), grammar, log_level=0)
+        """A matcher of the grammar in its start state, of its own to advance."""
+        return self._compiled_matcher(grammar).deep_copy()
+
+    def _compiled_matcher(self, grammar: str):
+        """The kept matcher of the grammar (never advanced: only copied), compiled if need be.
+        Two threads asking for a grammar nobody has compiled yet may both compile it."""
+        with self._compiled_lock:
+            kept = self._compiled.get(grammar)
+            if kept is not None:
+                self._compiled.move_to_end(grammar)
+                return kept
+        matcher = _library().LLMatcher(self._ll(), grammar, log_level=0)  # lets go of the GIL
         if matcher.is_error():
-            raise GrammarError(f"the schema or grammar cannot be used: {matcher.get_error()}")
+            raise _refusal(matcher.get_error(), "the schema or grammar cannot be used")
+        with self._compiled_lock:
+            self._compiled[grammar] = matcher
+            while len(self._compiled) > self._keep:
+                self._compiled.popitem(last=False)
         return matcher
 
 

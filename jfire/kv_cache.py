@@ -84,14 +84,17 @@ def block_hashes(
     token_ids: Sequence[int],
     page_size: int,
     *,
-    salt: bytes = b"",
+    salt: bytes | str | None = None,
     extra_keys: Callable[[int, int], bytes] | None = None,
 ) -> list[bytes]:
     """Chained hashes of each full page of tokens: a page's hash covers everything before it.
     What the KV depends on besides the token ids goes in too, so equal ids never share pages
-    they should not: `salt` seeds the chain (a cache salt, a model's identity), and
-    `extra_keys(start, end)` gives the bytes of what else block [start, end) holds (the hash
-    of an image whose placeholder tokens fall in it)."""
+    they should not: `salt` seeds the chain (a request's cache salt, SamplingParams.cache_salt:
+    prompts of different salts never find each other's blocks, in the device pool, a host tier
+    or another group), and `extra_keys(start, end)` gives the bytes of what else block
+    [start, end) holds (the hash of an image whose placeholder tokens fall in it)."""
+    if isinstance(salt, str):
+        salt = salt.encode()
     hashes, parent = [], hashlib.blake2b(salt, digest_size=16).digest() if salt else b""
     for start in range(0, len(token_ids) - page_size + 1, page_size):
         block = np.asarray(token_ids[start : start + page_size], np.int64).tobytes()

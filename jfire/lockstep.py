@@ -9,6 +9,11 @@ follower through the jax.distributed key-value store, numbered. Followers only r
 in order: one that receives a number out of sequence, or a call to a program it does not
 have, fails loudly rather than run something the leader did not.
 
+Every process of a group holds the deployment secret: each call travels in a plain format
+(jfire.lockstep_wire: JSON and raw array bytes, never pickle), signed with it through the store
+(jfire.disagg.signed_store), its number inside what is signed. A call that does not verify is
+never parsed: the follower fails with the key's name, and the group with it.
+
 The leader also posts its configuration (model, mesh, page pool, buckets) before the first
 call; a follower started with other settings refuses to run instead of diverging later.
 
@@ -21,15 +26,16 @@ while the group is idle is noticed then, not at the next request's first collect
 from __future__ import annotations
 
 import json
-import pickle
 import signal
 import sys
 import threading
 import time
-import zlib
 from collections.abc import Callable
 
+from jfire import deployment_secret, lockstep_wire
+from jfire.deployment_secret import DeploymentSecret
 from jfire.disagg import cluster
+from jfire.disagg.signed_store import SignedStore
 from jfire.errors import JfireError
 
 STEPS_DIR = "jfire/lockstep/"
@@ -41,15 +47,25 @@ FOLLOWER_TIMEOUT_S = (
 )
 
 
-def join(coordinator: str, num_processes: int, process_id: int) -> None:
-    """Joins the group's jax.distributed cluster (process 0 hosts the coordinator service);
-    blocks until every process has joined. A process whose peer stops answering is shut down
-    by JAX: a group lives and dies whole."""
+def check_group(num_processes: int, process_id: int, secret: DeploymentSecret | None) -> DeploymentSecret:
+    """Refuses a group's flags, or a process of a group given no deployment secret
+    (deployment_secret.from_env), before anything joins; returns the secret."""
     if num_processes < 2:
         raise JfireError(f"--num-processes must be >= 2 for a group spanning processes, got {num_processes}")
     if not 0 <= process_id < num_processes:
         raise JfireError(f"--process-id must be in 0..{num_processes - 1}, got {process_id}")
-    cluster.join(coordinator, num_processes, process_id, recoverable=False, what="the group")
+    if secret is None:
+        raise JfireError(deployment_secret.missing("a group spanning processes"))
+    return secret
+
+
+def join(coordinator: str, num_processes: int, process_id: int, secret: DeploymentSecret | None) -> SignedStore:
+    """Joins the group's jax.distributed cluster (process 0 hosts the coordinator service);
+    blocks until every process has joined, and returns the group's store, signed with the
+    secret every process of the group was given. A process whose peer stops answering is
+    shut down by JAX: a group lives and dies whole."""
+    secret = check_group(num_processes, process_id, secret)
+    return cluster.join(coordinator, num_processes, process_id, secret=secret, recoverable=False, what="the group")
 
 
 def fingerprint(engine) -> dict:
@@ -71,14 +87,14 @@ def fingerprint(engine) -> dict:
 class StepChannel:
     """The leader's end (`send`) or a follower's (`receive`) of a group's stream of device calls."""
 
-    def __init__(self, group: str, processes: list[int], me: int, store=None):
-        self.store = store if store is not None else cluster.store()
+    def __init__(self, group: str, processes: list[int], me: int, store: SignedStore):
+        self.store = store
         self.group = group
         self.leader, self.followers = processes[0], [p for p in processes if p != processes[0]]
         self.me = me
         self.seq = 0
         self._last_beat = 0.0
-        self._heard: dict[int, tuple[str, float]] = {}  # follower -> (its last beat, when it changed)
+        self._heard: dict[int, tuple[int, float]] = {}  # follower -> (its last beat, when it changed)
 
     def _key(self, follower: int, seq: int) -> str:
         return f"{STEPS_DIR}{self.group}/{follower}/{seq}"
@@ -93,8 +109,8 @@ class StepChannel:
 
     def send(self, kind: str, key, inputs) -> None:
         """Numbers the call and leaves it for every follower; it runs right after on the leader."""
+        payload = lockstep_wire.encode(self.seq + 1, kind, key, inputs)  # refuses what cannot travel, unsent
         self.seq += 1
-        payload = zlib.compress(pickle.dumps((self.seq, kind, key, inputs), protocol=pickle.HIGHEST_PROTOCOL), 1)
         for follower in self.followers:
             self.store.key_value_set_bytes(self._key(follower, self.seq), payload)
 
@@ -120,11 +136,9 @@ class StepChannel:
     def _beat_key(self, process: int) -> str:
         return f"{STEPS_DIR}{self.group}/beat/{process}"
 
-    def _read_beat(self, process: int) -> str | None:
-        try:
-            return self.store.key_value_try_get(self._beat_key(process))
-        except Exception:  # noqa: BLE001 - NotFound: it has not beaten yet
-            return None
+    def _read_beat(self, process: int) -> int | None:
+        """Its count of beats, None before its first (a counter: see signed_store's note)."""
+        return self.store.read_counter(self._beat_key(process))
 
     def stop(self) -> None:
         """Tells followers the leader is done (they exit with status 0)."""
@@ -163,8 +177,12 @@ class StepChannel:
     def check_config(self, engine, timeout_s: float = 600) -> None:
         try:
             leader = json.loads(self.store.blocking_key_value_get(self._config_key(), int(timeout_s * 1000)))
+        except JfireError:  # not signed with the group's secret
+            raise
         except Exception as e:  # noqa: BLE001
             raise JfireError(f"the group's leader posted no configuration within {timeout_s:.0f} s: {e}") from None
+        if not isinstance(leader, dict):
+            raise JfireError(f"the group's configuration under {self._config_key()!r} is not a JSON object")
         mine = fingerprint(engine)
         differ = {k: (leader.get(k), v) for k, v in mine.items() if leader.get(k) != v}
         if differ:
@@ -183,6 +201,8 @@ class StepChannel:
             try:
                 payload = self.store.blocking_key_value_get_bytes(key, POLL_MS)
                 break
+            except JfireError:  # not signed with the group's secret: never parsed
+                raise
             except Exception as e:  # noqa: BLE001 - a plain runtime error: deadline or lost coordinator
                 if "DEADLINE_EXCEEDED" not in str(e):
                     raise JfireError(f"process {self.me} lost its group's leader: {e}") from None
@@ -197,7 +217,7 @@ class StepChannel:
                     f"no sign of life for {LEADER_TIMEOUT_S:g} s"
                 )
         self.store.key_value_delete(key)
-        seq, kind, call_key, inputs = pickle.loads(zlib.decompress(payload))
+        seq, kind, call_key, inputs = lockstep_wire.decode(payload, key)
         if seq != self.seq:
             raise JfireError(
                 f"process {self.me} diverged from its group: it expected call {self.seq} and received call {seq}"

@@ -10,6 +10,7 @@ It runs on the engine thread only.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from collections.abc import Callable
 
@@ -18,7 +19,7 @@ from jfire.errors import JfireError
 from jfire.grammar import Grammars
 from jfire.requests import RequestHandle, RequestOutput
 from jfire.scheduler import Sequence
-from jfire.tokenizer import find_stop, holdback
+from jfire.stop_strings import StopScan, StopStrings
 
 
 @dataclasses.dataclass
@@ -30,6 +31,7 @@ class LiveRequest:
     on_output: Callable[[RequestOutput], None]
     decoder: object | None  # the tokenizer's stream decoder; None without a tokenizer
     kv_params: dict | None = None  # what the request brought for the KV connector
+    stops: StopScan | None = None  # the output's scan for its stop strings; None without any
     text: str = ""
     emitted: int = 0  # characters of `text` already sent
     prompt_logprobs: list = dataclasses.field(default_factory=list)  # entry p: of prompt token p + 1
@@ -56,6 +58,9 @@ class OutputProcessor:
         self.requests: dict[str, LiveRequest] = {}  # request id -> the request, while it runs
         self.tokens_generated = 0
         self._outbox: list[tuple[LiveRequest, RequestOutput]] = []  # this step's, sent after stats
+        # Each set of stop strings is built into its automaton once: a request's choices (and
+        # a client repeating its stops) share it.
+        self._stop_strings = functools.lru_cache(maxsize=16)(StopStrings)
 
     def new_request(self, seq: Sequence, handle: RequestHandle, on_output, kv_params: dict | None = None):
         """A request's output side (not yet running: `add` it on the engine thread)."""
@@ -63,7 +68,8 @@ class OutputProcessor:
         decoder = self.tokenizer.stream_decoder(skip_special_tokens=sp.skip_special_tokens) if self.tokenizer else None
         if sp.grammar is not None:
             seq.matcher = self.grammars.matcher(sp.grammar)
-        return LiveRequest(seq, handle, on_output, decoder, kv_params)
+        stops = StopScan(self._stop_strings(tuple(sp.stop))) if sp.stop and decoder is not None else None
+        return LiveRequest(seq, handle, on_output, decoder, kv_params, stops)
 
     def add(self, live: LiveRequest) -> None:
         self.requests[live.seq.request_id] = live
@@ -106,7 +112,7 @@ class OutputProcessor:
             finish = "stop"
         elif finish is None and (seq.num_generated >= sp.max_tokens or len(seq.tokens) >= self.max_model_len):
             finish = "length"
-        delta, finish = self._text(live, token, ends, finish)
+        delta, finish = output_text(live, token, ends, finish)
         out = self._output(live, [token], delta, logprobs)
         if finish is not None:
             self.finish(live, finish, last=out)
@@ -169,26 +175,6 @@ class OutputProcessor:
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _text(self, live: LiveRequest, token: int, ends: bool, finish: str | None) -> tuple[str, str | None]:
-        """(the new text to send for `token`, the finish reason): detokenized, cut at a stop
-        string (which finishes the request), held back while it may be the start of one."""
-        if live.decoder is None:
-            return "", finish
-        stop = live.seq.sampling.stop
-        if ends:  # a stop token: its own text is not sent
-            live.text += live.decoder.flush()  # type: ignore[attr-defined]
-            delta, live.emitted = live.text[live.emitted :], len(live.text)
-            return delta, finish
-        live.text += live.decoder.push(token)  # type: ignore[attr-defined]
-        if finish is not None:
-            live.text += live.decoder.flush()  # type: ignore[attr-defined]
-        cut = find_stop(live.text, stop) if stop else None
-        if cut is not None:
-            live.text, finish = live.text[:cut], "stop"
-        safe = len(live.text) if finish or not stop else len(live.text) - holdback(live.text, stop)
-        delta, live.emitted = live.text[live.emitted : safe], max(live.emitted, safe)
-        return delta, finish
-
     def _output(
         self, live: LiveRequest, ids: list[int], text: str, logprobs, *, with_prompt_logprobs: bool = True
     ) -> RequestOutput:
@@ -209,3 +195,24 @@ class OutputProcessor:
             return None
         live.prompt_logprobs_sent = True
         return live.prompt_logprobs
+
+
+def output_text(live: LiveRequest, token: int, ends: bool, finish: str | None) -> tuple[str, str | None]:
+    """(the new text to send for `token`, the finish reason): detokenized, cut at a stop string
+    (which finishes the request), held back while it may be the start of one."""
+    if live.decoder is None:
+        return "", finish
+    if ends:  # a stop token: its own text is not sent
+        live.text += live.decoder.flush()  # type: ignore[attr-defined]
+        delta, live.emitted = live.text[live.emitted :], len(live.text)
+        return delta, finish
+    live.text += live.decoder.push(token)  # type: ignore[attr-defined]
+    if finish is not None:
+        live.text += live.decoder.flush()  # type: ignore[attr-defined]
+    stops = live.stops
+    cut = stops.feed(live.text) if stops is not None else None
+    if cut is not None:
+        live.text, finish = live.text[:cut], "stop"
+    safe = len(live.text) if finish or stops is None else len(live.text) - stops.held
+    delta, live.emitted = live.text[live.emitted : safe], max(live.emitted, safe)
+    return delta, finish

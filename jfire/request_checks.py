@@ -12,9 +12,10 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from jfire.errors import RequestError
+from jfire.errors import QueueFull, RequestError
 from jfire.grammar import GrammarError, Grammars
 from jfire.sampling import SamplingParams
+from jfire.stop_strings import stop_limit_error
 
 if TYPE_CHECKING:
     from jfire.tokenizer import Tokenizer
@@ -69,13 +70,37 @@ class RequestChecks:
     """What a request is checked against. `kv_shortfall(positions)` says which KV pool one
     sequence of that many positions can never fit in: (group, pages needed, pages it has), or
     None (itself None where another process holds the pools: a deployment's frontend leaves
-    that check to its decode group)."""
+    that check to its decode group). `queue()` says how many requests wait and how many may
+    (None: no bound)."""
 
     vocab_size: int
     max_model_len: int
     grammars: Grammars
     has_tokenizer: bool
     kv_shortfall: Callable[[int], tuple[str, int, int] | None] | None = None
+    queue: Callable[[], tuple[int, int]] | None = None
+
+    def admit(self, n: int = 1) -> None:
+        """Raises QueueFull unless the waiting queue has room for n more requests now (each of
+        a request's choices takes a place), or RequestError (param "n") when it never will.
+        A server asks before anything costly, such as compiling the request's grammar; each
+        submit asks again."""
+        if self.queue is None:
+            return
+        waiting, limit = self.queue()
+        if n > limit:
+            raise RequestError(
+                f"n: {n} choices are more requests than the waiting queue holds ({limit}); ask for at most {limit}",
+                param="n",
+                code="invalid_value",
+            )
+        if waiting + n > limit and n == 1:
+            raise QueueFull(f"the waiting queue is full ({limit} requests); retry later")
+        if waiting + n > limit:
+            raise QueueFull(
+                f"the waiting queue has room for {max(limit - waiting, 0)} of this request's {n} choices "
+                f"(it holds {limit} requests); retry later"
+            )
 
     def check(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
         """Raises RequestError when this request can never run; nothing is queued."""
@@ -112,11 +137,16 @@ class RequestChecks:
             raise RequestError(
                 "stop strings need a tokenizer; this model has none (use EOS or max_tokens)", param="stop"
             )
+        stop_error = stop_limit_error(sampling.stop)
+        if stop_error is not None:
+            raise RequestError(f"stop: {stop_error}", param="stop", code="invalid_value")
         if sampling.grammar is not None:
+            # Compiles the grammar (kept for the request's matchers): a server calls this off
+            # its event loop first, so the call on submit finds it compiled.
             try:
                 self.grammars.validate(sampling.grammar)
             except GrammarError as e:
-                raise RequestError(str(e), param="response_format", code="invalid_value") from None
+                raise RequestError(f"response_format: {e}", param="response_format", code="invalid_value") from None
         short = self.kv_shortfall(n + sampling.max_tokens) if self.kv_shortfall is not None else None
         if short is not None:
             group, needed, has = short

@@ -31,6 +31,7 @@ import numpy as np
 from jfire.errors import RequestError
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit; programs always return this many, the host keeps what was asked
+MAX_CACHE_SALT_CHARS = 256  # a tenant's name or a random token fits; a salt is hashed into every prompt's chain
 PROMPT_TOP_LOGPROBS = 5  # for the prompt's tokens (completions' `echo` with `logprobs`, at most 5)
 
 
@@ -52,6 +53,9 @@ class SamplingParams:
     grammar: str | None = None  # an llguidance grammar the output must match (jfire.grammar)
     skip_special_tokens: bool = True  # False keeps special tokens in the text (tool-call markers)
     prompt_logprobs: bool = False  # also the prompt's tokens' logprobs (top `logprobs`); no prefix reuse
+    # Seeds the prompt's block hashes (jfire.kv_cache.block_hashes): prompts reuse cached blocks
+    # only of prompts with the same salt (vLLM's field); None: the unsalted cache.
+    cache_salt: str | None = None
 
     def __post_init__(self):
         problems: list[tuple[str, str]] = []  # (the field, what is wrong with it)
@@ -83,6 +87,8 @@ class SamplingParams:
             bad("prompt_logprobs", f"prompt_logprobs needs logprobs in [0, {PROMPT_TOP_LOGPROBS}], got {self.logprobs}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             bad("min_tokens", f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if self.cache_salt is not None and not _valid_salt(self.cache_salt):
+            bad("cache_salt", f"cache_salt must be 1 to {MAX_CACHE_SALT_CHARS} characters of valid Unicode")
         if problems:
             # Every problem is told at once; the error names the first one's field.
             raise RequestError("; ".join(m for _, m in problems), param=problems[0][0], code="invalid_value")
@@ -100,6 +106,18 @@ class SamplingParams:
     @classmethod
     def from_json(cls, d: dict) -> SamplingParams:
         return cls(**{**d, "stop": tuple(d.get("stop", ())), "stop_token_ids": tuple(d.get("stop_token_ids", ()))})
+
+
+def _valid_salt(salt) -> bool:
+    """A non-empty string of bounded length that UTF-8 can encode (JSON's \\ud800 escapes
+    carry lone surrogates, which it cannot: the hash would fail on the engine thread)."""
+    if not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_CHARS:
+        return False
+    try:
+        salt.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class RowSampling(NamedTuple):

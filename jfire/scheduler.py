@@ -244,7 +244,7 @@ class Scheduler:
         if not self.prefix_caching or any(seq.tables) or seq.sampling.prompt_logprobs:  # those compute every token
             return
         reusable = (len(seq.tokens) - 1) // self.page_size
-        hashes = block_hashes(seq.tokens[: reusable * self.page_size], self.page_size, extra_keys=_image_keys(seq))
+        hashes = _block_hashes(seq, reusable, self.page_size)
         seq.tables, blocks = self.pools.cached_prefix(hashes)
         if self.load_prefix is not None and blocks < len(hashes):
             # A connector loading blocks by id works with one shared pool (KVPools.shared).
@@ -260,7 +260,7 @@ class Scheduler:
         full = min(seq.computed, len(seq.prompt_ids)) // self.page_size
         if full <= seq.registered_blocks:
             return
-        hashes = block_hashes(seq.tokens[: full * self.page_size], self.page_size, extra_keys=_image_keys(seq))
+        hashes = _block_hashes(seq, full, self.page_size)
         self.pools.register(seq.tables, seq.registered_blocks, hashes)
         seq.registered_blocks = full
 
@@ -337,3 +337,11 @@ class Scheduler:
 def _image_keys(seq: Sequence):
     """What a block of seq's holds besides its ids: the hashes of the images with rows in it."""
     return seq.images.extra_keys if seq.images is not None else None  # type: ignore[attr-defined]
+
+
+def _block_hashes(seq: Sequence, blocks: int, page_size: int) -> list[bytes]:
+    """The hashes of seq's first `blocks` blocks, seeded with its cache salt (a prompt finds only
+    blocks of prompts with the same salt)."""
+    return block_hashes(
+        seq.tokens[: blocks * page_size], page_size, salt=seq.sampling.cache_salt, extra_keys=_image_keys(seq)
+    )

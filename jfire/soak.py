@@ -359,14 +359,24 @@ def children(pid: int) -> list[int]:
 class Deployment:
     """The processes behind a URL and the server-side counters the soak reads."""
 
-    def __init__(self, url: str, *, server_pid: int | None = None, launcher_pid: int | None = None):
+    def __init__(
+        self,
+        url: str,
+        *,
+        server_pid: int | None = None,
+        launcher_pid: int | None = None,
+        control_headers: dict | None = None,
+    ):
+        """`control_headers`: a deployment's control token (jfire.deployment_secret's bearer), which
+        /health needs to show where its groups are, and their control routes to answer."""
         self.url, self.server_pid, self.launcher_pid = url, server_pid, launcher_pid
+        self.control_headers = control_headers or {}
         self.http = http_client(10.0)
 
     def groups(self) -> dict:
         if self.launcher_pid is None:
             return {}
-        return self.http.get(self.url + "/health").json().get("groups", {})
+        return self.http.get(self.url + "/health", headers=self.control_headers).json().get("groups", {})
 
     def processes(self) -> dict[str, int]:
         """name -> pid: the server; or the frontend and every group of a deployment."""
@@ -402,7 +412,7 @@ class Deployment:
         )
         out = {}
         for name, g in self.groups().items():
-            stats = self.http.get(g["control"] + "/stats").json()
+            stats = self.http.get(g["control"] + "/stats", headers=self.control_headers).json()
             out[name] = {k: stats[k] for k in keys if k in stats}
         return out
 

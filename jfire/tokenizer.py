@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -31,7 +30,7 @@ if TYPE_CHECKING:
 
     from jfire.tiktoken_bpe import TiktokenBPE
 
-__all__ = ["Tokenizer", "StreamDecoder", "TokenizerError", "find_stop", "holdback"]
+__all__ = ["Tokenizer", "StreamDecoder", "TokenizerError"]
 
 
 # GGUF token_type values (llama.cpp's llama_token_type).
@@ -562,21 +561,3 @@ class StreamDecoder:
             return ""
         self._prefix, self._read = self._read, len(self._ids)
         return full[len(seen) :]
-
-
-def find_stop(text: str, stops: Sequence[str]) -> int | None:
-    """Index where the earliest stop string begins in text, or None."""
-    hits = [i for s in stops if s and (i := text.find(s)) >= 0]
-    return min(hits) if hits else None
-
-
-def holdback(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest suffix of text that is a proper prefix of some stop string:
-    what a stream must hold back because the next tokens may complete a stop."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best

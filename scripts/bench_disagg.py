@@ -31,7 +31,11 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from jfire.deployment_secret import DeploymentSecret, to_env  # noqa: E402
 from jfire.disagg.launch import free_port  # noqa: E402
+
+# The deployment's secret, as an operator gives one: its control token shows /health's group pids.
+SECRET = DeploymentSecret.generate()
 
 ENGINE_ARGS = ["--max-batch", "8", "--prefill-budget", "256", "--max-context", "1024", "--kv-cache-gb", "0.2"]
 SHORT_PROMPT = "Describe a walk through a quiet forest in early morning."
@@ -51,7 +55,7 @@ def wait_ready(url: str, process: subprocess.Popen, timeout: float = 900) -> dic
         if process.poll() is not None:
             raise SystemExit(f"server exited with {process.returncode}")
         try:
-            r = httpx.get(url + "/health", timeout=2)
+            r = httpx.get(url + "/health", headers={"Authorization": f"Bearer {SECRET.bearer()}"}, timeout=2)
             if r.status_code == 200:
                 return r.json()
         except httpx.HTTPError:
@@ -131,7 +135,7 @@ def start(mode: str, port: int, log: Path) -> tuple[subprocess.Popen, str]:
         cmd = ["taskset", "-c", "0,1", *py, "serve", "--port", str(port), *ENGINE_ARGS]
     else:
         cmd = [*py, "launch", "local-1p1d", "--port", str(port), *ENGINE_ARGS]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **to_env(SECRET)}
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPO, env=env,
                             start_new_session=True), f"http://127.0.0.1:{port}"
 

@@ -29,8 +29,12 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from jfire import soak  # noqa: E402
+from jfire import deployment_secret, soak  # noqa: E402
 from jfire.disagg.launch import free_port  # noqa: E402
+
+# A deployment's secret, as an operator gives one: its control token shows /health's group
+# addresses and opens the groups' control routes, which the soak reads.
+SECRET = deployment_secret.DeploymentSecret.generate()
 
 
 def start(target: str, port: int, engine_args: list[str], log: Path) -> subprocess.Popen:
@@ -39,7 +43,7 @@ def start(target: str, port: int, engine_args: list[str], log: Path) -> subproce
     else:
         cmd = [sys.executable, "-m", "jfire.cli", "launch", target, "--port", str(port), *engine_args]
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
-                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                            env={**os.environ, "JAX_PLATFORMS": "cpu", **deployment_secret.to_env(SECRET)})
 
 
 def wait_ready(url: str, process: subprocess.Popen, log: Path, timeout_s: float = 900) -> None:
@@ -90,7 +94,8 @@ def main() -> None:
         try:
             wait_ready(url, process, log)
             deployment = (soak.Deployment(url, server_pid=process.pid) if target == "serve"
-                          else soak.Deployment(url, launcher_pid=process.pid))
+                          else soak.Deployment(url, launcher_pid=process.pid,
+                                               control_headers={"Authorization": f"Bearer {SECRET.bearer()}"}))
             result = soak.run(deployment, config, log=lambda line: print(line, flush=True))
         finally:
             stop(process)

@@ -8,8 +8,10 @@ request, which frees its KV pages at once.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
+import os
 import re
 import secrets
 import time
@@ -22,14 +24,25 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jfire.client import EngineClient
+from jfire.deployment_secret import DeploymentSecret
 from jfire.errors import EngineStopped, JfireError, QueueFull, RequestError
 from jfire.request_checks import TextLimit
 from jfire.requests import RequestOutput
 from jfire.sampling import SamplingParams
 from jfire.vision.encoder import RequestImage
 from jfire.vision.images import ImageLimits
+from serve import api_keys
 from serve.access_log import AccessLog
-from serve.chat import OutputPlan, PromptError, expand_images, render_chat, request_images, response_grammar
+from serve.chat import (
+    OutputPlan,
+    PromptError,
+    compiled_grammar,
+    expand_images,
+    render_chat,
+    request_images,
+    response_grammar_builder,
+    tools_constrained,
+)
 from serve.metrics import ServerMetrics
 from serve.responses import Responder
 from serve.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -64,7 +77,7 @@ class APIError(Exception):
 class ServerState:
     engine: EngineClient
     model_name: str
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # any one opens every endpoint but /health (serve/api_keys.py); (): open
     metrics: ServerMetrics | None = None
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     max_body_bytes: int = 16 << 20  # larger request bodies get a 413 before they are read
@@ -72,10 +85,28 @@ class ServerState:
     drained: bool = False  # draining, and no request is in flight any more
     access_log: bool = True  # one line on stderr per request (serve/access_log.py)
     image_limits: ImageLimits = dataclasses.field(default_factory=ImageLimits)  # chat image parts
+    # A deployment's (a frontend's): its control token also shows /health's group addresses and pids.
+    deployment_secret: DeploymentSecret | None = None
+    cache_salt_per_key: bool = False  # each API key's prompts hash apart (api_keys.salt_for)
+    salt_key: bytes = dataclasses.field(init=False, repr=False, default=b"")
+    # Where requests' grammars are built and compiled: off the event loop (a large schema takes
+    # seconds), and on at most half the cores, leaving the rest to tokenizing and the engine.
+    grammar_pool: concurrent.futures.Executor = dataclasses.field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(
+            max(1, (os.cpu_count() or 2) // 2), thread_name_prefix="jfire-grammar"
+        ),
+        repr=False,
+    )
 
     def __post_init__(self):
         if self.metrics is None:
             self.metrics = ServerMetrics(self.engine.stats)
+        if self.cache_salt_per_key and not self.api_keys:
+            raise JfireError("per-key cache salts need API keys (--api-key-file, or $JFIRE_API_KEY)")
+        # A deployment's salts stay the same across a frontend's restart (the groups' caches
+        # stay useful); a lone server's need only last as long as its cache.
+        secret = self.deployment_secret
+        self.salt_key = secret.derive("cache-salt") if secret is not None else secrets.token_bytes(32)
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -84,20 +115,22 @@ def create_app(state: ServerState) -> FastAPI:
     _install_error_handlers(app)
     # As the decorator-installed middlewares were: the last added runs first.
     app.add_middleware(_BodyLimit, state=state)
-    if state.api_key:
+    if state.api_keys:
         app.add_middleware(_BearerAuth, state=state)
     app.add_middleware(_RequestCounter, state=state)
     if state.access_log:
         app.add_middleware(AccessLog)
 
     @app.get("/health")
-    async def health():
+    async def health(request: Request):
         if state.draining:
             return JSONResponse(
                 {"status": "draining", "message": "shutting down; in-flight requests finish", "drained": state.drained},
                 status_code=503,
             )
         status, body = state.engine.health()
+        if not _sees_details(state, request.headers.get("authorization")):
+            body = _public_health(body)
         return JSONResponse(body, status_code=status)
 
     @app.get("/metrics")
@@ -149,10 +182,7 @@ def create_app(state: ServerState) -> FastAPI:
             prompt_ids = await asyncio.to_thread(_completion_prompt, body, state.engine, text_limit)
         except RequestError as e:
             raise _request_error(e, body, chat=False) from None
-        try:
-            plan = OutputPlan(grammar=response_grammar(body))
-        except PromptError as e:
-            raise APIError(400, str(e), param=e.param, code="invalid_value") from None
+        plan = OutputPlan(response_grammar_builder(body))
         echo = _echo_text(body, prompt_ids, state.engine)
         return await _serve(state, request, body, prompt_ids, chat=False, plan=plan, echo=echo)
 
@@ -251,7 +281,14 @@ def _logprobs_asked(body: SamplingFields, chat: bool) -> int | None:
 
 
 def _sampling(
-    body: SamplingFields, max_tokens: int, plan: OutputPlan, logprobs: int | None, seed: int | None, chat: bool
+    body: SamplingFields,
+    max_tokens: int,
+    plan: OutputPlan,
+    logprobs: int | None,
+    seed: int | None,
+    chat: bool,
+    cache_salt: str | None,
+    grammar: str | None = None,
 ) -> SamplingParams:
     try:
         return SamplingParams(
@@ -268,9 +305,10 @@ def _sampling(
             logprobs=logprobs,
             min_tokens=body.min_tokens,
             stop_token_ids=tuple(body.stop_token_ids or ()),
-            grammar=plan.grammar,
+            grammar=grammar,
             skip_special_tokens=not plan.keep_special_tokens,
             prompt_logprobs=getattr(body, "echo", False) and logprobs is not None,
+            cache_salt=cache_salt,
         )
     except RequestError as e:
         raise _request_error(e, body, chat) from None
@@ -321,8 +359,28 @@ async def _serve(
     for stop in body.stop_list():
         _valid_text(stop, "stop")
     _valid_text(body.user or "", "user")
+    _valid_text(body.cache_salt or "", "cache_salt")
+    cache_salt = body.cache_salt
+    if state.cache_salt_per_key:  # the middleware has checked the key
+        cache_salt = api_keys.salt_for(
+            state.salt_key, api_keys.bearer(request.headers.get("authorization")), cache_salt
+        )
     logprobs = _logprobs_asked(body, chat)
     max_tokens = _max_tokens(body, len(prompt_ids), engine, chat)
+    try:  # a full queue answers before any grammar is compiled
+        engine.checks.admit(body.n)
+    except BaseException as e:
+        _raise_submit_error(e, body, chat)
+
+    def check(grammar: str) -> None:  # the request as each choice sends it, but for its seed
+        engine.validate(prompt_ids, _sampling(body, max_tokens, plan, logprobs, None, chat, cache_salt, grammar))
+
+    try:
+        grammar = await compiled_grammar(state.grammar_pool, plan, check)
+    except PromptError as e:
+        raise APIError(400, str(e), param=e.param, code="invalid_value") from None
+    except BaseException as e:
+        _raise_submit_error(e, body, chat)
     loop = asyncio.get_running_loop()
     outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
@@ -342,7 +400,8 @@ async def _serve(
     image_args = {"images": images} if images else {}
     try:
         for i, choice_id in enumerate(choice_ids):
-            sampling = _sampling(body, max_tokens, plan, logprobs, (first_seed + i) % 2**32, chat)
+            seed = (first_seed + i) % 2**32
+            sampling = _sampling(body, max_tokens, plan, logprobs, seed, chat, cache_salt, grammar)
             engine.submit(
                 prompt_ids,
                 sampling,
@@ -408,8 +467,8 @@ def _request_error(e: RequestError, body: SamplingFields, chat: bool) -> APIErro
         param = "messages"
     elif param == "max_tokens" and chat and getattr(body, "max_completion_tokens", None):
         message, param = message.replace("max_tokens", "max_completion_tokens"), "max_completion_tokens"
-    elif param == "response_format" and getattr(body, "tool_choice", None) not in (None, "auto", "none"):
-        param = "tools"  # the grammar is the forced tool call's
+    elif param == "response_format" and isinstance(body, ChatCompletionRequest) and tools_constrained(body):
+        message, param = "tools" + message.removeprefix("response_format"), "tools"  # the grammar is the tools'
     return APIError(400, message, param=param, code=e.code)
 
 
@@ -540,13 +599,12 @@ class _RequestCounter(_ASGIMiddleware):
 
 
 class _BearerAuth(_ASGIMiddleware):
-    """Every endpoint but /health needs `Authorization: Bearer <key>`."""
+    """Every endpoint but /health needs `Authorization: Bearer <key>`, one of the server's keys."""
 
     def refuse(self, scope):
         if scope["path"] == "/health":
             return None
-        given = (_header(scope, b"authorization") or "").encode("latin-1")
-        if not secrets.compare_digest(given, f"Bearer {self.state.api_key}".encode()):
+        if not api_keys.matches(_header(scope, b"authorization"), self.state.api_keys):
             return APIError(
                 401,
                 "missing or wrong API key; send 'Authorization: Bearer <key>'",
@@ -554,6 +612,25 @@ class _BearerAuth(_ASGIMiddleware):
                 code="invalid_api_key",
             ).response()
         return None
+
+
+def _sees_details(state: ServerState, authorization: str | None) -> bool:
+    """Whether a /health caller may see where a deployment's groups are (their control and
+    transfer addresses, pids): one bearing a valid API key, or the deployment's control token
+    (what the launcher and an operator holding the deployment secret send). Nobody else: an
+    open API still keeps its groups' addresses to itself."""
+    if state.api_keys and api_keys.matches(authorization, state.api_keys):
+        return True
+    return state.deployment_secret is not None and state.deployment_secret.check_bearer(authorization)
+
+
+def _public_health(body: dict) -> dict:
+    """/health for anyone: the status and message, and of each group (a frontend's) only its
+    role and whether it is alive."""
+    groups = body.get("groups")
+    if not isinstance(groups, dict):
+        return body
+    return {**body, "groups": {name: {"role": g.get("role"), "alive": g.get("alive")} for name, g in groups.items()}}
 
 
 def _is_json(content_type: str | None) -> bool:

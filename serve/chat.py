@@ -2,13 +2,18 @@
 rendered through the model's chat template, or through jfire's documented default tool
 prompt when the template takes no tools), its images (fetched, decoded, preprocessed, and
 their placeholder ids put into the prompt) and the grammar that constrains the output
-(`response_format`, and `tool_choice` "required" or a named function).
+(`response_format`, and `tool_choice` "required" or a named function). The grammar is only
+described here (`OutputPlan.build_grammar`): building and compiling it is CPU work of up to
+seconds that a server does once it has admitted the request, off its event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
+import functools
+from collections.abc import Callable
 
 from jfire import grammar as grammars
 from jfire import tool_calls
@@ -17,16 +22,44 @@ from jfire.request_checks import TextLimit
 from jfire.vision.encoder import RequestImage
 from jfire.vision.images import ImageLimits, LoadedImage, load_images
 from jfire.vision.model import VisionModel
-from serve.schemas import ChatCompletionRequest, ChatMessage, ImagePart, NamedToolChoice, SamplingFields, TextPart
+from serve.schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    ImagePart,
+    NamedToolChoice,
+    ResponseFormat,
+    SamplingFields,
+    TextPart,
+)
 
 
 @dataclasses.dataclass
 class OutputPlan:
     """How a request's output is constrained and read back."""
 
-    grammar: str | None = None  # llguidance grammar, or None for free text
+    # Builds the llguidance grammar (a PromptError names the field it cannot be built from);
+    # None for free text. Compiling it is the engine's request check.
+    build_grammar: Callable[[], str] | None = None
     tool_format: tool_calls.ToolCallFormat | None = None  # parse tool calls out of the text
     keep_special_tokens: bool = False  # tool-call markers are special tokens in some formats
+
+
+async def compiled_grammar(
+    pool: concurrent.futures.Executor, plan: OutputPlan, check: Callable[[str], None]
+) -> str | None:
+    """The plan's grammar, or None: built, then compiled by `check` (the engine's request check,
+    which keeps the compiled grammar for each choice's matcher, so submitting finds it compiled),
+    in `pool`. The event loop serves everyone meanwhile."""
+    build = plan.build_grammar
+    if build is None:
+        return None
+
+    def build_and_compile() -> str:
+        grammar = build()
+        check(grammar)
+        return grammar
+
+    return await asyncio.get_running_loop().run_in_executor(pool, build_and_compile)
 
 
 class PromptError(JfireError):
@@ -174,25 +207,31 @@ def render_chat(
     if text_limit is not None:  # the rendered text, not the messages: a template may leave some out
         text_limit.check(text)
     prompt_ids = tokenizer.encode(text, add_special_tokens=False)
-    plan = OutputPlan(
-        grammar=response_grammar(body), tool_format=fmt if tools else None, keep_special_tokens=tools is not None
-    )
-    if tools:
-        plan.grammar = tool_grammar(body, tools, fmt, tokenizer) or plan.grammar
+    build = response_grammar_builder(body)
+    if tools and tools_constrained(body):
+        build = functools.partial(tool_grammar, body, tools, fmt, tokenizer)
+    plan = OutputPlan(build, tool_format=fmt if tools else None, keep_special_tokens=tools is not None)
     return prompt_ids, plan
 
 
-def tool_grammar(body: ChatCompletionRequest, tools: list[dict], fmt, tokenizer) -> str | None:
-    """The grammar the request's tool settings ask for, or None where calls are free text:
-    a forced call (tool_choice "required" or a named function), or under "auto" a grammar
-    that leaves text free and constrains a call once the model starts one, when a tool is
-    `strict` or `parallel_tool_calls` is false. The markers of a format written in special
-    tokens (Kimi K2's) are matched as those tokens, which the model was trained to emit."""
+def tools_constrained(body: ChatCompletionRequest) -> bool:
+    """Whether the request's tools constrain its output with a grammar: a forced call
+    (tool_choice "required" or a named function), or under "auto" a tool that is `strict` or
+    `parallel_tool_calls` false."""
+    if not body.tools or body.tool_choice == "none":
+        return False
+    forced = body.tool_choice not in (None, "auto")
+    return forced or any(t.function.strict for t in body.tools) or not body.parallel_tool_calls
+
+
+def tool_grammar(body: ChatCompletionRequest, tools: list[dict], fmt, tokenizer) -> str:
+    """The grammar of a request whose tool settings constrain it (`tools_constrained`): a
+    forced call, or under "auto" a grammar that leaves text free and constrains a call once
+    the model starts one. The markers of a format written in special tokens (Kimi K2's) are
+    matched as those tokens, which the model was trained to emit."""
     choice = body.tool_choice
     forced = choice is not None and choice not in ("auto", "none")
     strict = [i for i, t in enumerate(tools) if t["function"].get("strict")]
-    if not forced and not strict and body.parallel_tool_calls:
-        return None
     only = choice.function.name if isinstance(choice, NamedToolChoice) else None
     enforced = [i for i, t in enumerate(tools) if only in (None, t["function"]["name"])] if forced else strict
     for i in enforced:
@@ -206,16 +245,21 @@ def tool_grammar(body: ChatCompletionRequest, tools: list[dict], fmt, tokenizer)
     return fmt.auto_grammar(tools, parallel=body.parallel_tool_calls, special=special)
 
 
-def response_grammar(body: SamplingFields) -> str | None:
-    """The grammar `response_format` asks for, or None."""
+def response_grammar_builder(body: SamplingFields) -> Callable[[], str] | None:
+    """What builds the grammar `response_format` asks for, or None."""
     fmt = body.response_format
     if fmt is None or fmt.type == "text":
         return None
+    return functools.partial(response_grammar, fmt)
+
+
+def response_grammar(fmt: ResponseFormat) -> str:
+    """The grammar of a `response_format` of type json_object or json_schema. Only written out
+    from the schema: compiling it (jfire.grammar.Grammars, in the engine's request check)
+    refuses a schema it cannot enforce, in the words check_json_schema uses."""
     try:
         if fmt.type == "json_object":
             return grammars.json_object_grammar()
-        schema = fmt.json_schema.schema_
-        grammars.check_json_schema(schema)
-        return grammars.json_schema_grammar(schema)
+        return grammars.json_schema_grammar(fmt.json_schema.schema_)
     except grammars.GrammarError as e:
         raise PromptError(f"response_format: {e}", "response_format") from None

@@ -21,6 +21,9 @@ from pydantic import (
     model_validator,
 )
 
+from jfire.sampling import MAX_CACHE_SALT_CHARS
+from jfire.stop_strings import MAX_STOP_BYTES, MAX_STOP_CHARS, MAX_STOPS, stop_limit_error
+
 NonNegFloat = Annotated[float, Field(ge=0)]
 # Numbers must be JSON numbers: "0.5" and true are refused, not coerced.
 Number = StrictFloat
@@ -109,7 +112,13 @@ class SamplingFields(StrictObject):
     n: StrictInt = Field(default=1, ge=1, le=MAX_CHOICES, description=f"choices to generate, 1 to {MAX_CHOICES}")
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    stop: StrictStr | list[StrictStr] | None = Field(default=None, description="a string or a list of up to 4 strings")
+    stop: StrictStr | list[StrictStr] | None = Field(
+        default=None,
+        description=(
+            f"a string or a list of up to {MAX_STOPS} strings, each of at most {MAX_STOP_CHARS} characters "
+            f"and {MAX_STOP_BYTES} bytes in all"
+        ),
+    )
     seed: StrictInt | None = Field(default=None, ge=0, lt=2**32)
     presence_penalty: Number = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: Number = Field(default=0.0, ge=-2, le=2)
@@ -129,6 +138,13 @@ class SamplingFields(StrictObject):
         description="extension (as vLLM's): each choice's token_ids and the response's prompt_token_ids",
     )
     user: StrictStr | None = None
+    cache_salt: StrictStr | None = Field(
+        default=None,
+        description=(
+            "extension (as vLLM's): prompts reuse cached prefixes only of prompts with the same salt, "
+            f"1 to {MAX_CACHE_SALT_CHARS} characters"
+        ),
+    )
     # Accepted by the schema only to be refused by name (see UNSUPPORTED_FIELDS).
     functions: object = None
     function_call: object = None
@@ -151,10 +167,18 @@ class SamplingFields(StrictObject):
     @classmethod
     def _check_stop(cls, value):
         stops = [value] if isinstance(value, str) else value
-        if len(stops) > 4:
-            raise ValueError(f"at most 4 strings, got {len(stops)}")
+        too_much = stop_limit_error(stops)
+        if too_much is not None:
+            raise ValueError(too_much)
         if any(s == "" for s in stops):
             raise ValueError("an empty string cannot stop anything")
+        return value
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _check_cache_salt(cls, value):
+        if not 0 < len(value) <= MAX_CACHE_SALT_CHARS:
+            raise ValueError(f"a salt is 1 to {MAX_CACHE_SALT_CHARS} characters, got {len(value)}")
         return value
 
     def stop_list(self) -> list[str]:

@@ -13,6 +13,7 @@ import uvicorn
 from jfire.client import EngineClient
 from jfire.engine import Engine, EngineConfig
 from serve.app import ServerState, create_app
+from serve.uvicorn_config import ConnectionLimits, uvicorn_config
 
 
 def served_name(model_arg: str) -> str:
@@ -74,7 +75,7 @@ def run(
     *,
     sock: socket.socket,
     host: str,
-    api_key: str | None,
+    api_keys: tuple[str, ...],
     model_name: str,
     max_body_bytes: int = 16 << 20,
     shutdown_grace_s: float = 30.0,
@@ -82,18 +83,27 @@ def run(
     access_log: bool = True,
     connector=None,
     image_limits=None,
+    cache_salt_per_key: bool = False,
 ) -> int:
     """Serves on `sock` (bound to host, serve/listen.py) until SIGTERM/SIGINT (exit status 0) or
     until the engine fails for good (1: its requests have ended with an error, /health says so,
     and a supervisor should restart it). `lead(engine)`, in a group spanning processes,
     connects the engine to its followers; `connector` is the engine's KV connector (a host
     tier), None for the colocated engine's own. `image_limits` (jfire.vision.images.ImageLimits)
-    bound chat requests' images; None: the defaults."""
+    bound chat requests' images; None: the defaults. `api_keys`: the keys the API requires
+    (none: it is open); `cache_salt_per_key`: each key's prompts hash apart. Connections have
+    serve/uvicorn_config.py's limits (a header timeout of 10 s, at least as many connections
+    as the engine's queue and batch hold)."""
     engine = Engine(model, config, connector)
     if lead is not None:
         lead(engine)
     state = ServerState(
-        engine=engine, model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes, access_log=access_log
+        engine=engine,
+        model_name=model_name,
+        api_keys=api_keys,
+        max_body_bytes=max_body_bytes,
+        access_log=access_log,
+        cache_salt_per_key=cache_salt_per_key,
     )
     if image_limits is not None:
         state.image_limits = image_limits
@@ -131,8 +141,9 @@ def run(
     )
     try:
         # The responses of finished requests are written within uvicorn's own 5 s.
+        limits = ConnectionLimits.for_queue(config.max_waiting + config.max_batch)
         server = GracefulServer(
-            uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5), state, shutdown_grace_s
+            uvicorn_config(app, limits, log_level="warning", timeout_graceful_shutdown=5), state, shutdown_grace_s
         )
 
         def engine_failed(error: BaseException) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jfire.deployment_secret import DeploymentSecret, to_env
 from jfire.disagg.launch import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -20,8 +21,9 @@ REPO = Path(__file__).resolve().parents[1]
 # Process 0 only hosts the cluster until process 1 is done.
 HOST = """
 import sys, time
+from jfire import deployment_secret
 from jfire.disagg import cluster
-store = cluster.join(sys.argv[1], 2, 0)
+store = cluster.join(sys.argv[1], 2, 0, secret=deployment_secret.from_env())
 store.blocking_key_value_get("done", 120_000)
 """
 
@@ -29,11 +31,11 @@ store.blocking_key_value_get("done", 120_000)
 WORKER = """
 import json, os, sys
 import jax, jax.numpy as jnp, numpy as np
-from jfire import compile_cache
+from jfire import compile_cache, deployment_secret
 from jfire.disagg import cluster
 from jfire.engine import enable_compilation_cache
 
-store = cluster.join(sys.argv[1], 2, 1)
+store = cluster.join(sys.argv[1], 2, 1, secret=deployment_secret.from_env())
 enable_compilation_cache(sys.argv[2])
 must_load = sys.argv[3] == "load"
 
@@ -69,7 +71,7 @@ os._exit(0)  # leave without the shutdown handshake: the host may already be gon
 
 def life(cache: Path, mode: str) -> dict:
     address = f"127.0.0.1:{free_port()}"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **to_env(DeploymentSecret.generate())}  # the cluster's store signs
     host = subprocess.Popen([sys.executable, "-c", HOST, address], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:

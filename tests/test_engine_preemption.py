@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from jfire.checkpoint.load import load_model
-from jfire.engine import Engine, EngineConfig, QueueFull
+from jfire.engine import Engine, EngineConfig
+from jfire.errors import QueueFull
 from jfire.sampling import SamplingParams
 
 

@@ -185,7 +185,7 @@ def test_a_launch_hands_its_prefill_groups_the_host_tier(monkeypatch):
 
     seen = {}
 
-    def launch_local(deployment, deployment_arg, options):  # records what each process would be given
+    def launch_local(deployment, deployment_arg, options, secret):  # records what each process would be given
         seen["options"] = options
         return 0
 

@@ -79,7 +79,7 @@ def test_launch_gives_each_group_the_plans_pages(default_checkpoint, monkeypatch
     each sizes its pool as `jfire.disagg.worker.run` does, for its own mesh and devices."""
     seen = {}
 
-    def launch_local(deployment, deployment_arg, options):  # records what each process would be given
+    def launch_local(deployment, deployment_arg, options, secret):  # records what each process would be given
         seen["options"] = options
         return 0
 

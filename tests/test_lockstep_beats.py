@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from jfire.deployment_secret import DeploymentSecret, to_env
 from jfire.disagg.launch import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -17,11 +18,11 @@ TIMEOUT_S = 2.0
 
 SCRIPT = """
 import json, sys, time
-from jfire import lockstep
+from jfire import deployment_secret, lockstep
 from jfire.disagg import cluster
 from jfire.errors import JfireError
 
-store = cluster.join(sys.argv[1], 1, 0)
+store = cluster.join(sys.argv[1], 1, 0, secret=deployment_secret.from_env())
 lockstep.FOLLOWER_TIMEOUT_S = float(sys.argv[2])
 lockstep.BEAT_S = 0.1
 leader = lockstep.StepChannel("g", [0, 1], 0, store)
@@ -53,16 +54,16 @@ except JfireError as e:
 follower = lockstep.StepChannel("h", [0, 1], 1, store)
 follower.beat_forever()
 time.sleep(1.0)
-first = int(store.key_value_try_get("jfire/lockstep/h/beat/1"))
+first = store.read_counter("jfire/lockstep/h/beat/1")
 time.sleep(1.5)
-out["thread_beats"] = int(store.key_value_try_get("jfire/lockstep/h/beat/1")) - first
+out["thread_beats"] = store.read_counter("jfire/lockstep/h/beat/1") - first
 print(json.dumps(out))
 """
 
 
 def test_leader_notices_a_silent_follower_and_only_then():
     run = subprocess.run([sys.executable, "-c", SCRIPT, f"127.0.0.1:{free_port()}", str(TIMEOUT_S)], cwd=REPO,
-                         capture_output=True, text=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu", **to_env(DeploymentSecret.generate())})
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert out["silent_before_first_beat"] == out["beating"] == "ok"

@@ -8,6 +8,7 @@ greedy tokens must equal one device's, as those of one process holding the same 
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import signal
 import subprocess
@@ -23,6 +24,7 @@ import pytest
 
 from jfire import lockstep
 from jfire.checkpoint import store
+from jfire.deployment_secret import DeploymentSecret, to_env
 from jfire.disagg.launch import free_port
 from jfire.models.llama import LlamaConfig
 from jfire.models.params import init_params
@@ -49,6 +51,7 @@ JFIRE = [sys.executable, "-m", "jfire.cli"]
 # cores. The tests bound that generously: what they check is that it exits by itself, with an
 # error (and, for a follower lost while idle, why: its log says).
 EXIT_ALLOWANCE_S = 60
+GROUP_SECRET = DeploymentSecret.generate()
 MODELS_DIR: dict[str, str] = {}  # model name -> its checkpoint (the `models` fixture fills it)
 REPO = Path(__file__).resolve().parents[1]
 
@@ -70,10 +73,16 @@ def group_command(args: list[str], process_id: int, port: int, devices: int) -> 
             "--num-processes", "2", "--process-id", str(process_id)]
 
 
+def group_env() -> dict:
+    """A group's processes share a deployment secret, given in their environment."""
+    return {**os.environ, **to_env(GROUP_SECRET)}
+
+
 def start_group(args: list[str], devices_each: int, logs: Path) -> list[subprocess.Popen]:
     port = free_port()
     return [subprocess.Popen(group_command(args, i, port, devices_each), stdout=subprocess.PIPE,
-                             stderr=open(logs / f"process{i}.log", "w"), text=True) for i in range(2)]
+                             stderr=open(logs / f"process{i}.log", "w"), text=True, env=group_env())
+            for i in range(2)]
 
 
 def generate_args(model: str, mesh: str, tmp: Path) -> list[str]:
@@ -143,9 +152,10 @@ def test_follower_started_with_other_settings_refuses(models, tmp_path):
     args = ["generate", "--model", models["dense"], "--mesh", "pp=2,tp=4", "--prompt-ids", "1,2,3", *ENGINE_ARGS]
     port = free_port()
     leader = subprocess.Popen(group_command(args, 0, port, 4), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True)
+                              text=True, env=group_env())
     odd = [*args[:-1], "0.02"]  # --kv-cache-gb 0.02 instead of 0.01
-    follower = subprocess.run(group_command(odd, 1, port, 4), capture_output=True, text=True, timeout=300)
+    follower = subprocess.run(group_command(odd, 1, port, 4), capture_output=True, text=True, timeout=300,
+                              env=group_env())
     assert follower.returncode == 2
     assert "differ from the group leader's" in follower.stderr and "pages: leader" in follower.stderr
     leader.communicate(timeout=120)
@@ -166,16 +176,24 @@ def wait_ready(url: str, procs: list[subprocess.Popen], timeout: float = 300) ->
 
 
 def launcher_group(tmp_path: Path, model: str, serve_options: list[str]) -> list[subprocess.Popen]:
-    """The processes `scripts/launch_ssh.py --group` would start over SSH, run here directly."""
+    """The commands `scripts/launch_ssh.py --group` would run over SSH, run here directly: first
+    those writing the deployment secret from their stdin, then the processes."""
     hosts = tmp_path / "hosts"
     hosts.write_text("127.0.0.1\n127.0.0.1\n")
     plan = subprocess.run([sys.executable, "scripts/launch_ssh.py", str(hosts), "--group", "--dry-run", "--model", model,
-                           "--coordinator-port", str(free_port()), "--", *serve_options, "--cpu-devices", "4"],
+                           "--coordinator-port", str(free_port()), "--secret-dir", str(tmp_path / "secrets"), "--",
+                           *serve_options, "--cpu-devices", "4"],
                           capture_output=True, text=True, cwd=REPO, check=True).stdout.splitlines()
+    secret = DeploymentSecret.generate().hex() + "\n"
     procs = []
-    for i, line in enumerate(plan):
-        ssh, _, host, command = shlex.split(line)
-        assert (ssh, host) == ("ssh", "127.0.0.1") and f"--process-id {i}" in command
+    for line in (line for line in plan if not line.startswith("#")):
+        ssh, *options, host, command = shlex.split(line)
+        assert (ssh, host, options[-1]) == ("ssh", "127.0.0.1", "--")
+        if options == ["--"]:  # one of the secret's writers
+            subprocess.run(["bash", "-c", command], input=secret, text=True, check=True)
+            continue
+        i = len(procs)
+        assert options == ["-tt", "--"] and f"--process-id {i}" in command
         procs.append(subprocess.Popen(["bash", "-c", command], stdout=subprocess.DEVNULL,
                                       stderr=open(tmp_path / f"launched{i}.log", "w")))
     return procs

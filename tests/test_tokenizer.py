@@ -5,12 +5,11 @@ import json
 import random
 from pathlib import Path
 
-import pytest
-
 import gguf
+import pytest
 import transformers
 
-from jfire.tokenizer import Tokenizer, TokenizerError, find_stop, holdback
+from jfire.tokenizer import Tokenizer, TokenizerError
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -328,19 +327,3 @@ def test_stream_decoder_flushes_incomplete_bytes(ours):
     assert stream.flush() == ours.decode(ids[:1])
     assert stream.flush() == ""
 
-
-def test_find_stop():
-    assert find_stop("hello world", ["wor", "lo"]) == 3
-    assert find_stop("hello world", ["xyz"]) is None
-    assert find_stop("hello", []) is None
-    assert find_stop("hello", [""]) is None
-    assert find_stop("a<|im_end|>b", ["<|im_end|>"]) == 1
-
-
-def test_holdback():
-    assert holdback("hello <|im", ["<|im_end|>"]) == 4
-    assert holdback("hello", ["<|im_end|>"]) == 0
-    assert holdback("abc", ["c", "bcd"]) == 2  # "bc" may become "bcd"; "c" alone is complete, not held
-    assert holdback("ab", ["abc"]) == 2
-    assert holdback("", ["abc"]) == 0
-    assert holdback("xx\n", ["\n\n", "User:"]) == 1

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
+from typing import TypeGuard
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +29,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from jfire import sharding
+from jfire.errors import JfireError
 from jfire.mesh import AXES
 
 
@@ -35,6 +38,29 @@ def describe(layout) -> dict:
     if layout.mesh is None:
         return {"mesh": None, "devices": [layout.devices()[0].id]}
     return {"mesh": [layout.mesh.shape[a] for a in AXES], "devices": [d.id for d in layout.mesh.devices.flat]}
+
+
+def check_description(desc, what: str) -> None:
+    """Raises JfireError unless `desc` is a description `describe` could have made on this
+    deployment: a mesh of AXES sizes over that many distinct devices the cluster has."""
+    if not isinstance(desc, dict) or set(desc) != {"mesh", "devices"}:
+        raise JfireError(f"{what} must be {{'mesh': null or {len(AXES)} axis sizes, 'devices': [device ids]}}")
+    mesh, devices = desc["mesh"], desc["devices"]
+    if mesh is not None and not (
+        isinstance(mesh, list) and len(mesh) == len(AXES) and all(is_int(n) and n >= 1 for n in mesh)
+    ):
+        raise JfireError(f"{what}: mesh must be null or {len(AXES)} positive axis sizes ({', '.join(AXES)})")
+    count = 1 if mesh is None else math.prod(mesh)
+    known = {d.id for d in jax.devices()}
+    if not (isinstance(devices, list) and len(devices) == count and all(is_int(i) for i in devices)):
+        raise JfireError(f"{what}: devices must be the {count} device ids of its mesh")
+    if len(set(devices)) != count or not set(devices) <= known:
+        raise JfireError(f"{what}: devices must be {count} distinct device ids of this deployment")
+
+
+def is_int(x) -> TypeGuard[int]:
+    """Whether a value read from JSON is an integer (JSON's true and false are not)."""
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _page_sharding(desc: dict, layout, c):

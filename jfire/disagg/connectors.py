@@ -17,6 +17,11 @@ With `compress` (a deployment's `[transfer] compress`) the pages travel coded
 A group spanning processes sends and pulls in blocks (jfire.disagg.blocks): each process its
 own share, through device calls every process of the group runs ("publish", "release";
 "pull", "insert", "forget").
+
+What a decode group is told of a transfer is checked before the request reaches the engine
+thread (`DecodeConnector.check`, at submit): the descriptor must be signed with the
+deployment secret, name one of the deployment's prefill groups, and fit this group's layout;
+its id is taken once; and the pages' keyed sum must match on arrival (jfire.disagg.transfer_auth).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import time
 
 import jax
 
+from jfire.deployment_secret import DeploymentSecret
 from jfire.disagg import blocks, cluster
 from jfire.disagg.kv_transfer import (
     CODEC,
@@ -39,6 +45,14 @@ from jfire.disagg.kv_transfer import (
     new_uuid,
     placeholder,
     transfer_programs,
+)
+from jfire.disagg.transfer_auth import (
+    RecentIds,
+    TransferKey,
+    check_fields,
+    new_transfer_id,
+    sign_transfer,
+    signed_by_deployment,
 )
 from jfire.errors import JfireError
 from jfire.kv_connector import Failed, KVConnector, Loaded, Progress, check_prefilled, prompt_only
@@ -64,8 +78,18 @@ class PrefillConnector(KVConnector):
     pages_by_id = True
     ends_after_prompt = True
 
-    def __init__(self, *, server, store, group: str, transfer_timeout_s: float, compress: bool = False):
+    def __init__(
+        self,
+        *,
+        server,
+        store,
+        group: str,
+        transfer_timeout_s: float,
+        secret: DeploymentSecret,
+        compress: bool = False,
+    ):
         self.server, self.store, self.group = server, store, group
+        self.secret = secret  # signs each transfer's descriptor and keys its page sums
         self.compress = compress
         self.puller = Puller(server)  # drains only: pulls of our own transfers nobody took
         self.transfer_timeout_s = transfer_timeout_s
@@ -81,7 +105,8 @@ class PrefillConnector(KVConnector):
         super().bind(engine)
         self.pool, self.runner = engine.pool, engine.runner
         self.layout = kv_layout(engine)
-        self.gather = transfer_programs(engine, self.layout, "gather", coded=_check_codable(self.layout, self.compress))
+        coded = _check_codable(self.layout, self.compress)
+        self.gather = transfer_programs(engine, self.layout, "gather", coded=coded, keyed=True)
         self.runner.add_calls({"publish": self._publish_blocks, "release": self._release_blocks})
 
     def side_programs(self) -> list:
@@ -97,52 +122,59 @@ class PrefillConnector(KVConnector):
         """The prompt is done: publish its KV; the request ends here with the first token."""
         kv_params = kv_params or {}
         pages = seq.pages[: self.engine.scheduler.pages_needed(len(seq.prompt_ids))]
-        self.pool.retain(pages)
         shards = self.layout.usable_shards(int(kv_params.get("shards", 1)))
         receiver = kv_params.get("receiver")
-        uuid = new_uuid()
+        uuid, transfer_id = new_uuid(), new_transfer_id()
         raw_bytes = len(pages) * self.layout.page_nbytes
-        transfer = {
-            "uuid": uuid,
-            "num_pages": len(pages),
-            "group": self.group,
-            "pages": pages,
-            "bytes": raw_bytes,  # on the wire (less if coded, below)
-            "raw_bytes": raw_bytes,  # before coding
-        }
+        self.pool.retain(pages)
+        try:
+            transfer = self._publish(uuid, transfer_id, pages, shards, receiver)
+        except BaseException:
+            self.pool.free(pages)  # nothing will pull it: the pages go back with the request
+            raise
+        transfer.update(id=transfer_id, uuid=uuid, num_pages=len(pages), group=self.group, pages=pages)
+        transfer.setdefault("bytes", raw_bytes)  # on the wire (less if coded)
+        transfer["raw_bytes"] = raw_bytes  # before coding
+        self.transfer_counts["published"] += 1
+        return sign_transfer(self.secret, transfer)
+
+    def _publish(self, uuid: int, transfer_id: str, pages: list[int], shards: int, receiver: dict | None) -> dict:
+        """Publishes the pages' KV for the decode group to pull; returns where and how (the
+        descriptor's fields but its id and size)."""
+        key = TransferKey.of(self.secret, transfer_id)
         deadline = time.monotonic() + self.transfer_timeout_s
         if receiver is not None:  # groups spanning processes: every process sends its own blocks
-            transfer.update(
-                protocol="blocks",
-                sender=blocks.describe(self.layout),
-                addresses=self.transfer_addresses,
-                checksum=self.runner.call("publish", uuid, (pages, receiver)),
-            )
+            checksum = self.runner.call("publish", uuid, (pages, receiver, transfer_id))
             self._published[uuid] = _Published(pages, None, None, deadline)
+            return {
+                "protocol": "blocks",
+                "sender": blocks.describe(self.layout),
+                "addresses": self.transfer_addresses,
+                "checksum": checksum,
+            }
+        coded = False
+        if self.gather.coded:
+            gathered, coded, sent_checksum = self.gather.gather_coded(self.runner.pages, pages, key)
+            self.transfer_counts["coded" if coded else "sent_raw"] += 1
         else:
-            coded = False
-            if self.gather.coded:
-                gathered, coded, sent_checksum = self.gather.gather_coded(self.runner.pages, pages)
-                self.transfer_counts["coded" if coded else "sent_raw"] += 1
-            else:
-                gathered, sent_checksum = self.gather.gather(self.runner.pages, pages)
-            arrays = self.layout.to_wire(gathered, shards)
-            self.server.await_pull(uuid, arrays)
-            structs = self.layout.wire_structs(len(pages), shards, coded)
-            self._published[uuid] = _Published(pages, arrays, structs, deadline)
-            transfer.update(address=self.server.address(), shards=shards, checksum=sent_checksum)
-            if coded:
-                transfer.update(codec=CODEC, bytes=sum(a.nbytes for a in arrays))
-        self.transfer_counts["published"] += 1
+            gathered, sent_checksum = self.gather.gather(self.runner.pages, pages, key)
+        arrays = self.layout.to_wire(gathered, shards)
+        self.server.await_pull(uuid, arrays)
+        structs = self.layout.wire_structs(len(pages), shards, coded)
+        self._published[uuid] = _Published(pages, arrays, structs, deadline)
+        transfer = {"address": self.server.address(), "shards": shards, "checksum": sent_checksum}
+        if coded:
+            transfer.update(codec=CODEC, bytes=sum(a.nbytes for a in arrays))
         return transfer
 
     # -- worker side: every process of a group spanning processes ---------------------------------
 
     def _publish_blocks(self, uuid: int, inputs) -> int:
-        """Gathers a request's pages and sends this process's blocks of them, keyed by the
-        transfer's uuid; returns the checksum."""
-        pages, receiver = inputs
-        gathered, sent_checksum = self.gather.gather(self.runner.pages, pages)
+        """Gathers a request's pages and sends this process's blocks of them, under ids made
+        from the transfer's uuid; returns the pages' keyed checksum."""
+        pages, receiver, transfer_id = inputs
+        key = TransferKey.of(self.secret, transfer_id)
+        gathered, sent_checksum = self.gather.gather(self.runner.pages, pages, key)
         plan, me = blocks.BlockPlan(self.layout, blocks.describe(self.layout), receiver), jax.process_index()
         sent = []
         for _, q in sorted(pair for pair in plan.pairs() if pair[0] == me):
@@ -171,20 +203,31 @@ class PrefillConnector(KVConnector):
         now = time.monotonic()
         if now - self._last_control_poll >= CONTROL_POLL_S:
             self._last_control_poll = now
-            self._answer_abandoned_pulls(now)
-            self._renew(now)
+            self._store_words("abandoned pulls", self._answer_abandoned_pulls, now)
+            self._store_words("renewals", self._renew, now)
         if self._published and now - self._last_ack_poll >= ACK_POLL_S:
             self._last_ack_poll = now
-            for uuid, value in cluster.take_all(self.store, cluster.ack_key(self.group, "")):
-                if uuid in self._published:
-                    # Nobody will pull a dropped one: take it off the transfer server too.
-                    self._release(uuid, drain_it=value == cluster.DROPPED)
-                    self.transfer_counts["dropped" if value == cluster.DROPPED else "acknowledged"] += 1
+            self._store_words("acknowledgements", self._take_acks, now)
         for uuid, published in list(self._published.items()):
             if now > published.deadline:
                 self._release(uuid, drain_it=True)
                 self.transfer_counts["expired"] += 1
         return Progress()
+
+    def _store_words(self, what: str, read, now: float) -> None:
+        """read(now): what decode groups left in the store. Malformed words there are logged
+        and skipped: they never end the engine (a transfer nobody acknowledges expires)."""
+        try:
+            read(now)
+        except (JfireError, ValueError, TypeError, KeyError) as e:
+            print(f"jfire: {self.group}: skipped malformed {what} in the store: {e}", file=sys.stderr, flush=True)
+
+    def _take_acks(self, now: float) -> None:
+        for uuid, value in cluster.take_all(self.store, cluster.ack_key(self.group, "")):
+            if uuid in self._published:
+                # Nobody will pull a dropped one: take it off the transfer server too.
+                self._release(uuid, drain_it=value == cluster.DROPPED)
+                self.transfer_counts["dropped" if value == cluster.DROPPED else "acknowledged"] += 1
 
     def _release(self, uuid: int, drain_it: bool = False) -> None:
         published = self._published.pop(uuid)
@@ -208,9 +251,12 @@ class PrefillConnector(KVConnector):
         for uuid, value in cluster.take_all(self.store, cluster.abandon_key(self.group, "")):
             if uuid in self._published or uuid in self._placeholders:
                 continue
-            shape = json.loads(value)
-            coded = shape.get("codec") == CODEC
-            zeros = placeholder(self.layout, int(shape["num_pages"]), int(shape["shards"]), coded)
+            try:
+                num_pages, shards, coded = self._abandoned_shape(value)
+            except (ValueError, TypeError) as e:  # not one of ours: nothing to answer
+                print(f"jfire: {self.group}: skipped an abandoned pull of {uuid}: {e}", file=sys.stderr, flush=True)
+                continue
+            zeros = placeholder(self.layout, num_pages, shards, coded)
             self.server.await_pull(uuid, zeros)
             # Kept alive while the pull takes them; dropped after a timeout in case it never
             # comes (the pull ended on its own between giving up and this answer).
@@ -219,6 +265,19 @@ class PrefillConnector(KVConnector):
         for uuid, (_, drop_at) in list(self._placeholders.items()):
             if now > drop_at:
                 del self._placeholders[uuid]
+
+    def _abandoned_shape(self, value: str) -> tuple[int, int, bool]:
+        """(pages, shards, coded) of a pull a decode group gave up on, as it left them in the
+        store; ValueError unless they are a transfer this group could have published."""
+        shape = json.loads(value)
+        if not isinstance(shape, dict):
+            raise ValueError(f"an abandoned pull's shape must be an object, got {value[:100]!r}")
+        num_pages, shards = shape.get("num_pages"), shape.get("shards")
+        if not (blocks.is_int(num_pages) and 1 <= num_pages <= self.pool.num_pages):
+            raise ValueError(f"an abandoned pull of {num_pages!r} pages (this group has {self.pool.num_pages})")
+        if not (blocks.is_int(shards) and shards >= 1 and self.layout.usable_shards(shards) == shards):
+            raise ValueError(f"an abandoned pull in {shards!r} shards, a split this group never sends")
+        return num_pages, shards, shape.get("codec") == CODEC and self.gather.coded
 
     def stats(self) -> dict:
         return {
@@ -260,8 +319,21 @@ class DecodeConnector(KVConnector):
     program_kinds = ("decode",)
     pages_by_id = True
 
-    def __init__(self, *, server, store, transfer_timeout_s: float, group: str = "decode", compress: bool = False):
+    def __init__(
+        self,
+        *,
+        server,
+        store,
+        transfer_timeout_s: float,
+        secret: DeploymentSecret,
+        prefill_groups: frozenset[str],
+        group: str = "decode",
+        compress: bool = False,
+    ):
         self.server, self.store, self.group = server, store, group
+        self.secret = secret  # checks each descriptor's signature and each transfer's keyed sum
+        self.prefill_groups = prefill_groups  # the only groups a transfer may come from
+        self.taken = RecentIds()  # transfer ids taken: each once
         self.compress = compress
         self.puller = Puller(server)
         self._block_pulls: dict[int, blocks.BlockPulls] = {}  # this process's pulls, per transfer uuid
@@ -278,7 +350,8 @@ class DecodeConnector(KVConnector):
         super().bind(engine)
         self.pool, self.runner = engine.pool, engine.runner
         self.layout = kv_layout(engine)
-        self.insert = transfer_programs(engine, self.layout, "insert", coded=_check_codable(self.layout, self.compress))
+        coded = _check_codable(self.layout, self.compress)
+        self.insert = transfer_programs(engine, self.layout, "insert", coded=coded, keyed=True)
         self.runner.add_calls({"pull": self._pull_blocks, "insert": self._insert_blocks, "forget": self._forget_blocks})
 
     def side_programs(self) -> list:
@@ -292,12 +365,15 @@ class DecodeConnector(KVConnector):
     def _pull_blocks(self, uuid: int, transfer: dict) -> None:
         self._block_pulls[uuid] = blocks.BlockPulls(self.puller, self.layout, transfer, self.transfer_timeout_s)
 
-    def _insert_blocks(self, uuid: int, pages: list[int]) -> int:
-        """Waits for this process's pulls and writes the pages; returns the checksum of what arrived."""
+    def _insert_blocks(self, uuid: int, inputs) -> int:
+        """Waits for this process's pulls and writes the pages; returns the keyed checksum of
+        what arrived."""
+        pages, transfer_id = inputs
         pulls = self._block_pulls.pop(uuid)
         pulls.wait()
         arrays, nbytes = pulls.arrays()
-        self.runner.pages, arrived = self.insert.insert(self.runner.pages, arrays, pages)
+        key = TransferKey.of(self.secret, transfer_id)
+        self.runner.pages, arrived = self.insert.insert(self.runner.pages, arrays, pages, key=key)
         self.pulled_bytes += nbytes
         blocks.report_bytes(self.store, self.group, self.pulled_bytes)
         return arrived
@@ -308,10 +384,17 @@ class DecodeConnector(KVConnector):
     # -- scheduler side ------------------------------------------------------------------------
 
     def check(self, request_id, prompt_ids, sampling: SamplingParams, kv_params) -> SamplingParams:
+        """Everything the engine thread will read of the transfer, checked here (at submit, on
+        the caller's thread): a bad one is refused, and never reaches the engine thread."""
         check_prefilled(request_id, kv_params, sampling)
         transfer = kv_params["transfer"]
+        if not isinstance(transfer, dict) or not signed_by_deployment(self.secret, transfer):
+            raise JfireError(
+                "the KV transfer is not signed by a prefill group of this deployment (or was changed on the "
+                "way); pass on the 'transfer' a prefill group answered, unchanged"
+            )
         expected = self.engine.scheduler.pages_needed(len(prompt_ids))
-        if transfer.get("num_pages") != expected:
+        if not blocks.is_int(transfer.get("num_pages")) or transfer["num_pages"] != expected:
             raise JfireError(
                 f"the transfer has {transfer.get('num_pages')} pages but a {len(prompt_ids)}-token "
                 f"prompt fills {expected} pages of {self.engine.config.page_size} tokens"
@@ -320,6 +403,9 @@ class DecodeConnector(KVConnector):
         if codec is not None and (codec != CODEC or not self.insert.coded):
             known = f"{CODEC!r} (with [transfer] compress = true)" if not self.insert.coded else repr(CODEC)
             raise JfireError(f"the transfer's pages are coded as {codec!r}; this decode group decodes {known}")
+        check_fields(transfer, self.layout, self.prefill_groups)
+        if not self.taken.take(transfer["id"]):
+            raise JfireError(f"the KV transfer {transfer['id']} was taken already; each transfer is pulled once")
         return sampling
 
     def loads(self, live: LiveRequest) -> bool:
@@ -355,24 +441,37 @@ class DecodeConnector(KVConnector):
         for request_id, incoming in list(self._pulling.items()):
             if incoming.pull is not None and incoming.pull.done:
                 del self._pulling[request_id]
-                self._arrive(incoming, progress)
+                self._one_request(incoming, progress, "taking in its KV cache", self._arrive)
             elif incoming.pull is not None and incoming.pull.expired:
                 del self._pulling[request_id]
-                t = incoming.transfer
-                if t.get("protocol") == "blocks":
-                    self.runner.call("forget", t["uuid"], None)
-                # The pull is still blocked: the sender ends it (see kv_transfer.Pull).
-                self.store.key_value_set(
-                    cluster.abandon_key(t["group"], t["uuid"]),
-                    json.dumps({"num_pages": t["num_pages"], "shards": t["shards"], "codec": t.get("codec")}),
-                )
-                self._fail(
-                    incoming,
-                    f"the KV cache from prefill group {t.get('group')!r} did not arrive within "
-                    f"{self.transfer_timeout_s:g} s; the request was dropped",
-                    progress,
-                )
+                self._one_request(incoming, progress, "giving up its pull", self._give_up)
         return progress
+
+    def _one_request(self, incoming: _Incoming, progress: Progress, what: str, step) -> None:
+        """step(incoming, progress), which concerns this request alone: if it raises, the
+        request fails and the engine serves the others on."""
+        try:
+            step(incoming, progress)
+        except Exception as e:  # noqa: BLE001 - one request's transfer, never the engine's end
+            print(f"jfire: {self.group}: {what} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            if incoming.live.seq.phase is not Phase.FINISHED:
+                self._fail(incoming, f"{what} failed: {type(e).__name__}: {e}", progress)
+
+    def _give_up(self, incoming: _Incoming, progress: Progress) -> None:
+        t = incoming.transfer
+        if t.get("protocol") == "blocks":
+            self.runner.call("forget", t["uuid"], None)
+        # The pull is still blocked: the sender ends it (see kv_transfer.Pull).
+        self.store.key_value_set(
+            cluster.abandon_key(t["group"], t["uuid"]),
+            json.dumps({"num_pages": t["num_pages"], "shards": t.get("shards", 1), "codec": t.get("codec")}),
+        )
+        self._fail(
+            incoming,
+            f"the KV cache from prefill group {t.get('group')!r} did not arrive within "
+            f"{self.transfer_timeout_s:g} s; the request was dropped",
+            progress,
+        )
 
     def _admit(self, progress: Progress) -> None:
         """Starts pulls in arrival order while batch slots and pages for whole requests last."""
@@ -392,14 +491,17 @@ class DecodeConnector(KVConnector):
                 return
             self._admitting.popleft()
             incoming.pages = pages
-            t = incoming.transfer
-            if t.get("protocol") == "blocks":
-                self.runner.call("pull", t["uuid"], t)
-                incoming.pull = self._block_pulls[t["uuid"]]
-            else:
-                structs = self.layout.wire_structs(t["num_pages"], t["shards"], t.get("codec") == CODEC)
-                incoming.pull = self.puller.pull(t["address"], t["uuid"], structs, self.transfer_timeout_s)
-            self._pulling[seq.request_id] = incoming
+            self._one_request(incoming, progress, "starting its pull", self._start_pull)
+
+    def _start_pull(self, incoming: _Incoming, progress: Progress) -> None:
+        t = incoming.transfer
+        if t.get("protocol") == "blocks":
+            self.runner.call("pull", t["uuid"], t)
+            incoming.pull = self._block_pulls[t["uuid"]]
+        else:
+            structs = self.layout.wire_structs(t["num_pages"], t["shards"], t.get("codec") == CODEC)
+            incoming.pull = self.puller.pull(t["address"], t["uuid"], structs, self.transfer_timeout_s)
+        self._pulling[incoming.live.seq.request_id] = incoming
 
     def _keep_waiting_caches(self) -> None:
         """Requests waiting here for pages (the pool is full) ask their prefill group, three
@@ -432,7 +534,7 @@ class DecodeConnector(KVConnector):
                 self.store.key_value_set(cluster.ack_key(t["group"], t["uuid"]), cluster.PULLED)
                 self._fail(incoming, None, progress)
                 return
-            arrived = self.runner.call("insert", t["uuid"], incoming.pages[: t["num_pages"]])
+            arrived = self.runner.call("insert", t["uuid"], (incoming.pages[: t["num_pages"]], t["id"]))
             self.store.key_value_set(cluster.ack_key(t["group"], t["uuid"]), cluster.PULLED)
             nbytes = t["bytes"]
         else:
@@ -444,11 +546,10 @@ class DecodeConnector(KVConnector):
             arrays = incoming.pull.arrays
             coded = t.get("codec") == CODEC
             page_ids = incoming.pages[: t["num_pages"]]
-            self.runner.pages, arrived = self.insert.insert(self.runner.pages, arrays, page_ids, coded)
-            if "checksum" not in t:
-                arrived = None
+            key = TransferKey.of(self.secret, t["id"])
+            self.runner.pages, arrived = self.insert.insert(self.runner.pages, arrays, page_ids, coded, key)
             nbytes = sum(a.nbytes for a in arrays)
-        if arrived is not None and arrived != t["checksum"]:
+        if arrived != t["checksum"]:
             self._corrupted(incoming, arrived, progress)
             return
         self.kv_transfer_bytes += nbytes
@@ -459,7 +560,8 @@ class DecodeConnector(KVConnector):
 
     def _corrupted(self, incoming: _Incoming, arrived: int, progress: Progress) -> None:
         """A transfer whose bytes differ from those sent: a sender killed mid-transfer can cause
-        it, nothing else should. Counted, logged with what it involved, and the request failed."""
+        it, or bytes nobody of this deployment sent (its keyed sum fits no others). Counted,
+        logged with what it involved, and the request failed."""
         t, seq = incoming.transfer, incoming.live.seq
         self.transfer_counts["corrupted"] += 1
         print(
@@ -474,8 +576,8 @@ class DecodeConnector(KVConnector):
             incoming,
             f"the KV cache from prefill group {t.get('group')!r} arrived with other bytes than were "
             f"sent (checksum {arrived:#010x}, sent {t['checksum']:#010x}): a process stopped "
-            "mid-transfer, or a fault in the transfer (logged by the decode group); the request "
-            "was dropped",
+            "mid-transfer, a fault in the transfer, or bytes this deployment did not send (logged by "
+            "the decode group); the request was dropped",
             progress,
         )
 

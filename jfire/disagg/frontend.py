@@ -28,10 +28,11 @@ from collections.abc import Callable
 
 import httpx
 
+from jfire.deployment_secret import DeploymentSecret
 from jfire.disagg import cluster
 from jfire.disagg.deployment import Deployment
 from jfire.disagg.prefix_index import PrefixIndex
-from jfire.errors import EngineStopped, JfireError, QueueFull
+from jfire.errors import EngineStopped, JfireError
 from jfire.grammar import Grammars
 from jfire.request_checks import RequestChecks, context_limit
 from jfire.requests import RequestHandle, RequestOutput
@@ -92,6 +93,7 @@ class RemoteEngine:
         max_waiting: int = 1024,
         route_by_prefix: bool = True,
         vision=None,
+        secret: DeploymentSecret,
     ):
         self.deployment = deployment
         # The model's image preprocessing and placeholders (jfire.vision.model, loaded without
@@ -103,9 +105,14 @@ class RemoteEngine:
         self.model_type = getattr(config, "model_type", None)
         eos = frozenset(config.eos_token_ids) | (tokenizer.eos_ids if tokenizer else frozenset())
         self.max_model_len = context_limit(config, max_model_len)
-        # The page check is the decode group's: it knows its pool.
+        # The page check is the decode group's: it knows its pool. The queue is of requests
+        # waiting for prefill.
         self.checks = RequestChecks(
-            config.vocab_size, self.max_model_len, Grammars(tokenizer, config.vocab_size, eos), tokenizer is not None
+            config.vocab_size,
+            self.max_model_len,
+            Grammars(tokenizer, config.vocab_size, eos),
+            tokenizer is not None,
+            queue=lambda: (sum(s.in_flight for s in self.groups.values() if s.role == "prefill"), self.max_waiting),
         )
         self.max_waiting = max_waiting
         self.groups = {g.name: _GroupState(g.name, g.role) for g in deployment.groups}
@@ -116,7 +123,13 @@ class RemoteEngine:
         self.error: BaseException | None = None
         # The frontend fails requests one by one; it never fails for good, so never calls this.
         self.on_fatal: Callable[[BaseException], None] | None = None
-        self._http = httpx.Client(timeout=httpx.Timeout(10.0, read=600.0), limits=httpx.Limits(max_connections=512))
+        # Every call to a group carries the deployment's control token (jfire.disagg.control_guard).
+        self._http = httpx.Client(
+            headers={"Authorization": f"Bearer {secret.bearer()}"},
+            timeout=httpx.Timeout(10.0, read=600.0),
+            limits=httpx.Limits(max_connections=512),
+            trust_env=False,
+        )
         self._lock = threading.Lock()
         self._active: dict[str, _Stream] = {}  # requests submitted and not yet ended
         self._cancelled: set[str] = set()  # of those, the ones a client gave up on
@@ -276,8 +289,7 @@ class RemoteEngine:
         prompt_ids = [int(i) for i in prompt_ids]
         self.validate(prompt_ids, sampling)
         placed = place_images(self.vision, prompt_ids, images)
-        if sum(s.in_flight for s in self.groups.values() if s.role == "prefill") >= self.max_waiting:
-            raise QueueFull(f"{self.max_waiting} requests are waiting for prefill; retry later")
+        self.checks.admit()
         request_id = request_id or f"req-{next(self._ids)}"
         # Both groups must draw from the same seed: prefill samples the first token, decode the rest.
         sampling = SamplingParams(**{**sampling.__dict__, "seed": sampling.resolved_seed()})
@@ -366,17 +378,18 @@ class RemoteEngine:
             return None
         have = self.prefix_index.matched(chosen.name, hashes)
         holders = [
-            (self.prefix_index.matched(s.name, hashes), info["control"])
+            (self.prefix_index.matched(s.name, hashes), s.name)
             for s in self.groups.values()
             if s.role == "prefill" and s.alive and s is not chosen
             for info in [s.info or {}]
             if info.get("shares_prefixes") and info.get("kv_layout") == mine.get("kv_layout")
         ]
-        held, control = max(holders, key=lambda h: h[0], default=(0, None))
-        if control is None or held <= have:
+        held, holder = max(holders, key=lambda h: h[0], default=(0, None))
+        if holder is None or held <= have:
             return None
         self._counts["prefix_fetches"] += 1
-        return {"control": control, "first": have, "blocks": held}
+        # By name: the chosen group asks it at the address it registered itself.
+        return {"group": holder, "first": have, "blocks": held}
 
     def _run(self, request_id, prompt_ids, sampling, emit, affinity, placed=None) -> None:
         def fail(message: str) -> None:
@@ -393,7 +406,11 @@ class RemoteEngine:
             )
 
         extra_keys = placed.extra_keys if placed is not None else None
-        hashes = self.prefix_index.hashes(prompt_ids, extra_keys) if self.prefix_index is not None else None
+        hashes = (
+            self.prefix_index.hashes(prompt_ids, extra_keys, sampling.cache_salt)
+            if self.prefix_index is not None
+            else None
+        )
         try:
             with self._lock:
                 prefill, decode = self._pick("prefill", affinity, hashes), self._pick("decode")

@@ -19,6 +19,11 @@ when some tile cannot be coded; the transfer says which (`codec`), and the recei
 its insert program. Both sides' page sums are of the raw values, so the checksum also proves
 the coding lossless.
 
+Between groups the page sums are keyed with the deployment secret (`keyed` programs, a
+jfire.disagg.transfer_auth.TransferKey per transfer): the checksum then also refuses pages
+that nobody holding the secret sent. A host tier's programs, within one process, keep the
+plain sums.
+
 The prefill side publishes with `await_pull` and holds the pages until the decode side
 acknowledges (through the cluster store) or its own timeout passes; the transfer server's
 built-in timeout is not relied on.
@@ -41,6 +46,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 
 from jfire import compile_cache, sharding
 from jfire.disagg import kv_codec
+from jfire.disagg.transfer_auth import TransferKey, keyed_page_sums
 from jfire.models.family import CacheSpec, Family
 from jfire.programs import powers
 
@@ -191,13 +197,20 @@ def _page_major(stacked: list, arrays: tuple[CacheSpec, ...], num_pages: int) ->
     return tuple(taken[a][i] for i in range(num_pages) for a in range(len(arrays)))
 
 
-def gather_pages(pages, page_ids, *, arrays: tuple[CacheSpec, ...], replication: int, coded: bool = False):
-    """page_ids [w] -> w * len(arrays) wire arrays, page-major, and the [w] page sums.
-    coded: also the same pages coded (w * len(arrays) more, before the sums), and after the
-    sums whether some tile could not be coded."""
+def _sums(stacked: list, arrays: tuple[CacheSpec, ...], key):
+    """The page sums: plain ([w]) without a key, keyed ([w, TAG_LANES]) with one."""
+    axes = [c.pages_axis for c in arrays]
+    return _page_sums(stacked, axes) if key is None else keyed_page_sums(stacked, axes, key)
+
+
+def gather_pages(pages, page_ids, key=None, *, arrays: tuple[CacheSpec, ...], replication: int, coded: bool = False):
+    """page_ids [w] -> w * len(arrays) wire arrays, page-major, and the [w] page sums (keyed
+    under `key`, a TransferKey's device words, if given). coded: also the same pages coded
+    (w * len(arrays) more, before the sums), and after the sums whether some tile could not be
+    coded."""
     stacked = [jnp.take(_heads_every(pages[c.name], c, replication), page_ids, axis=c.pages_axis) for c in arrays]
     wire = _page_major(stacked, arrays, page_ids.shape[0])
-    sums = _page_sums(stacked, [c.pages_axis for c in arrays])
+    sums = _sums(stacked, arrays, key)
     if not coded:
         return wire + (sums,)
     encoded = [kv_codec.encode(x) for x in stacked]
@@ -205,11 +218,13 @@ def gather_pages(pages, page_ids, *, arrays: tuple[CacheSpec, ...], replication:
     return wire + _page_major([x for x, _ in encoded], arrays, page_ids.shape[0]) + (sums, overflow)
 
 
-def insert_pages(pages, wire, page_ids, *, arrays: tuple[CacheSpec, ...], replication: int, tiles: tuple | None = None):
+def insert_pages(
+    pages, wire, page_ids, key=None, *, arrays: tuple[CacheSpec, ...], replication: int, tiles: tuple | None = None
+):
     """Writes wire arrays (page-major) into the pages named by page_ids; an id past the pool
     is dropped (padding up to the compiled width). Also returns the [w] page sums of what
-    arrived (padding pages are zeros: they sum to 0). tiles: the arrays arrive coded, in
-    tiles of these shapes (one per cache array)."""
+    arrived (padding pages are zeros: they sum to 0), keyed under `key` if given. tiles: the
+    arrays arrive coded, in tiles of these shapes (one per cache array)."""
     out = dict(pages)
     n = len(arrays)
     arrived = [jnp.stack(wire[a::n], axis=c.pages_axis) for a, c in enumerate(arrays)]
@@ -220,7 +235,7 @@ def insert_pages(pages, wire, page_ids, *, arrays: tuple[CacheSpec, ...], replic
             stacked = jnp.repeat(stacked, replication, axis=c.axes.index(HEADS))
         index = (slice(None),) * c.pages_axis + (page_ids,)
         out[c.name] = pages[c.name].at[index].set(stacked, mode="drop")
-    return out, _page_sums(arrived, [c.pages_axis for c in arrays])
+    return out, _sums(arrived, arrays, key)
 
 
 def transfer_widths(pages_per_row: int, page_size: int) -> tuple[int, ...]:
@@ -232,10 +247,13 @@ def transfer_widths(pages_per_row: int, page_size: int) -> tuple[int, ...]:
 class TransferPrograms:
     """gather (prefill side) or insert (decode side), compiled for each of `widths` pages.
     coded: the gather programs also code the pages; the insert side compiles a second program
-    per width that decodes them (raw transfers still arrive: a tile that cannot be coded)."""
+    per width that decodes them (raw transfers still arrive: a tile that cannot be coded).
+    keyed: the page sums are keyed, each call taking its transfer's TransferKey (between groups)."""
 
-    def __init__(self, layout: KVLayout, pages, widths: tuple[int, ...], kind: str, coded: bool = False):
-        self.layout, self.kind, self.widths, self.coded = layout, kind, widths, coded
+    def __init__(
+        self, layout: KVLayout, pages, widths: tuple[int, ...], kind: str, coded: bool = False, keyed: bool = False
+    ):
+        self.layout, self.kind, self.widths, self.coded, self.keyed = layout, kind, widths, coded, keyed
         self._pages = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), pages)
         self._num_pages = next(iter(pages.values())).shape[layout.arrays[0].pages_axis]
         self._compiled: dict[tuple[int, bool], jax.stages.Compiled] = {}
@@ -267,15 +285,16 @@ class TransferPrograms:
     def _lower(self, w: int, coded: bool):
         ids = jax.ShapeDtypeStruct((w,), jnp.int32, sharding=self._ids_sharding)
         static = dict(arrays=self.layout.arrays, replication=self.layout.replication)
+        key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=self._ids_sharding) if self.keyed else None
         if self.kind == "gather":
             raw = [s.sharding for s in self.layout.page_structs()] * w
             out = tuple(raw) + ((tuple(s.sharding for s in self.layout.page_structs(True)) * w) if coded else ())
             out += (self._ids_sharding,) * (2 if coded else 1)
             fn = jax.jit(gather_pages, static_argnames=("arrays", "replication", "coded"), out_shardings=out)
-            return fn.lower(self._pages, ids, coded=coded, **static)
+            return fn.lower(self._pages, ids, key, coded=coded, **static)
         tiles = tuple(self.layout.wire_shape(c)[-2:] for c in self.layout.arrays) if coded else None
         fn = jax.jit(insert_pages, static_argnames=("arrays", "replication", "tiles"), donate_argnames=("pages",))
-        return fn.lower(self._pages, tuple(self.layout.page_structs(coded)) * w, ids, tiles=tiles, **static)
+        return fn.lower(self._pages, tuple(self.layout.page_structs(coded)) * w, ids, key, tiles=tiles, **static)
 
     def width_for(self, n: int) -> int:
         return next(w for w in self.widths if w >= n)
@@ -285,16 +304,33 @@ class TransferPrograms:
         ids[: len(page_ids)] = page_ids
         return jax.device_put(ids, self._ids_sharding)
 
-    def gather(self, pages, page_ids: list[int]) -> tuple[list[jax.Array], int]:
-        """The pages' wire arrays, and their checksum."""
-        wire, sums = self.gather_dispatched(pages, page_ids)
-        return wire, checksum(sums, len(page_ids))
+    def _key(self, key: TransferKey | None):
+        """The key's words on the device, for a keyed program (None for a plain one)."""
+        if self.keyed != (key is not None):
+            raise ValueError(
+                f"the {'keyed' if self.keyed else 'plain'} {self.kind} programs were called with"
+                f"{'out' if key is None else ''} a transfer key"
+            )
+        return None if key is None else jax.device_put(key.device_words(), self._ids_sharding)
 
-    def _gather(self, pages, page_ids: list[int]) -> tuple[list, list, jax.Array, jax.Array | None]:
+    def _checksum(self, sums, num_pages: int, key: TransferKey | None) -> int:
+        """The transfer's checksum from its [width] page sums: plain, or the keyed tag."""
+        if key is None:
+            return checksum(sums, num_pages)
+        return key.tag(sharding.to_host(sums)[:num_pages])
+
+    def gather(self, pages, page_ids: list[int], key: TransferKey | None = None) -> tuple[list[jax.Array], int]:
+        """The pages' wire arrays, and their checksum (keyed programs: the tag under `key`)."""
+        wire, _, sums, _ = self._gather(pages, page_ids, key)
+        return wire, self._checksum(sums, len(page_ids), key)
+
+    def _gather(
+        self, pages, page_ids: list[int], key: TransferKey | None = None
+    ) -> tuple[list, list, jax.Array, jax.Array | None]:
         """Dispatches the width's gather program: (raw wire arrays, coded ones (empty unless
         coded), [width] page sums, whether some tile could not be coded (None unless coded))."""
         w = self.width_for(len(page_ids))
-        out = self._compiled[w, self.coded](pages, self._ids(page_ids, 0))
+        out = self._compiled[w, self.coded](pages, self._ids(page_ids, 0), self._key(key))
         n, padded = len(page_ids) * len(self.layout.arrays), w * len(self.layout.arrays)
         if not self.coded:
             return list(out[:n]), [], out[-1], None
@@ -306,27 +342,40 @@ class TransferPrograms:
         wire, _, sums, _ = self._gather(pages, page_ids)
         return wire, sums
 
-    def gather_coded(self, pages, page_ids: list[int]) -> tuple[list[jax.Array], bool, int]:
+    def gather_coded(
+        self, pages, page_ids: list[int], key: TransferKey | None = None
+    ) -> tuple[list[jax.Array], bool, int]:
         """(the pages' wire arrays, coded unless some tile could not be, whether they are; their
         checksum, of the raw values either way)."""
-        raw, coded_wire, sums, overflow = self._gather(pages, page_ids)
+        raw, coded_wire, sums, overflow = self._gather(pages, page_ids, key)
         coded = not bool(overflow)
-        return (coded_wire if coded else raw), coded, checksum(sums, len(page_ids))
+        return (coded_wire if coded else raw), coded, self._checksum(sums, len(page_ids), key)
 
-    def insert(self, pages, arrays: list[jax.Array], page_ids: list[int], coded: bool = False):
-        """(the pages with these written in, the checksum of what arrived)."""
-        pages, sums = self.insert_with_sums(pages, arrays, page_ids, coded)
+    def insert(
+        self, pages, arrays: list[jax.Array], page_ids: list[int], coded: bool = False, key: TransferKey | None = None
+    ):
+        """(the pages with these written in, the checksum of what arrived: keyed programs, the
+        tag under `key`)."""
+        pages, sums = self.insert_with_sums(pages, arrays, page_ids, coded, key)
+        if key is not None:
+            return pages, key.tag(sums)
         return pages, int(sums.astype(np.uint64).sum() % (1 << 32))
 
     def insert_with_sums(
-        self, pages, arrays: list[jax.Array] | list[np.ndarray], page_ids: list[int], coded: bool = False
+        self,
+        pages,
+        arrays: list[jax.Array] | list[np.ndarray],
+        page_ids: list[int],
+        coded: bool = False,
+        key: TransferKey | None = None,
     ):
         """(the pages with these written in, each written page's sum of what arrived)."""
         w, n = self.width_for(len(page_ids)), len(self.layout.arrays)
         structs = self.layout.page_structs(coded)
         arrays = [jax.device_put(a, structs[i % n].sharding) for i, a in enumerate(arrays)]
         arrays += self.padding[coded] * (w - len(page_ids))
-        pages, sums = self._compiled[w, coded](pages, tuple(arrays), self._ids(page_ids, self._num_pages))
+        program = self._compiled[w, coded]
+        pages, sums = program(pages, tuple(arrays), self._ids(page_ids, self._num_pages), self._key(key))
         return pages, sharding.to_host(sums)[: len(page_ids)]
 
 
@@ -336,11 +385,13 @@ def kv_layout(engine) -> KVLayout:
     return KVLayout(model.config, model.kv_replication, engine.config.page_size, model.kv_dtype, model.mesh)
 
 
-def transfer_programs(engine, layout: KVLayout, kind: str, coded: bool = False) -> TransferPrograms:
+def transfer_programs(
+    engine, layout: KVLayout, kind: str, coded: bool = False, keyed: bool = False
+) -> TransferPrograms:
     """An engine's gather or insert programs, for every transfer width its rows can need
-    (coded: for pages that travel coded too)."""
+    (coded: for pages that travel coded too; keyed: with keyed page sums, between groups)."""
     widths = transfer_widths(engine.runner.buckets.pages_per_row, engine.config.page_size)
-    return TransferPrograms(layout, engine.runner.pages, widths, kind, coded)
+    return TransferPrograms(layout, engine.runner.pages, widths, kind, coded, keyed)
 
 
 # -- pulls: a fixed pool of threads, each pull with its own deadline -------------------------

@@ -9,6 +9,10 @@ groups and the frontend last (the groups need the coordinator to leave cleanly).
 
 With --process-id N --coordinator HOST:PORT it runs just process N: this is what the SSH and
 Slurm launchers in scripts/ start on each host, with the same deployment file.
+
+Every process holds the deployment secret (jfire.deployment_secret), which signs what they
+leave in the cluster's store: a local launch makes one (or takes the operator's) and hands it
+to its processes in their environment; a process started alone reads it from its own.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ import threading
 import time
 from pathlib import Path
 
+from jfire import deployment_secret, quiet
 from jfire import mesh as meshes
-from jfire import quiet
+from jfire.deployment_secret import DeploymentSecret
 from jfire.disagg.deployment import Deployment, Process
 from jfire.errors import JfireError
 
@@ -48,6 +53,11 @@ class Options:
     route_by_prefix: bool = True  # the frontend's choice of prefill group (jfire.disagg.prefix_index)
     image_flags: tuple[str, ...] = ()  # the frontend's limits on images (--max-images etc.), as given
     image_limits: object = None  # those limits (jfire.vision.images.ImageLimits; None: its defaults)
+    # The frontend's API keys (serve/api_keys.py). The key reaches it in its environment, never
+    # on a command line (which `ps` shows); a key file by its path.
+    api_key: str | None = dataclasses.field(default=None, repr=False)
+    api_key_file: str | None = None
+    cache_salt_per_key: bool = False  # each key's prompts hash apart
 
     def argv(self) -> list[str]:
         out = [
@@ -66,6 +76,10 @@ class Options:
             out += ["--no-access-log"]
         if not self.route_by_prefix:
             out += ["--no-prefix-routing"]
+        if self.api_key_file is not None:
+            out += ["--api-key-file", self.api_key_file]
+        if self.cache_salt_per_key:
+            out += ["--cache-salt-per-key"]
         return out + list(self.image_flags) + list(self.engine_args)
 
 
@@ -83,6 +97,16 @@ def process_env(process: Process, base: dict | None = None) -> dict:
     if process.group is None:
         env["JAX_PLATFORMS"] = "cpu"
     env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def with_api_key(process: Process, options: Options, env: dict) -> dict:
+    """`env` with the API key for the frontend and none for a group (which serves no API)."""
+    from serve.api_keys import ENV
+
+    env = {k: v for k, v in env.items() if k != ENV}
+    if process.group is None and options.api_key:
+        env[ENV] = options.api_key
     return env
 
 
@@ -115,8 +139,9 @@ def check_model(deployment: Deployment, model: str) -> Path:
     return path
 
 
-def launch_local(deployment: Deployment, deployment_arg: str, options: Options) -> int:
-    """Runs every process of the deployment here until Ctrl-C (or the frontend exits)."""
+def launch_local(deployment: Deployment, deployment_arg: str, options: Options, secret: DeploymentSecret) -> int:
+    """Runs every process of the deployment here until Ctrl-C (or the frontend exits), each
+    given `secret` in its environment."""
     launched_at = time.time()  # the groups' ready lines say how long after it they were ready
     # Convert the default model once, before several processes would race to, and refuse a
     # model that is missing or that a group's mesh cannot take before any process starts.
@@ -152,7 +177,8 @@ def launch_local(deployment: Deployment, deployment_arg: str, options: Options) 
             *process_argv(deployment_arg, process.process_id, coordinator, options),
         ]
         # A session of its own: Ctrl-C reaches only this launcher, which stops them in order.
-        env = {**process_env(process), "JFIRE_LAUNCHED_AT": f"{started_at:.3f}"}
+        env = with_api_key(process, options, {**process_env(process), "JFIRE_LAUNCHED_AT": f"{started_at:.3f}"})
+        env.update(deployment_secret.to_env(secret))  # never in argv: `ps` shows that to every user
         # Its output comes through here, less the listed noise of JAX and Gloo (quiet.py).
         child = subprocess.Popen(argv, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         quiet.relay(child.stdout, sys.stdout.buffer)
@@ -167,10 +193,10 @@ def launch_local(deployment: Deployment, deployment_arg: str, options: Options) 
     previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
     restarts = {p.process_id: 0 for p in deployment.processes}
     left_down: set[int] = set()  # processes that died once too often
+    ready, failed = False, False
     try:
         for process in deployment.processes:
             children.append((process, start(process, launched_at)))
-        ready, failed = False, False
         frontend_url = f"http://{'127.0.0.1' if options.host in ('0.0.0.0', '::') else options.host}:{frontend_port}"
         while not stopping:
             time.sleep(0.2)
@@ -292,19 +318,21 @@ def run_one(
     coordinator: str,
     options: Options,
     engine_config,
-    api_key: str | None,
     served_name: str,
     pool_size=None,
+    *,
+    secret: DeploymentSecret,
 ) -> int:
     """Runs one process of the deployment in this process. `pool_size`: how a group sizes its
-    page pool (a jfire.device_memory.PoolSize; None: as `engine_config` says)."""
+    page pool (a jfire.device_memory.PoolSize; None: as `engine_config` says). `secret`: the
+    deployment's, the same in every process."""
     from jfire.memory import limit_malloc_arenas, trim_freed_memory_periodically
 
     limit_malloc_arenas()  # before the threads that allocate start (jfire/memory.py)
     trim_freed_memory_periodically()  # a long-running server gives back what it freed
     process = deployment.process(process_id)
     if process.group is None:
-        _run_frontend(deployment, coordinator, options, engine_config, api_key, served_name)
+        _run_frontend(deployment, coordinator, options, engine_config, served_name, secret)
     else:
         from jfire.disagg import worker
 
@@ -322,6 +350,7 @@ def run_one(
             host_kv_bytes=options.host_kv_bytes,
             host_kv_min_uses=options.host_kv_min_uses,
             pool_size=pool_size,
+            secret=secret,
         )
     sys.stderr.flush()
     # Skip interpreter teardown: the coordinator client's own shutdown would wait on peers, and
@@ -329,18 +358,19 @@ def run_one(
     os._exit(0)
 
 
-def _run_frontend(deployment: Deployment, coordinator: str, options: Options, engine_config, api_key, served_name):
+def _run_frontend(deployment: Deployment, coordinator: str, options: Options, engine_config, served_name, secret):
     import uvicorn
 
     from jfire.checkpoint.load import load_config_and_tokenizer
     from jfire.disagg import cluster
     from jfire.disagg.frontend import RemoteEngine
     from serve import listen
-    from serve.app import ServerState, create_app
+    from serve.app import create_app
+    from serve.uvicorn_config import ConnectionLimits, uvicorn_config
 
     port = options.port if options.port is not None else deployment.frontend_port
     sock = listen.bind(options.host, port, "the frontend")
-    store = cluster.join(coordinator, len(deployment.processes), 0)
+    store = cluster.join(coordinator, len(deployment.processes), 0, secret=secret, collectives=False)
     config, tokenizer, _ = load_config_and_tokenizer(options.model)
     engine = RemoteEngine(
         deployment,
@@ -351,11 +381,10 @@ def _run_frontend(deployment: Deployment, coordinator: str, options: Options, en
         max_waiting=engine_config.max_waiting,
         route_by_prefix=options.route_by_prefix,
         vision=_frontend_vision(options.model, tokenizer),
+        secret=secret,
     )
     engine.start()
-    state = ServerState(engine=engine, model_name=served_name, api_key=api_key, access_log=options.access_log)
-    if options.image_limits is not None:
-        state.image_limits = options.image_limits
+    state = frontend_state(engine, options, served_name, secret)
     app = create_app(state)
 
     def start_draining(*_):  # the launcher's signal that the deployment is stopping
@@ -377,9 +406,30 @@ def _run_frontend(deployment: Deployment, coordinator: str, options: Options, en
         flush=True,
     )
     try:
-        uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=3)).run(sockets=[sock])
+        limits = ConnectionLimits.for_queue(engine_config.max_waiting + engine_config.max_batch)
+        server = uvicorn.Server(uvicorn_config(app, limits, log_level="warning", timeout_graceful_shutdown=3))
+        server.run(sockets=[sock])
     finally:
         engine.shutdown()
+
+
+def frontend_state(engine, options: Options, served_name: str, secret: DeploymentSecret | None):
+    """The frontend's server state: its API keys (the key from its environment, those of the key
+    file) and the deployment secret, whose control token also shows /health's group addresses."""
+    from serve import api_keys
+    from serve.app import ServerState
+
+    state = ServerState(
+        engine=engine,
+        model_name=served_name,
+        api_keys=api_keys.gather(options.api_key, options.api_key_file),
+        access_log=options.access_log,
+        deployment_secret=secret,
+        cache_salt_per_key=options.cache_salt_per_key,
+    )
+    if options.image_limits is not None:
+        state.image_limits = options.image_limits
+    return state
 
 
 def _frontend_vision(model: str, tokenizer):

@@ -27,10 +27,11 @@ class PrefixIndex:
         self._capacity: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def hashes(self, prompt_ids: Sequence[int], extra_keys=None) -> list[bytes]:
+    def hashes(self, prompt_ids: Sequence[int], extra_keys=None, cache_salt: str | None = None) -> list[bytes]:
         """The prompt's full blocks as the groups hash them (jfire.kv_cache.block_hashes;
-        `extra_keys`: its images', jfire.vision.encoder.RequestImages.extra_keys)."""
-        return block_hashes(prompt_ids, self.page_size, extra_keys=extra_keys)
+        `extra_keys`: its images', jfire.vision.encoder.RequestImages.extra_keys; `cache_salt`:
+        the request's, SamplingParams.cache_salt)."""
+        return block_hashes(prompt_ids, self.page_size, salt=cache_salt, extra_keys=extra_keys)
 
     def set_capacity(self, group: str, blocks: int) -> None:
         """How many blocks the group's caches hold; the index keeps no more for it."""

@@ -16,6 +16,12 @@ others and takes theirs in:
   checks each block's sum: a block that arrived damaged is computed again, never served.
 A holder that is down, slow or restarted costs only the fetch's time limit and the recompute.
 
+The taker asks only a prefill group of its deployment, at the control address that group
+registered in the (signed) store, with the deployment's control token; the holder signs its
+answer with the deployment secret over what was asked and what it sends (`blocks_tag`), and
+the taker keeps only the blocks it asked for, in order (`asked_for`): a block under a hash
+nobody asked for never reaches its host tier.
+
 Groups of different KV layouts (meshes that split the cache differently) never share blocks:
 the frontend names a holder only of the same layout, and a holder lends blocks only to a group
 whose model identity (config, page layout, weights: jfire.host_tier.model_identity) is its own.
@@ -30,13 +36,17 @@ from collections.abc import Sequence
 
 import httpx
 import numpy as np
+from safetensors import SafetensorError
 from safetensors.numpy import load as load_tensors
 from safetensors.numpy import save as save_tensors
 
+from jfire.deployment_secret import DeploymentSecret
 from jfire.host_tier import HostBlock, HostTier
 from jfire.kv_connector import KVConnector, Progress
 
 FETCH_TIMEOUT_S = 10.0  # a holder that takes longer is skipped: the prompt is computed instead
+TAG_HEADER = "x-jfire-blocks-tag"  # the holder's signature of its answer (blocks_tag)
+TAG_PURPOSE = "kv-blocks"
 
 
 @dataclasses.dataclass
@@ -156,8 +166,16 @@ def encode_blocks(blocks: list[tuple[bytes, HostBlock]]) -> bytes:
 
 
 def decode_blocks(data: bytes) -> list[tuple[bytes, HostBlock]]:
-    tensors = load_tensors(data)
+    """The blocks of `encode_blocks`' bytes; ValueError if they are not such bytes."""
+    try:
+        tensors = load_tensors(data)
+    except SafetensorError as e:
+        raise ValueError(f"the blocks are not a safetensors file: {e}") from None
+    if "hashes" not in tensors or "sums" not in tensors:
+        raise ValueError("the blocks' file has no hashes or sums")
     hashes, sums = tensors["hashes"], tensors["sums"]
+    if hashes.ndim != 2 or sums.ndim != 1 or len(hashes) != len(sums):
+        raise ValueError("the blocks' hashes and sums do not match")
     blocks = []
     for i in range(len(sums)):
         arrays: list[np.ndarray] = []
@@ -167,13 +185,41 @@ def decode_blocks(data: bytes) -> list[tuple[bytes, HostBlock]]:
     return blocks
 
 
+def blocks_tag(secret: DeploymentSecret, identity: bytes, hashes: list[bytes], data: bytes) -> str:
+    """The holder's signature of its answer to a /kv/blocks: over the model identity and the
+    hashes it was asked for, and the bytes it sends."""
+    return secret.sign(TAG_PURPOSE, identity, b"".join(hashes), data).hex()
+
+
+def asked_for(blocks: list[tuple[bytes, HostBlock]], hashes: list[bytes]) -> list[tuple[bytes, HostBlock]]:
+    """The blocks that are, in order, the leading run of `hashes`: the first block under
+    another hash ends them (it and everything after it are dropped)."""
+    kept = []
+    for (block_hash, block), wanted in zip(blocks, hashes):
+        if block_hash != wanted:
+            break
+        kept.append((block_hash, block))
+    return kept
+
+
 def fetch_blocks(
-    http: httpx.Client, control: str, hashes: list[bytes], identity: bytes, timeout_s: float = FETCH_TIMEOUT_S
+    http: httpx.Client,
+    control: str,
+    hashes: list[bytes],
+    identity: bytes,
+    secret: DeploymentSecret,
+    timeout_s: float = FETCH_TIMEOUT_S,
 ) -> list[tuple[bytes, HostBlock]]:
     """The blocks another group (at `control`) holds of `hashes`, leading run first, if it runs
     the model of this `identity`; raises httpx.HTTPError when it refuses or does not answer in
-    time."""
+    time, ValueError when its answer is not signed with the deployment secret or not blocks."""
     body = {"hashes": [h.hex() for h in hashes], "identity": identity.hex()}
     r = http.post(control + "/kv/blocks", json=body, timeout=timeout_s)
     r.raise_for_status()
-    return decode_blocks(r.content)
+    try:
+        tag = bytes.fromhex(r.headers.get(TAG_HEADER, ""))
+    except ValueError:
+        tag = b""
+    if not secret.verify(TAG_PURPOSE, tag, identity, b"".join(hashes), r.content):
+        raise ValueError(f"the answer of {control} is not signed by a group of this deployment")
+    return asked_for(decode_blocks(r.content), hashes)

@@ -7,8 +7,11 @@ when streaming):
   POST /decode   {request_id, prompt_ids, first_token, sampling, transfer}
                  -> NDJSON outputs until finished
   POST /cancel   {request_id}: ends it here, queued or running (the frontend's client left)
-  GET  /stats    the engine's stats;  GET /health
-A client that goes away cancels its request, which frees its pages.
+  POST /kv/blocks {hashes, identity}: prefix blocks for another prefill group (prefix_store)
+  GET  /stats    the engine's stats;  GET /health: the status alone, for probes
+A client that goes away cancels its request, which frees its pages. Every route but /health
+needs the deployment's control token, and every body is checked before the engine sees it
+(jfire.disagg.control_guard).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import httpx
 import jax
@@ -30,8 +34,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jfire import lockstep
+from jfire.deployment_secret import DeploymentSecret
 from jfire.device_memory import PoolSize, size_pool
-from jfire.disagg import blocks, cluster, prefix_store
+from jfire.disagg import blocks, cluster, control_guard, prefix_store
 from jfire.disagg.connectors import DecodeConnector, PrefillConnector
 from jfire.disagg.deployment import Deployment, Process
 from jfire.disagg.prefix_store import SharedPrefixes
@@ -41,8 +46,6 @@ from jfire.host_tier import HostTier
 from jfire.kv_cache import block_hashes, page_bytes
 from jfire.kv_connector import ConnectorStack, KVConnector
 from jfire.requests import RequestOutput
-from jfire.sampling import SamplingParams
-from jfire.vision.encoder import RequestImage
 
 CANCELLED_KEPT = 1024
 
@@ -51,17 +54,36 @@ def output_to_json(out: RequestOutput) -> dict:
     return {k: v for k, v in dataclasses.asdict(out).items() if v is not None}
 
 
-def create_control_app(engine, process: Process, shared: SharedPrefixes | None = None) -> FastAPI:
-    """The group's HTTP control API. `shared`: the tier through which a prefill group lends its
-    prefix blocks to the other prefill groups and takes theirs (jfire.disagg.prefix_store)."""
+def create_control_app(
+    engine,
+    process: Process,
+    shared: SharedPrefixes | None = None,
+    *,
+    secret: DeploymentSecret,
+    prefill_groups: frozenset[str] = frozenset(),
+    control_of: Callable[[str], str | None] = lambda group: None,
+) -> FastAPI:
+    """The group's HTTP control API, open only to the deployment's control token
+    (jfire.disagg.control_guard). `shared`: the tier through which a prefill group lends its
+    prefix blocks to the other prefill groups and takes theirs (jfire.disagg.prefix_store);
+    `prefill_groups`: the deployment's, the only groups a prompt's blocks are fetched from;
+    `control_of(group)`: the control address that group registered, or None (not up)."""
+    if process.group is None:
+        raise JfireError("a control server runs in a group's process, not the frontend's")
+    group_name = process.group.name
     app = FastAPI(title=f"jfire {process.label}")
-    peers = httpx.Client(limits=httpx.Limits(max_connections=64))  # fetches from other groups
+    app.add_middleware(control_guard.ControlGuard, secret=secret)
+    # Fetches from other groups, with the token their control servers ask for.
+    peers = httpx.Client(
+        headers={"Authorization": f"Bearer {secret.bearer()}"},
+        limits=httpx.Limits(max_connections=64),
+        trust_env=False,
+    )
+    vocab_size = engine.checks.vocab_size
     # Ids cancelled here, most recent last: a /cancel can overtake its own /prefill (two
     # connections), which then must not run. Bounded: only the last few matter.
     cancelled: collections.OrderedDict[str, None] = collections.OrderedDict()
-
-    def error(status: int, message: str) -> JSONResponse:
-        return JSONResponse({"error": message}, status_code=status)
+    error = control_guard.error
 
     def attach(request_id: str):
         """An asyncio queue fed from the engine thread."""
@@ -85,18 +107,24 @@ def create_control_app(engine, process: Process, shared: SharedPrefixes | None =
                     engine.cancel(request_id)
                     return None
 
+    @app.exception_handler(control_guard.BadRequest)
+    async def bad_request(request: Request, e: control_guard.BadRequest):
+        return error(400, str(e))
+
     @app.get("/health")
     async def health():
+        """The status alone (and whether programs are still compiling): it answers anyone
+        (probes), so it says nothing of addresses, processes or requests."""
         status, body = engine.health()
-        return JSONResponse(body, status_code=status)
+        return JSONResponse({k: body[k] for k in ("status", "compiling") if k in body}, status_code=status)
 
     @app.get("/stats")
     async def stats():
-        return {"group": process.group.name, "role": process.role, "pid": os.getpid(), **engine.stats()}
+        return {"group": group_name, "role": process.role, "pid": os.getpid(), **engine.stats()}
 
     @app.post("/cancel")
-    async def cancel(body: dict):
-        request_id = body["request_id"]
+    async def cancel(request: Request):
+        request_id = control_guard.cancel_request(await control_guard.json_object(request))
         cancelled[request_id] = None
         while len(cancelled) > CANCELLED_KEPT:
             cancelled.popitem(last=False)
@@ -104,58 +132,66 @@ def create_control_app(engine, process: Process, shared: SharedPrefixes | None =
         return {"cancelled": request_id}
 
     @app.post("/kv/blocks")
-    async def kv_blocks(body: dict):
-        """The prefix blocks of the given hashes this group holds (leading run), for another."""
+    async def kv_blocks(request: Request):
+        """The prefix blocks of the given hashes this group holds (leading run), for another;
+        the answer is signed (prefix_store.blocks_tag), so the taker knows who sent it."""
         if shared is None:
             return error(404, f"{process.label} shares no prefix blocks (it has no host tier: --host-kv-gb)")
-        try:
-            hashes, identity = [bytes.fromhex(h) for h in body["hashes"]], bytes.fromhex(body["identity"])
-        except (KeyError, TypeError, ValueError):
-            return error(400, "expected {'hashes': [hex block hashes], 'identity': hex model identity}")
+        hashes, identity = control_guard.blocks_request(await control_guard.json_object(request))
         if identity != shared.identity:
             return error(409, f"{process.label} runs another model (or layout): its blocks are not yours")
         exported = await asyncio.wait_for(asyncio.wrap_future(shared.export(hashes)), prefix_store.FETCH_TIMEOUT_S)
         data = await asyncio.to_thread(lambda: prefix_store.encode_blocks(exported.to_host()))
-        return Response(data, media_type="application/octet-stream")
+        tag = prefix_store.blocks_tag(secret, identity, hashes, data)
+        return Response(data, media_type="application/octet-stream", headers={prefix_store.TAG_HEADER: tag})
 
-    async def take_prefix_from(holder: dict, prompt_ids: list[int]) -> None:
-        """Blocks of the prompt another group holds and this one lacks, into the host tier."""
-        hashes = block_hashes(prompt_ids, engine.pool.page_size)[int(holder["first"]) : int(holder["blocks"])]
+    async def take_prefix_from(source: control_guard.PrefixSource, prompt_ids: list[int], cache_salt) -> None:
+        """Blocks of the prompt another prefill group of the deployment holds and this one
+        lacks, into the host tier (hashed with the request's cache salt, as this group's
+        scheduler will look them up). The group is asked at the address it registered itself;
+        a group not up now is skipped (the prompt is computed here)."""
+        hashes = block_hashes(prompt_ids, engine.pool.page_size, salt=cache_salt)[source.first : source.blocks]
         if shared is None or not hashes:
             return
+
+        def fetch():  # off the event loop: the store's read and the fetch both wait on the network
+            control = control_of(source.group)
+            return [] if control is None else prefix_store.fetch_blocks(peers, control, hashes, shared.identity, secret)
+
         try:
-            blocks = await asyncio.to_thread(
-                prefix_store.fetch_blocks, peers, holder["control"], hashes, shared.identity
-            )
+            blocks = await asyncio.to_thread(fetch)
         except (httpx.HTTPError, ValueError, KeyError) as e:  # down, slow, or garbled: computed here instead
-            print(f"jfire: {process.label}: no prefix blocks from {holder['control']} ({e})", file=sys.stderr)
+            print(f"jfire: {process.label}: no prefix blocks from {source.group} ({e})", file=sys.stderr)
             return
         shared.receive(blocks)
 
     @app.post("/prefill")
-    async def prefill(body: dict, request: Request):
+    async def prefill(request: Request):
         if process.role != "prefill":
             return error(404, f"{process.label} is a {process.role} group; send prefill requests to a prefill group")
-        request_id = body["request_id"]
-        if request_id in cancelled:
+        body = control_guard.prefill_request(await control_guard.json_object(request), prefill_groups, group_name)
+        if body.request_id in cancelled:
             return error(499, "cancelled before it arrived")
-        if body.get("prefix_from"):
-            await take_prefix_from(body["prefix_from"], body["prompt_ids"])
-        outputs, on_output = attach(request_id)
+        if body.prefix_from is not None:
+            await take_prefix_from(body.prefix_from, body.prompt_ids, body.sampling.cache_salt)
+        outputs, on_output = attach(body.request_id)
         try:
-            engine.submit(
-                body["prompt_ids"],
-                SamplingParams.from_json(body["sampling"]),
-                request_id=request_id,
+            # Off the event loop: a request's grammar compiles inside submit (seconds for a
+            # large schema), and the other requests' streams must go on meanwhile.
+            await asyncio.to_thread(
+                engine.submit,
+                body.prompt_ids,
+                body.sampling,
+                request_id=body.request_id,
                 on_output=on_output,
-                kv_params={"shards": int(body.get("shards", 1)), "receiver": body.get("receiver")},
+                kv_params={"shards": body.shards, "receiver": body.receiver},
                 # The prompt's images: this group encodes them; the decode group never sees pixels.
-                images=[RequestImage.from_json(image) for image in body.get("images") or ()],
+                images=body.images,
             )
         except (JfireError, TypeError, ValueError) as e:
             return error(400, str(e))
         while True:
-            out = await next_output(outputs, request, request_id)
+            out = await next_output(outputs, request, body.request_id)
             if out is None:
                 return error(499, "client went away")
             if out.finished:
@@ -174,21 +210,25 @@ def create_control_app(engine, process: Process, shared: SharedPrefixes | None =
         }
 
     @app.post("/decode")
-    async def decode(body: dict, request: Request):
+    async def decode(request: Request):
         if process.role != "decode":
             return error(404, f"{process.label} is a {process.role} group; send decode requests to a decode group")
-        request_id = body["request_id"]
+        body = control_guard.decode_request(await control_guard.json_object(request), vocab_size)
+        request_id = body.request_id
         outputs, on_output = attach(request_id)
         try:
-            engine.submit(
-                body["prompt_ids"],
-                SamplingParams.from_json(body["sampling"]),
+            # The connector checks the transfer here, before anything reaches the engine thread;
+            # off the event loop, as /prefill's.
+            await asyncio.to_thread(
+                engine.submit,
+                body.prompt_ids,
+                body.sampling,
                 request_id=request_id,
                 on_output=on_output,
                 kv_params={
-                    "first_token": int(body["first_token"]),
-                    "transfer": body["transfer"],
-                    "first_logprobs": body.get("first_logprobs"),
+                    "first_token": body.first_token,
+                    "transfer": body.transfer,
+                    "first_logprobs": body.first_logprobs,
                 },
             )
         except (JfireError, TypeError, ValueError, KeyError) as e:
@@ -215,6 +255,14 @@ def create_control_app(engine, process: Process, shared: SharedPrefixes | None =
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
     return app
+
+
+def _registered_control(store, group: str) -> str | None:
+    """The control address a prefill group registered in the store (signed there: only a
+    process of this deployment could have), or None while it is not up."""
+    info = cluster.read_group(store, group)
+    control = info.get("control") if info and info.get("role") == "prefill" else None
+    return control if isinstance(control, str) and control.startswith("http://") else None
 
 
 def _progress_printer(label: str, every_s: float = 2.0):
@@ -247,6 +295,7 @@ def run(
     host_kv_bytes: int = 0,
     host_kv_min_uses: int = 1,
     pool_size: PoolSize | None = None,
+    secret: DeploymentSecret,
 ) -> None:
     """Runs one group process until it is told to stop (SIGTERM / Ctrl-C). A prefill group of
     one process keeps `host_kv_bytes` of evicted prefix blocks in host memory (jfire.host_tier),
@@ -258,8 +307,11 @@ def run(
     from jfire.checkpoint.load import load_model
 
     group = process.group
-    store = cluster.join(coordinator, len(deployment.processes), process.process_id)
+    prefill_groups = frozenset(g.name for g in deployment.groups if g.role == "prefill")
     members = [p.process_id for p in deployment.processes if p.group == group]  # the leader first
+    store = cluster.join(
+        coordinator, len(deployment.processes), process.process_id, secret=secret, collectives=len(members) > 1
+    )
     # A group spanning processes runs one mesh over all their devices (jfire.lockstep).
     devices = [d for d in jax.devices() if d.process_index in members] if len(members) > 1 else jax.local_devices()
     if len(members) > 1:
@@ -288,6 +340,7 @@ def run(
             store=store,
             group=group.name,
             transfer_timeout_s=deployment.transfer_timeout_s,
+            secret=secret,
             compress=deployment.transfer_compress,
         )
     else:
@@ -296,6 +349,8 @@ def run(
             store=store,
             transfer_timeout_s=deployment.transfer_timeout_s,
             group=group.name,
+            secret=secret,
+            prefill_groups=prefill_groups,
             compress=deployment.transfer_compress,
         )
     role: KVConnector = connector
@@ -381,8 +436,18 @@ def run(
         )
 
     threading.Thread(target=compile_then_register, name="jfire-compile", daemon=True).start()
-    app = create_control_app(engine, process, shared)
-    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=3))
+    app = create_control_app(
+        engine,
+        process,
+        shared,
+        secret=secret,
+        prefill_groups=prefill_groups,
+        control_of=lambda name: _registered_control(store, name),
+    )
+    from serve.uvicorn_config import ConnectionLimits, uvicorn_config
+
+    limits = ConnectionLimits.for_queue(config.max_waiting + config.max_batch)
+    uv = uvicorn.Server(uvicorn_config(app, limits, log_level="warning", timeout_graceful_shutdown=3))
     try:
         uv.run(sockets=[sock])
     finally:

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import httpx
 
+from jfire import deployment_secret
+from jfire.deployment_secret import DeploymentSecret
 from jfire.disagg.launch import free_port
 from tests.limits import DEPLOYMENT_LIMITS, SERVE_LIMITS
 
@@ -35,13 +37,25 @@ class Running:
     url: str
     process: subprocess.Popen
     log: Path
-    health: dict
+    health: dict  # as the deployment's control token sees it: with the groups' addresses and pids
+    secret: DeploymentSecret  # the deployment's, given to the launch in its environment
+    api_keys: tuple[str, ...] = ()  # the frontend's (its --api-key-file), if it has any
+
+    @property
+    def control_auth(self) -> dict:
+        """The header that shows /health's group addresses and opens the groups' control routes."""
+        return {"Authorization": f"Bearer {self.secret.bearer()}"}
+
+    @property
+    def auth(self) -> dict:
+        """The header the frontend's API needs (none for an open one)."""
+        return {"Authorization": f"Bearer {self.api_keys[0]}"} if self.api_keys else {}
 
     def group(self, role: str) -> dict:
         return next(g for g in self.health["groups"].values() if g["role"] == role)
 
     def stats(self, role: str) -> dict:
-        return httpx.get(self.group(role)["control"] + "/stats", timeout=5).json()
+        return httpx.get(self.group(role)["control"] + "/stats", headers=self.control_auth, timeout=5).json()
 
     def stop(self) -> int:
         """Ctrl-C, as a user would: the launcher stops every process."""
@@ -55,23 +69,33 @@ class Running:
         return self.process.returncode
 
 
-def launch(deployment: Path, log: Path, timeout: float = 900, extra: tuple[str, ...] = ()) -> Running:
+def launch(deployment: Path, log: Path, timeout: float = 900, extra: tuple[str, ...] = (),
+           api_keys: tuple[str, ...] = ()) -> Running:
+    """`jfire launch` with a deployment secret of the test's (in its environment, as an operator
+    gives one) and, with `api_keys`, a key file of them (--api-key-file)."""
     port = free_port()
+    secret = DeploymentSecret.generate()
+    if api_keys:
+        key_file = log.parent / "api-keys"
+        key_file.write_text("# the frontend's API keys\n" + "".join(f"{key}\n" for key in api_keys))
+        key_file.chmod(0o600)
+        extra = (*extra, "--api-key-file", str(key_file))
     cmd = [sys.executable, "-m", "jfire.cli", "launch", str(deployment), "--port", str(port), *DEPLOYMENT_LIMITS, *extra]
     process = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPO,
-                               start_new_session=True)
+                               env={**os.environ, **deployment_secret.to_env(secret)}, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
+    control_auth = {"Authorization": f"Bearer {secret.bearer()}"}
     deadline = time.time() + timeout
     while time.time() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"jfire launch exited with {process.returncode}:\n{log.read_text()}")
         try:
-            r = httpx.get(url + "/health", timeout=2)
+            r = httpx.get(url + "/health", headers=control_auth, timeout=2)
         except httpx.HTTPError:
             time.sleep(0.3)
             continue
         if r.status_code == 200:
-            return Running(url, process, log, r.json())
+            return Running(url, process, log, r.json(), secret, api_keys)
         if r.json().get("status") == "error":  # a group failed to start: no use waiting
             os.killpg(process.pid, signal.SIGKILL)
             raise RuntimeError(f"deployment failed to start: {r.json()['message']}\n{log.read_text()}")
@@ -147,8 +171,8 @@ def expected_kv_bytes(prompt_tokens: list[int], page_size: int = 16, model: str 
     return sum(-(-n // page_size) * page for n in prompt_tokens)
 
 
-def metric(url: str, name: str) -> float:
-    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+def metric(url: str, name: str, headers: dict | None = None) -> float:
+    for line in httpx.get(url + "/metrics", headers=headers, timeout=5).text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])
     raise AssertionError(f"{name} not in /metrics")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -110,33 +111,63 @@ def test_routing_by_affinity_and_load():
         router._pick("decode", None)
 
 
+# The launchers' environment without the operator's secrets (each dry run then shows a fresh
+# deployment secret and no API key).
+LAUNCHER_ENV = {k: v for k, v in os.environ.items()
+                if k not in ("JFIRE_API_KEY", "JFIRE_DEPLOYMENT_SECRET", "JFIRE_DEPLOYMENT_SECRET_FILE")}
+# What every process's remote command begins with: the path of this launch's secret file.
+SECRET = 'JFIRE_DEPLOYMENT_SECRET_FILE="$HOME"/.jfire/launch-ID/deployment-secret '
+
+
+def ssh_dry_run(tmp_path: Path, *args: str) -> tuple[list[str], list[str]]:
+    """The SSH launcher's dry run: the secret writers' lines and the processes' lines, this
+    launch's random folder name read as launch-ID. (An `ssh` that only fails comes first on
+    PATH: a dry run that ran anything could never reach a host.)"""
+    no_ssh = tmp_path / "no_ssh"
+    no_ssh.mkdir()
+    (no_ssh / "ssh").write_text("#!/bin/sh\necho \"ssh called in a dry run: $*\" >&2\nexit 99\n")
+    (no_ssh / "ssh").chmod(0o755)
+    env = {**LAUNCHER_ENV, "PATH": f"{no_ssh}:{os.environ['PATH']}"}
+    r = subprocess.run([sys.executable, "scripts/launch_ssh.py", "--dry-run", *args], capture_output=True, text=True,
+                       cwd=REPO, env=env, check=True)
+    lines = re.sub(r"launch-[0-9a-f]{16}", "launch-ID", r.stdout).splitlines()
+    processes = lines.index("# the processes:")
+    return [line for line in lines[:processes] if not line.startswith("#")], lines[processes + 1:]
+
+
 def test_ssh_launcher_dry_run(tmp_path):
     hosts = tmp_path / "hosts"
     hosts.write_text("gpu-node-1  # head\n\ngpu-node-2\n")
-    r = subprocess.run([sys.executable, "scripts/launch_ssh.py", str(hosts), "local-1p1d", "--dry-run",
-                        "--workdir", "/srv/jfire", "--model", "/models/llama"], capture_output=True, text=True,
-                       cwd=REPO, check=True)
-    assert r.stdout.splitlines() == [
-        "ssh -tt gpu-node-1 'cd /srv/jfire && JAX_PLATFORMS=cpu exec .venv/bin/jfire launch local-1p1d "
+    writers, processes = ssh_dry_run(tmp_path, str(hosts), "local-1p1d", "--workdir", "/srv/jfire", "--model",
+                                     "/models/llama")
+    assert writers == [
+        f"ssh -- gpu-node-{i} 'umask 077 && d=\"$HOME\"/.jfire/launch-ID && mkdir -p -- \"$HOME\"/.jfire && "
+        "{ mkdir -- \"$d\" 2>/dev/null; [ -d \"$d\" ] && [ ! -L \"$d\" ] && [ -O \"$d\" ]; } && "
+        "cat > \"$d\"/deployment-secret'" for i in (1, 2)]
+    assert processes == [
+        f"ssh -tt -- gpu-node-1 'cd /srv/jfire && {SECRET}JAX_PLATFORMS=cpu exec .venv/bin/jfire launch local-1p1d "
         "--process-id 0 --coordinator gpu-node-1:8476 --host 0.0.0.0 --model /models/llama'",
-        "ssh -tt gpu-node-1 'cd /srv/jfire && exec .venv/bin/jfire launch local-1p1d "
+        f"ssh -tt -- gpu-node-1 'cd /srv/jfire && {SECRET}exec .venv/bin/jfire launch local-1p1d "
         "--process-id 1 --coordinator gpu-node-1:8476 --host 0.0.0.0 --model /models/llama'",
-        "ssh -tt gpu-node-2 'cd /srv/jfire && exec .venv/bin/jfire launch local-1p1d "
+        f"ssh -tt -- gpu-node-2 'cd /srv/jfire && {SECRET}exec .venv/bin/jfire launch local-1p1d "
         "--process-id 2 --coordinator gpu-node-1:8476 --host 0.0.0.0 --model /models/llama'",
     ]
 
 
 def test_slurm_launcher_dry_run():
-    env = {**os.environ, "SLURM_JOB_NODELIST": "gpu-node-1,gpu-node-2", "SLURM_JOB_NUM_NODES": "2",
+    env = {**LAUNCHER_ENV, "SLURM_JOB_NODELIST": "gpu-node-1,gpu-node-2", "SLURM_JOB_NUM_NODES": "2",
            "JFIRE_DRY_RUN": "1", "JFIRE_PYTHON": sys.executable, "PATH": "/usr/bin:/bin"}
     r = subprocess.run(["bash", "scripts/launch_slurm.sbatch", "local-1p1d", "--model", "/models/llama"],
                        capture_output=True, text=True, cwd=REPO, env=env, check=True)
     task = ".venv/bin/jfire launch local-1p1d --process-id {} --coordinator gpu-node-1:8476 --host 0.0.0.0 " \
            "--model /models/llama"
     lines = r.stdout.splitlines()
-    assert lines[0].startswith("srun --ntasks=3 --nodes=2 --distribution=block --kill-on-bad-exit=0 bash -c ")
-    assert "SLURM_PROCID\\ =\\ 0" in lines[0] and "JAX_PLATFORMS=cpu" in lines[0]
-    assert lines[1:] == [f"task {i}: " + task.format(i) for i in range(3)]
+    assert lines[0] == "# deployment secret: made for this job, in the tasks' environment"
+    assert lines[1].startswith("srun --ntasks=3 --nodes=2 --distribution=block --kill-on-bad-exit=0 bash -c ")
+    assert '"$SLURM_PROCID" = 0' in lines[1] and "JAX_PLATFORMS=cpu" in lines[1]
+    assert lines[1].endswith(" jfire-task local-1p1d --coordinator gpu-node-1:8476 --host 0.0.0.0 "
+                             "--model /models/llama")
+    assert lines[2:] == [f"task {i}: " + task.format(i) for i in range(3)]
 
 
 def test_local_launch_runs_each_process_with_the_same_options():
@@ -188,27 +219,27 @@ def test_a_group_mesh_the_model_cannot_take_is_refused_before_any_process_starts
 def test_ssh_launcher_dry_run_of_a_group_spanning_hosts(tmp_path):
     hosts = tmp_path / "hosts"
     hosts.write_text("gpu-node-1\ngpu-node-2\n")
-    r = subprocess.run([sys.executable, "scripts/launch_ssh.py", str(hosts), "--group", "--dry-run", "--workdir",
-                        "/srv/jfire", "--model", "/models/llama", "--", "--mesh", "pp=2,tp=8"], capture_output=True,
-                       text=True, cwd=REPO, check=True)
-    assert r.stdout.splitlines() == [
-        f"ssh -tt gpu-node-{i + 1} 'cd /srv/jfire && exec .venv/bin/jfire serve --model /models/llama --coordinator "
-        f"gpu-node-1:8476 --num-processes 2 --process-id {i} --host 0.0.0.0 --mesh pp=2,tp=8'" for i in range(2)]
+    _, processes = ssh_dry_run(tmp_path, str(hosts), "--group", "--workdir", "/srv/jfire", "--model", "/models/llama",
+                               "--", "--mesh", "pp=2,tp=8")
+    assert processes == [
+        f"ssh -tt -- gpu-node-{i + 1} 'cd /srv/jfire && {SECRET}exec .venv/bin/jfire serve --model /models/llama "
+        f"--coordinator gpu-node-1:8476 --num-processes 2 --process-id {i} --host 0.0.0.0 --mesh pp=2,tp=8'"
+        for i in range(2)]
     refused = subprocess.run([sys.executable, "scripts/launch_ssh.py", str(hosts), "--group", "--dry-run"],
                              capture_output=True, text=True, cwd=REPO)
     assert refused.returncode == 2 and "--group needs the engine's mesh" in refused.stderr
 
 
 def test_slurm_launcher_dry_run_of_a_group_spanning_nodes():
-    env = {**os.environ, "SLURM_JOB_NODELIST": "gpu-node-1,gpu-node-2", "SLURM_JOB_NUM_NODES": "2",
+    env = {**LAUNCHER_ENV, "SLURM_JOB_NODELIST": "gpu-node-1,gpu-node-2", "SLURM_JOB_NUM_NODES": "2",
            "JFIRE_DRY_RUN": "1", "PATH": "/usr/bin:/bin"}
     r = subprocess.run(["bash", "scripts/launch_slurm.sbatch", "--group", "--mesh", "pp=2,tp=8", "--model",
                         "/models/llama"], capture_output=True, text=True, cwd=REPO, env=env, check=True)
     lines = r.stdout.splitlines()
-    assert lines[0].startswith("srun --ntasks=2 --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c ")
+    assert lines[1].startswith("srun --ntasks=2 --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c ")
     task = ".venv/bin/jfire serve --coordinator gpu-node-1:8476 --num-processes 2 --process-id {} --host 0.0.0.0 " \
            "--mesh pp=2,tp=8 --model /models/llama"
-    assert lines[1:] == [f"task {i}: " + task.format(i) for i in range(2)]
+    assert lines[2:] == [f"task {i}: " + task.format(i) for i in range(2)]
 
 
 def test_launchers_dry_run_of_groups_spanning_two_hosts(tmp_path):
@@ -221,19 +252,18 @@ def test_launchers_dry_run_of_groups_spanning_two_hosts(tmp_path):
         ("frontend", 1), ("prefill-0/0", 3), ("prefill-0/1", 3), ("decode-0/0", 1), ("decode-0/1", 1)]
     hosts = tmp_path / "hosts"
     hosts.write_text("gpu-node-1\ngpu-node-2\n")
-    r = subprocess.run([sys.executable, "scripts/launch_ssh.py", str(hosts), "local-groups-2x2", "--dry-run",
-                        "--workdir", "/srv/jfire"], capture_output=True, text=True, cwd=REPO, check=True)
-    assert r.stdout.splitlines() == [
-        f"ssh -tt gpu-node-{host} 'cd /srv/jfire && {env}exec .venv/bin/jfire launch local-groups-2x2 --process-id {i} "
-        f"--coordinator gpu-node-1:8476 --host 0.0.0.0 --model default'"
+    _, processes = ssh_dry_run(tmp_path, str(hosts), "local-groups-2x2", "--workdir", "/srv/jfire")
+    assert processes == [
+        f"ssh -tt -- gpu-node-{host} 'cd /srv/jfire && {SECRET}{env}exec .venv/bin/jfire launch local-groups-2x2 "
+        f"--process-id {i} --coordinator gpu-node-1:8476 --host 0.0.0.0 --model default'"
         for i, (host, env) in enumerate([(1, "JAX_PLATFORMS=cpu "), (1, ""), (1, ""), (2, ""), (2, "")])]
-    env = {**os.environ, "SLURM_JOB_NODELIST": "gpu-node-1,gpu-node-2", "SLURM_JOB_NUM_NODES": "2",
+    env = {**LAUNCHER_ENV, "SLURM_JOB_NODELIST": "gpu-node-1,gpu-node-2", "SLURM_JOB_NUM_NODES": "2",
            "JFIRE_DRY_RUN": "1", "JFIRE_PYTHON": sys.executable, "PATH": "/usr/bin:/bin"}
     r = subprocess.run(["bash", "scripts/launch_slurm.sbatch", "local-groups-2x2"], capture_output=True, text=True,
                        cwd=REPO, env=env, check=True)
     lines = r.stdout.splitlines()
-    assert lines[0].startswith("srun --ntasks=5 --nodes=2 --distribution=block ")
-    assert lines[1:] == [f"task {i}: .venv/bin/jfire launch local-groups-2x2 --process-id {i} --coordinator "
+    assert lines[1].startswith("srun --ntasks=5 --nodes=2 --distribution=block ")
+    assert lines[2:] == [f"task {i}: .venv/bin/jfire launch local-groups-2x2 --process-id {i} --coordinator "
                          "gpu-node-1:8476 --host 0.0.0.0" for i in range(5)]
 
 
@@ -245,7 +275,7 @@ def test_a_launch_gives_its_groups_the_engine_settings_it_was_given(monkeypatch)
 
     seen = {}
 
-    def launch_local(deployment, deployment_arg, options):  # records what each process would be given
+    def launch_local(deployment, deployment_arg, options, secret):  # records what each process would be given
         seen["options"] = options
         return 0
 
@@ -309,7 +339,7 @@ def test_a_group_chosen_for_load_fetches_the_prefix_another_holds():
     prompt = index.hashes(list(range(80)))  # 20 blocks
     index.record("prefill-0", prompt[:16])
     index.record("prefill-1", prompt[:4])
-    assert router._prefix_source(p1, prompt) == {"control": "http://p0", "first": 4, "blocks": 16}
+    assert router._prefix_source(p1, prompt) == {"group": "prefill-0", "first": 4, "blocks": 16}
     assert router._prefix_source(p0, prompt) is None  # nobody holds more than it does
     # Not from a group that is down, shares nothing, or lays its KV out otherwise.
     for change in ({"alive": False}, {"info": {**p0.info, "shares_prefixes": False}},

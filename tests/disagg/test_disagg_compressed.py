@@ -76,7 +76,8 @@ def complete(url: str, prompt: dict) -> list[int]:
 
 
 def group_stats(deployment, name: str) -> dict:
-    return httpx.get(deployment.health["groups"][name]["control"] + "/stats", timeout=5).json()
+    return httpx.get(deployment.health["groups"][name]["control"] + "/stats", headers=deployment.control_auth,
+                     timeout=5).json()
 
 
 def test_coded_transfers_give_colocated_tokens_in_fewer_bytes(deployment, reference):

@@ -82,8 +82,8 @@ MODEL_NAME = "tiny16"
 
 
 def group_stats(deployment, name: str) -> dict:
-    health = httpx.get(deployment.url + "/health", timeout=5).json()
-    return httpx.get(health["groups"][name]["control"] + "/stats", timeout=5).json()
+    health = httpx.get(deployment.url + "/health", headers=deployment.control_auth, timeout=5).json()
+    return httpx.get(health["groups"][name]["control"] + "/stats", headers=deployment.control_auth, timeout=5).json()
 
 
 def kv_bytes_moved(deployment) -> tuple[dict, dict, int]:

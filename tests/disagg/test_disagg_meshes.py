@@ -27,7 +27,8 @@ def deployment(tmp_path_factory):
 
 
 def group_stats(deployment, name: str) -> dict:
-    return httpx.get(deployment.health["groups"][name]["control"] + "/stats", timeout=5).json()
+    return httpx.get(deployment.health["groups"][name]["control"] + "/stats", headers=deployment.control_auth,
+                     timeout=5).json()
 
 
 def test_different_meshes_equal_colocated(deployment, colocated_reference):

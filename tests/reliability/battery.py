@@ -87,7 +87,9 @@ def valid_prompt(v) -> bool:
 
 
 def valid_stop(v) -> bool:
-    return (text(v) and v != "") or (type(v) is list and len(v) <= 4 and all(text(s) and s != "" for s in v))
+    stops = [v] if type(v) is str else v
+    return (type(stops) is list and len(stops) <= 16 and all(text(s) and 0 < len(s) <= 1024 for s in stops)
+            and sum(len(s.encode()) for s in stops) <= 16 << 10)  # jfire/stop_strings.py's limits
 
 
 # The roles tried here. `tool` is left out: it needs a tool_call_id (tests/serve/test_agent_api.py
@@ -138,7 +140,8 @@ SHARED = {
     "stream": (SOME_NUMBERS, optional(boolean)),
     # Only with "stream": true, which the base bodies do not set.
     "stream_options": (SOME_NUMBERS + ['{"include_usage": true}'], lambda v: v is None),
-    "stop": (SOME_NUMBERS + SURROGATES + ['""', '[""]', '["a", "b", "c", "d", "e"]', r'["\n", "."]', r'["\ud800"]'],
+    "stop": (SOME_NUMBERS + SURROGATES + ['""', '[""]', '["a", "b", "c", "d", "e"]', json.dumps(list("abcdefghijklmnopq")),
+              json.dumps("x" * 1025), r'["\n", "."]', r'["\ud800"]'],
              optional(valid_stop)),
     "user": (SOME_NUMBERS + SURROGATES, optional(text)),
     "ignore_eos": (SOME_NUMBERS, optional(boolean)),

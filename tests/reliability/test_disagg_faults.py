@@ -44,6 +44,7 @@ RESTART_BOUND_S = 300
 # The slowest a request may take to end after a fault before it counts as a hang: the
 # transfer deadline plus time for the loaded machine.
 END_BOUND_S = TRANSFER_TIMEOUT_S + 25
+CONTROL_AUTH: dict = {}  # the deployment's control token, for the groups' control routes (set by the fixture)
 
 
 @pytest.fixture(scope="module")
@@ -52,13 +53,15 @@ def deployment(tmp_path_factory):
     path = tmp / "faults-2p1d.toml"
     path.write_text(DEPLOYMENT)
     running = launch(path, tmp / "launch.log", extra=("--max-restarts", "10", "--host-kv-gb", "0.05"))
+    CONTROL_AUTH.update(running.control_auth)
     yield running
     code = running.stop()
     assert code == 0, running.log.read_text()[-3000:]
 
 
 def health(deployment) -> dict:
-    return httpx.get(deployment.url + "/health", timeout=10).json()
+    """/health as the deployment's control token sees it: with its groups' addresses and pids."""
+    return httpx.get(deployment.url + "/health", headers=deployment.control_auth, timeout=10).json()
 
 
 def all_up(deployment) -> dict:
@@ -67,7 +70,7 @@ def all_up(deployment) -> dict:
 
 
 def stats(group: dict) -> dict:
-    return httpx.get(group["control"] + "/stats", timeout=10).json()
+    return httpx.get(group["control"] + "/stats", headers=CONTROL_AUTH, timeout=10).json()
 
 
 def kill(group: dict, sig=signal.SIGKILL) -> None:
@@ -120,8 +123,8 @@ def test_a_short_soak_of_mixed_traffic_with_no_fault_loses_nothing(deployment):
     config = soak.SoakConfig(duration_s=SOAK_S, context=min(limits.CONTEXT, pool_tokens), clients_period_s=10,
                              sample_s=10, probe_s=5, warmup_s=0, seed=41, request_timeout_s=120,
                              idle_timeout_s=TRANSFER_TIMEOUT_S + 30)
-    result = soak.run(soak.Deployment(deployment.url, launcher_pid=deployment.process.pid), config,
-                      log=lambda line: None)
+    result = soak.run(soak.Deployment(deployment.url, launcher_pid=deployment.process.pid,
+                                      control_headers=deployment.control_auth), config, log=lambda line: None)
     by_outcome = collections.Counter()
     for outcomes in result["by_kind"].values():
         by_outcome.update(outcomes)
@@ -266,7 +269,7 @@ def prefill_directly(group: dict, request_id: str, prompt_ids: list[int], prefix
 
     body = {"request_id": request_id, "prompt_ids": prompt_ids, "shards": 1, "prefix_from": prefix_from,
             "sampling": SamplingParams(temperature=0.0, max_tokens=1, seed=0).to_json()}
-    r = httpx.post(group["control"] + "/prefill", json=body, timeout=END_BOUND_S)
+    r = httpx.post(group["control"] + "/prefill", json=body, headers=CONTROL_AUTH, timeout=END_BOUND_S)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -285,7 +288,7 @@ def test_a_prefix_fetched_from_another_group_and_its_holder_killed_mid_fetch(dep
     ids = load_config_and_tokenizer("default")[1].encode("A prefix to share. " + PROMPTS[4]["prompt"])
     blocks = len(ids) // 16
     computed = prefill_directly(holder, "shared-0", ids)
-    source = {"control": holder["control"], "first": 0, "blocks": blocks}
+    source = {"group": "prefill-0", "first": 0, "blocks": blocks}
     received = stats(taker)["shared_blocks_received"]
     taken = prefill_directly(taker, "shared-1", ids, source)
     assert taken["first_token"] == computed["first_token"]

@@ -172,7 +172,7 @@ def test_errors_say_what_is_wrong(server_url):
                    timeout=60)
     assert r.status_code == 400 and "None" not in r.json()["error"]["message"], r.text
     assert_error(post(server_url, "/v1/completions", {"model": "default", "prompt": "hi", "stop": 5}), 400, "stop",
-                 "a string or a list of up to 4 strings")
+                 "a string or a list of up to 16 strings")
     assert_error(post(server_url, "/v1/completions", {"model": "default", "prompt": "hi", "presence_penalty": 3}),
                  400, "presence_penalty", "less than or equal to 2")
     for bad in ("0.5", True):
@@ -183,6 +183,22 @@ def test_errors_say_what_is_wrong(server_url):
     assert httpx.get(server_url + "/v1/models/default", timeout=10).json()["id"] == "default"
     missing = httpx.get(server_url + "/v1/models/gpt-9", timeout=10)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_stop_strings_are_bounded_in_number_and_length(server_url):
+    """Four stops of 20,000 characters once cost the engine thread 17 ms a token: each stop
+    is at most 1,024 characters (16 KiB in all), and a request sends at most 16."""
+    body = {"model": "default", "prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0}
+    assert_error(post(server_url, "/v1/completions", {**body, "stop": "x" * 20_000}), 400, "stop",
+                 "at most 1024 characters")
+    assert_error(post(server_url, "/v1/completions", {**body, "stop": ["ab" * 1000] * 4}), 400, "stop",
+                 "string 0 has 2000")
+    assert_error(post(server_url, "/v1/completions", {**body, "stop": [f"<{i}>" for i in range(17)]}), 400, "stop",
+                 "at most 16 strings, got 17")
+    continue_stops = ["\n\n", "```", "/src/", "#- coding: utf-8", "\n\n\n", "<|endoftext|>", "<fim_prefix>",
+                      "<fim_suffix>", "<fim_middle>", *(f"<{i}>" for i in range(7))]
+    ok = post(server_url, "/v1/completions", {**body, "stop": continue_stops})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1, ok.text
 
 
 def test_bodies_over_the_limit_get_a_413_before_they_are_read(server_url):
