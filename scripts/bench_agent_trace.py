@@ -51,10 +51,15 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from jfire import deployment_secret  # noqa: E402
 from jfire.disagg.frontend import affinity_index  # noqa: E402
 from jfire.disagg.launch import free_port  # noqa: E402
 
 DEPLOYMENT = "meshes/local-2p1d.toml"
+# The deployment's secret, as an operator gives one: its control token shows /health's group
+# addresses, whose own /health says when each group has compiled everything.
+SECRET = deployment_secret.DeploymentSecret.generate()
+CONTROL_AUTH = {"Authorization": f"Bearer {SECRET.bearer()}"}
 # KV cache: 45 KiB a token for SmolLM2-135M in float32 (2 GiB is 2,912 pages of 16 tokens), so 4
 # sessions of up to 8,192 tokens need 1.4 GiB (2,048 pages). 2 GiB leaves a margin for the pages
 # of other prefixes and requests, in the colocated pool and in each group's.
@@ -587,7 +592,7 @@ def start(mode: str, port: int, log: Path, engine_args: list[str]) -> tuple[subp
     jfire = [sys.executable, "-m", "jfire.cli"]  # what .venv/bin/jfire runs
     common = ["--port", str(port), "--shutdown-grace", str(SHUTDOWN_GRACE_S), *engine_args]
     cmd = [*jfire, "serve", *common] if mode == "colocated" else [*jfire, "launch", DEPLOYMENT, *common]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **deployment_secret.to_env(SECRET)}
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPO, env=env,
                             start_new_session=True), f"http://127.0.0.1:{port}"
 
@@ -630,7 +635,7 @@ def wait_ready(url: str, process: subprocess.Popen, log: Path, timeout: float = 
 
 def health_if_ok(url: str) -> dict | None:
     try:
-        r = httpx.get(url + "/health", timeout=2)
+        r = httpx.get(url + "/health", headers=CONTROL_AUTH, timeout=2)
         return r.json() if r.status_code == 200 else None
     except httpx.HTTPError:
         return None
