@@ -113,17 +113,21 @@ def missing(what: str) -> str:
 def read_file(path: Path) -> DeploymentSecret:
     """The secret in a file that only its owner may read (a looser file is refused: anyone who
     can read it can join the deployment)."""
+    what = f"the deployment secret file {path}"
+    return DeploymentSecret.from_hex(read_owner_only(path, what), what)
+
+
+def read_owner_only(path: Path, what: str) -> str:
+    """The text of a file of secrets (`what` names it in errors), refused unless only its owner
+    may read or write it: anyone else who could read it holds what it grants."""
     try:
         mode = path.stat().st_mode
         text = path.read_text()
-    except OSError as e:
-        raise JfireError(f"cannot read the deployment secret file {path}: {e.strerror}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise JfireError(f"cannot read {what}: {getattr(e, 'strerror', None) or e}") from None
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise JfireError(
-            f"the deployment secret file {path} is readable by others (mode {stat.S_IMODE(mode):o}); "
-            f"run 'chmod 600 {path}'"
-        )
-    return DeploymentSecret.from_hex(text, f"the deployment secret file {path}")
+        raise JfireError(f"{what} is readable by others (mode {stat.S_IMODE(mode):o}); run 'chmod 600 {path}'")
+    return text
 
 
 def write_file(path: Path, secret: DeploymentSecret) -> None:

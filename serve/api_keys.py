@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import stat
 from collections.abc import Sequence
 from pathlib import Path
 
+from jfire.deployment_secret import read_owner_only
 from jfire.errors import JfireError
 
 ENV = "JFIRE_API_KEY"
@@ -39,15 +39,7 @@ def gather(key: str | None, key_file: str | Path | None) -> tuple[str, ...]:
 def read_file(path: Path) -> list[str]:
     """The keys of an API key file, which only its owner may read: anyone who can read it can
     use the API as any of its clients."""
-    try:
-        mode = path.stat().st_mode
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise JfireError(f"cannot read the API key file {path}: {getattr(e, 'strerror', None) or e}") from None
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise JfireError(
-            f"the API key file {path} is readable by others (mode {stat.S_IMODE(mode):o}); run 'chmod 600 {path}'"
-        )
+    text = read_owner_only(path, f"the API key file {path}")
     keys = []
     for number, line in enumerate(text.splitlines(), start=1):
         line = line.strip()
